@@ -1,0 +1,46 @@
+"""fsdp_wrap: a legacy-compatible FullyShardedDataParallel (FSDP1) on torch.distributed.
+
+Change ``import torch.distributed.fsdp as fsdp`` to ``import fsdp_wrap as fsdp``;
+every public FSDP1 name below keeps torch's meaning and defaults.
+"""
+
+from ._flat_param import FlatParameter
+from .api import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    MixedPrecision,
+    OptimStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
+from .fully_sharded_data_parallel import FullyShardedDataParallel, OptimStateKeyType
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackwardPrefetch",
+    "CPUOffload",
+    "FlatParameter",
+    "FullOptimStateDictConfig",
+    "FullStateDictConfig",
+    "FullyShardedDataParallel",
+    "LocalOptimStateDictConfig",
+    "LocalStateDictConfig",
+    "MixedPrecision",
+    "OptimStateDictConfig",
+    "OptimStateKeyType",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
+    "ShardingStrategy",
+    "StateDictConfig",
+    "StateDictSettings",
+    "StateDictType",
+]

@@ -1,0 +1,67 @@
+"""Collectives as pure functions: tensors and a group in, a result out.
+
+These know tensors and process groups, never modules or handles, so tests can
+patch this module to count calls and bytes.  Every function issues exactly one
+c10d collective.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+Work = dist.Work
+
+
+class DivideFactors(NamedTuple):
+    """Gradients are divided by ``pre`` before and ``post`` after summation.
+
+    Splitting the division keeps low-precision sums away from overflow and
+    underflow; ``pre * post == world_size`` so the result is the mean.
+    """
+
+    pre: float
+    post: float
+
+
+def divide_factors(data_parallel_world_size: int) -> DivideFactors:
+    """torch FSDP1's factors: ``pre`` doubles while it stays below ``ws / pre``."""
+    factor = 1
+    while data_parallel_world_size % factor == 0 and data_parallel_world_size / factor > factor:
+        factor *= 2
+    return DivideFactors(float(factor), data_parallel_world_size / factor)
+
+
+def all_gather_into(
+    output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool = False
+) -> Work | None:
+    """Gather every rank's equally sized ``shard`` into ``output`` (rank order)."""
+    return dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter_sum(
+    output: torch.Tensor, padded_input: torch.Tensor, group: ProcessGroup
+) -> None:
+    """Sum ``padded_input`` over ranks and keep this rank's chunk in ``output``."""
+    dist.reduce_scatter_tensor(output, padded_input, op=dist.ReduceOp.SUM, group=group)
+
+
+def all_reduce(
+    tensor: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+) -> None:
+    dist.all_reduce(tensor, op=op, group=group)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup) -> None:
+    """Broadcast from global rank ``src`` within ``group``."""
+    dist.broadcast(tensor, src=src, group=group)
+
+
+def all_gather_objects(obj: object, group: ProcessGroup) -> list[object]:
+    world_size = dist.get_world_size(group)
+    out: list[object] = [None] * world_size
+    dist.all_gather_object(out, obj, group=group)
+    return out

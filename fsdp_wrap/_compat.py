@@ -1,0 +1,75 @@
+"""Every torch-version difference fsdp_wrap cares about, in one place.
+
+Nothing here runs in a per-step hot path: each helper is called at
+construction or lazy-init time, or resolves a name once at import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from enum import Enum
+from typing import Any, Callable, TypeVar
+
+import torch
+import torch.nn as nn
+from packaging.version import Version
+
+TORCH_VERSION = Version(torch.__version__.split("+")[0])
+
+#: ``nn.Module.register_state_dict_post_hook`` (public) appeared in torch 2.5;
+#: before that only the private ``_register_state_dict_hook`` exists.  Both call
+#: ``hook(module, state_dict, prefix, local_metadata)``.
+_HAS_PUBLIC_SD_POST_HOOK = hasattr(nn.Module, "register_state_dict_post_hook")
+
+E = TypeVar("E", bound=Enum)
+D = TypeVar("D")
+
+
+def register_state_dict_post_hook(module: nn.Module, hook: Callable[..., Any]) -> Any:
+    if _HAS_PUBLIC_SD_POST_HOOK:
+        return module.register_state_dict_post_hook(hook)
+    return module._register_state_dict_hook(hook)
+
+
+def register_load_state_dict_pre_hook(module: nn.Module, hook: Callable[..., Any]) -> Any:
+    """``hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors)``."""
+    return module._register_load_state_dict_pre_hook(hook, with_module=True)
+
+
+def coerce_enum(value: Any, enum_cls: type[E], arg_name: str) -> E | None:
+    """Accept our enum member, or torch's member of the same-named enum.
+
+    A script that swapped only the wrapper import may still pass
+    ``torch.distributed.fsdp.ShardingStrategy.FULL_SHARD``; members are matched
+    by class name and member name, never by importing torch's FSDP.
+    """
+    if value is None or isinstance(value, enum_cls):
+        return value
+    if isinstance(value, Enum) and type(value).__name__ == enum_cls.__name__:
+        try:
+            return enum_cls[value.name]
+        except KeyError:
+            pass
+    raise TypeError(
+        f"{arg_name} expects a {enum_cls.__name__} member (from fsdp_wrap or "
+        f"torch.distributed.fsdp) but got {value!r} of type {type(value).__name__}"
+    )
+
+
+def coerce_dataclass(value: Any, cls: type[D], arg_name: str) -> D | None:
+    """Accept our config dataclass, or torch's dataclass of the same name."""
+    if value is None or isinstance(value, cls):
+        return value
+    if dataclasses.is_dataclass(value) and type(value).__name__ == cls.__name__:
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}  # type: ignore[arg-type]
+        return cls(**fields)
+    raise TypeError(
+        f"{arg_name} expects a {cls.__name__} but got {value!r} of type {type(value).__name__}"
+    )
+
+
+def current_accelerator() -> torch.device | None:
+    """The accelerator torch would pick, or ``None`` on a CPU-only host."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return None

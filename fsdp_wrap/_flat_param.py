@@ -1,0 +1,570 @@
+"""``FlatParameter`` and ``FlatParamHandle``: the one owner of a unit's tensors.
+
+A handle flattens one unit's original parameters into one 1-D flat parameter,
+keeps this rank's shard of it, and moves between two states:
+
+* **sharded**: ``flat_param.data`` is the local shard (``shard_numel`` elements,
+  right zero-padded); the unsharded buffer's storage is freed.
+* **unsharded**: ``flat_param.data`` is the first ``unpadded_numel`` elements of
+  the all-gathered buffer, and the original parameters are views into it.
+
+The unsharded buffer is allocated once and its *storage* is freed and
+re-allocated in place (``untyped_storage().resize_``).  Autograd saves views of
+that buffer in forward; because the storage object survives a free, gathering
+into it again before backward makes those saved views valid again.  This is the
+trick the whole FULL_SHARD schedule rests on.
+
+Layout (matching torch's FSDP1 so optimizer-visible shapes are identical):
+
+* parameters in ``named_modules`` pre-order of the unit, each once (tied
+  parameters are flattened at their first occurrence);
+* ``use_orig_params=False``: plain concatenation;
+* ``use_orig_params=True``: each parameter starts at a multiple of
+  ``16 // itemsize`` elements and the total is padded to a multiple of the
+  world size; padding holds ``42`` as torch's does;
+* shard ``r`` is ``chunk(world_size)[r]`` right-padded with zeros to
+  ``ceil(N / world_size)`` elements.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from enum import Enum, auto
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed import ProcessGroup
+
+from . import _collectives as C
+from .api import ShardingStrategy
+
+FLAT_PARAM_NAME = "_flat_param"
+PADDING_VALUE = 42.0
+
+SHARDED_STRATEGIES = frozenset(
+    {
+        ShardingStrategy.FULL_SHARD,
+        ShardingStrategy.SHARD_GRAD_OP,
+        ShardingStrategy.HYBRID_SHARD,
+        ShardingStrategy._HYBRID_SHARD_ZERO2,
+    }
+)
+RESHARD_AFTER_FORWARD = frozenset({ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD})
+
+
+class _FlatParameterMeta(type(nn.Parameter)):  # type: ignore[misc]
+    """``isinstance(t, FlatParameter)`` holds for any tensor flagged ``_is_flat_param``.
+
+    torch's FSDP1 recognises flat parameters the same way, so tools written
+    for it (and torch's own ``FlatParameter`` isinstance checks) see ours.
+    """
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        return isinstance(instance, torch.Tensor) and bool(getattr(instance, "_is_flat_param", False))
+
+
+class FlatParameter(nn.Parameter, metaclass=_FlatParameterMeta):
+    """The flat parameter of one FSDP unit.
+
+    Instances are plain ``nn.Parameter`` objects flagged ``_is_flat_param``
+    (the flag is the part of torch's API that other code checks).  Build them
+    with :meth:`make`.
+    """
+
+    @staticmethod
+    def make(data: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+        param = nn.Parameter(data, requires_grad=requires_grad)
+        param._is_flat_param = True  # type: ignore[attr-defined]
+        return param
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """Where one original parameter lives in the flat parameter."""
+
+    fqn: str  # clean name relative to the unit's wrapped module
+    module: nn.Module
+    name: str
+    param: nn.Parameter  # the user's Parameter object
+    shape: torch.Size
+    offset: int  # start in the unsharded flat parameter
+    numel: int
+
+
+@dataclass(frozen=True)
+class SharedParamInfo:
+    """A later reference to a parameter already flattened at ``infos[index]``."""
+
+    fqn: str
+    module: nn.Module
+    name: str
+    index: int
+
+
+class HandleState(Enum):
+    SHARDED = auto()
+    UNSHARDED = auto()
+
+
+def walk_unit_modules(
+    module: nn.Module, stop: Callable[[nn.Module], bool], prefix: str = ""
+) -> Iterator[tuple[str, nn.Module]]:
+    """Pre-order ``(fqn, module)`` over a unit, not entering modules where ``stop``.
+
+    Like ``named_modules(remove_duplicate=False)``: a shared submodule is
+    visited at each place it appears.
+    """
+    yield prefix.rstrip("."), module
+    for name, child in module._modules.items():
+        if child is not None and not stop(child):
+            yield from walk_unit_modules(child, stop, f"{prefix}{name}.")
+
+
+def collect_unit_params(
+    module: nn.Module, stop: Callable[[nn.Module], bool], ignored: set[nn.Parameter]
+) -> tuple[list[tuple[str, nn.Module, str, nn.Parameter]], list[tuple[str, nn.Module, str, int]]]:
+    """The unit's parameters in flattening order, and later references to them."""
+    unique: list[tuple[str, nn.Module, str, nn.Parameter]] = []
+    shared: list[tuple[str, nn.Module, str, int]] = []
+    index_of: dict[int, int] = {}
+    for mod_fqn, mod in walk_unit_modules(module, stop):
+        for name, param in mod._parameters.items():
+            if param is None or param in ignored:
+                continue
+            fqn = f"{mod_fqn}.{name}" if mod_fqn else name
+            if id(param) in index_of:
+                shared.append((fqn, mod, name, index_of[id(param)]))
+            else:
+                index_of[id(param)] = len(unique)
+                unique.append((fqn, mod, name, param))
+    return unique, shared
+
+
+class FlatParamHandle:
+    """Owns one unit's flat parameter: layout, shard, unshard, reshard, reduce.
+
+    Nothing outside this class mutates ``flat_param``, the local shard or the
+    unsharded buffer; the runtime calls the methods below.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        params: Sequence[tuple[str, nn.Module, str, nn.Parameter]],
+        shared: Sequence[tuple[str, nn.Module, str, int]],
+        *,
+        unit_fqn: str,
+        device: torch.device,
+        strategy: ShardingStrategy,
+        process_group: ProcessGroup,
+        rank: int,
+        world_size: int,
+        use_orig_params: bool,
+        divide: C.DivideFactors,
+    ) -> None:
+        self.module = module  # the unit's wrapped module
+        self.unit_fqn = unit_fqn
+        self.device = device
+        self.strategy = strategy
+        self.process_group = process_group
+        self.rank = rank
+        self.world_size = world_size
+        self.use_orig_params = use_orig_params
+        self.divide = divide
+        self.uses_sharded_strategy = strategy in SHARDED_STRATEGIES
+        self.reshard_after_forward = strategy in RESHARD_AFTER_FORWARD
+
+        self._validate(params)
+        dtype = params[0][3].dtype
+        align = 16 // dtype.itemsize if use_orig_params else 0
+        self.infos, self._segments, self._info_segment = self._layout(params, align)
+        self.shared = [SharedParamInfo(fqn, mod, name, idx) for fqn, mod, name, idx in shared]
+        self.unpadded_numel = sum(self._segments)
+        self.shard_numel = (
+            math.ceil(self.unpadded_numel / world_size)
+            if self.uses_sharded_strategy
+            else self.unpadded_numel
+        )
+        self.padded_numel = self.shard_numel * (world_size if self.uses_sharded_strategy else 1)
+        self.shard_offset = self.rank * self.shard_numel if self.uses_sharded_strategy else 0
+        # Elements of the local shard that hold data (the rest is right padding).
+        self.shard_valid_numel = max(
+            0, min(self.shard_numel, self.unpadded_numel - self.shard_offset)
+        )
+
+        requires_grad = any(p.requires_grad for *_, p in params)
+        with torch.no_grad():
+            flat = self._flatten(dtype)
+            self.local_shard = self._shard(flat)
+        self.flat_param = FlatParameter.make(self.local_shard, requires_grad)
+        self._full: torch.Tensor | None = None  # the unsharded buffer (sharded strategies)
+        self._full_valid = not self.uses_sharded_strategy
+        self._pending: C.Work | None = None
+        self.state = HandleState.SHARDED
+        # Gradient bookkeeping: a sharded gradient parked while a new unsharded
+        # one accumulates, and whether .grad holds an unreduced (no_sync) grad.
+        self._saved_grad_shard: torch.Tensor | None = None
+        self.has_unreduced_grad = False
+        self._shard_slices = self._compute_shard_slices()
+        self._params_registered = False
+        self._release_original_storage()
+        if not use_orig_params:
+            module._parameters[FLAT_PARAM_NAME] = self.flat_param
+        self.use_sharded_views()
+
+    # ------------------------------------------------------------------ layout
+
+    def _validate(self, params: Sequence[tuple[str, nn.Module, str, nn.Parameter]]) -> None:
+        where = f"(rank {self.rank}, FSDP unit '{self.unit_fqn or '<root>'}')"
+        if not params:
+            raise ValueError(f"Cannot construct a FlatParamHandle with no parameters {where}")
+        first_fqn, *_ = params[0]
+        dtype = params[0][3].dtype
+        devices = {p.device for *_, p in params}
+        if len(devices) > 1:
+            raise RuntimeError(
+                f"FSDP only supports single device modules but got params on {devices} {where}"
+            )
+        for fqn, _, _, p in params:
+            if p.dim() == 0:
+                raise ValueError(
+                    "FSDP doesn't support scalar parameters. Change "
+                    f"{fqn} to a 1D tensor with numel equal to 1. {where}"
+                )
+            if not (p.is_floating_point() or p.is_complex()):
+                raise ValueError(
+                    f"Cannot flatten integer dtype tensors: '{fqn}' is {p.dtype} {where}"
+                )
+            if p.dtype != dtype:
+                raise ValueError(
+                    f"Must flatten tensors with uniform dtype but got {dtype} and {p.dtype} "
+                    f"('{first_fqn}' vs '{fqn}') {where}"
+                )
+        if not self.use_orig_params and len({p.requires_grad for *_, p in params}) > 1:
+            frozen = [fqn for fqn, *_, p in params if not p.requires_grad]
+            raise ValueError(
+                "Must flatten tensors with uniform `requires_grad` when `use_orig_params=False` "
+                f"{where}: frozen {frozen} sit with trainable parameters. Wrap the frozen "
+                "parameters in their own FSDP unit or pass use_orig_params=True."
+            )
+
+    def _layout(
+        self, params: Sequence[tuple[str, nn.Module, str, nn.Parameter]], align: int
+    ) -> tuple[list[ParamInfo], list[int], list[int]]:
+        """Place each parameter; return infos, segment numels and each info's segment."""
+        infos: list[ParamInfo] = []
+        segments: list[int] = []
+        info_segment: list[int] = []
+        total = 0
+        for fqn, mod, name, p in params:
+            if align and total % align:
+                pad = align - total % align
+                segments.append(pad)
+                total += pad
+            info_segment.append(len(segments))
+            segments.append(p.numel())
+            infos.append(ParamInfo(fqn, mod, name, p, p.shape, total, p.numel()))
+            total += p.numel()
+        if align and total % self.world_size:
+            segments.append(self.world_size - total % self.world_size)
+        return infos, segments, info_segment
+
+    def _flatten(self, dtype: torch.dtype) -> torch.Tensor:
+        flat = torch.empty(self.unpadded_numel, dtype=dtype, device=self.device)
+        if len(self.infos) != len(self._segments):
+            flat.fill_(PADDING_VALUE)
+        for info in self.infos:
+            flat[info.offset : info.offset + info.numel].copy_(info.param.detach().reshape(-1))
+        return flat
+
+    def _shard(self, flat: torch.Tensor) -> torch.Tensor:
+        if not self.uses_sharded_strategy:
+            return flat
+        shard = flat.new_zeros(self.shard_numel)
+        shard[: self.shard_valid_numel].copy_(
+            flat[self.shard_offset : self.shard_offset + self.shard_valid_numel]
+        )
+        return shard
+
+    def _compute_shard_slices(self) -> list[tuple[int, int] | None]:
+        """Per info, the ``[start, end)`` of its elements within the local shard."""
+        slices: list[tuple[int, int] | None] = []
+        lo, hi = self.shard_offset, self.shard_offset + self.shard_valid_numel
+        for info in self.infos:
+            start, end = max(lo, info.offset), min(hi, info.offset + info.numel)
+            slices.append((start - lo, end - lo) if start < end else None)
+        return slices
+
+    def _release_original_storage(self) -> None:
+        """The flat parameter now holds the data; drop the originals' storage."""
+        for info in self.infos:
+            info.param.data = torch.empty(0, dtype=info.param.dtype, device=self.device)
+            info.param.grad = None
+        if not self.use_orig_params:
+            for info in self.infos:
+                info.module._parameters.pop(info.name, None)
+            for shared in self.shared:
+                shared.module._parameters.pop(shared.name, None)
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [info.param for info in self.infos]
+
+    def param_shard_slice(self, index: int) -> tuple[int, int] | None:
+        return self._shard_slices[index]
+
+    # --------------------------------------------------------- unshard/reshard
+
+    @property
+    def is_unsharded(self) -> bool:
+        return self.state is HandleState.UNSHARDED
+
+    def _ensure_full_buffer(self) -> torch.Tensor:
+        if self._full is None:
+            self._full = torch.empty(
+                self.padded_numel, dtype=self.local_shard.dtype, device=self.device
+            )
+        else:
+            storage = self._full.untyped_storage()
+            nbytes = self.padded_numel * self._full.element_size()
+            if storage.size() != nbytes:
+                storage.resize_(nbytes)
+        return self._full
+
+    def start_unshard(self) -> None:
+        """Issue the all-gather (asynchronously) unless the data is already there."""
+        if self._full_valid or self._pending is not None:
+            return
+        full = self._ensure_full_buffer()
+        self._pending = C.all_gather_into(full, self.local_shard, self.process_group, async_op=True)
+
+    def finish_unshard(self) -> None:
+        """Wait for the gather and point ``flat_param`` at the unsharded data."""
+        self.start_unshard()
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+            self._full_valid = True
+        if self.uses_sharded_strategy and self._full is not None:
+            self.flat_param.data = self._full[: self.unpadded_numel]
+        self.state = HandleState.UNSHARDED
+
+    def reshard(self, free: bool) -> None:
+        """Point ``flat_param`` back at the shard; free the gathered storage if asked.
+
+        Idempotent.  Keeping the storage (``free=False``) lets the next unshard
+        skip its all-gather; that is only valid while the shard is unchanged.
+        """
+        if self._pending is not None:  # a prefetch nobody used: finish it first
+            self._pending.wait()
+            self._pending = None
+            self._full_valid = True
+        self.flat_param.data = self.local_shard
+        if free and self.uses_sharded_strategy and self._full is not None:
+            self._full.untyped_storage().resize_(0)
+            self._full_valid = False
+        if self.state is HandleState.UNSHARDED:
+            self.state = HandleState.SHARDED
+            self.use_sharded_views()
+
+    def invalidate_unsharded(self) -> None:
+        """The shard changed (load, writeback): drop any gathered copy."""
+        self.reshard(free=True)
+
+    @property
+    def holds_unsharded_storage(self) -> bool:
+        """Gathered (or being gathered) data that a later unshard would reuse."""
+        return self.uses_sharded_strategy and (self._full_valid or self._pending is not None)
+
+    # ------------------------------------------------------------------- views
+
+    def use_unsharded_views(self, as_params: bool = False) -> None:
+        """Expose each original parameter as a view into the unsharded data.
+
+        For compute (``as_params=False``) the views are made from
+        ``flat_param`` under the caller's grad mode, so autograd routes their
+        gradients into ``flat_param.grad``.  Frozen parameters get detached
+        views so no gradient is computed for them.  For state dicts and
+        ``summon_full_params`` (``as_params=True``) the original ``Parameter``
+        objects are registered again, with their full shapes, in place of the
+        flat parameter; ``reshard`` undoes that.
+        """
+        if as_params:
+            with torch.no_grad():
+                views = self.flat_param.detach().split(self._segments)
+            for info, seg in zip(self.infos, self._info_segment):
+                info.param.data = views[seg].view(info.shape)
+                info.module.__dict__.pop(info.name, None)
+                info.module._parameters[info.name] = info.param
+            for shared in self.shared:
+                shared.module.__dict__.pop(shared.name, None)
+                shared.module._parameters[shared.name] = self.infos[shared.index].param
+            self.module._parameters.pop(FLAT_PARAM_NAME, None)
+            self._params_registered = True
+            return
+        views = self.flat_param.split(self._segments)
+        tensors: list[torch.Tensor] = []
+        for info, seg in zip(self.infos, self._info_segment):
+            view = views[seg].view(info.shape)
+            if not info.param.requires_grad:
+                view = view.detach()
+            tensors.append(view)
+            self._set_tensor(info.module, info.name, view)
+        for shared in self.shared:
+            self._set_tensor(shared.module, shared.name, tensors[shared.index])
+
+    def _set_tensor(self, module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+        # Plain dict writes: nn.Module.__setattr__ would reject a non-Parameter
+        # under a parameter name, and costs a lot per step.
+        if self.use_orig_params:
+            module._parameters[name] = tensor  # type: ignore[assignment]
+        else:
+            module.__dict__[name] = tensor
+
+    def use_sharded_views(self) -> None:
+        """Return the module to its between-steps form.
+
+        ``use_orig_params=True``: the original parameters are registered and
+        are views of the local shard (1-D pieces; full shapes under NO_SHARD).
+        ``use_orig_params=False``: the flat parameter is registered; the
+        original names keep their last unsharded views (stale, as in torch).
+        """
+        if not self.use_orig_params:
+            if self._params_registered:
+                for info in self.infos:
+                    info.module._parameters.pop(info.name, None)
+                    info.param.data = info.param.data.new_empty(0)
+                for shared in self.shared:
+                    shared.module._parameters.pop(shared.name, None)
+                self.module._parameters[FLAT_PARAM_NAME] = self.flat_param
+                self._params_registered = False
+            return
+        self._params_registered = False
+        for info, sl in zip(self.infos, self._shard_slices):
+            if not self.uses_sharded_strategy:
+                data = self.local_shard[info.offset : info.offset + info.numel].view(info.shape)
+            elif sl is not None:
+                data = self.local_shard[sl[0] : sl[1]]
+            else:
+                data = self.local_shard[:0]
+            info.param.data = data
+            info.module._parameters[info.name] = info.param
+        for shared in self.shared:
+            shared.module._parameters[shared.name] = self.infos[shared.index].param
+
+    def _set_grad_views(self) -> None:
+        """Original params' ``.grad`` become views of the sharded flat gradient."""
+        grad = self.flat_param.grad
+        for info, sl in zip(self.infos, self._shard_slices):
+            if grad is None or sl is None or not info.param.requires_grad:
+                info.param.grad = None
+            elif not self.uses_sharded_strategy:
+                info.param.grad = grad[info.offset : info.offset + info.numel].view(info.shape)
+            else:
+                info.param.grad = grad[sl[0] : sl[1]]
+
+    # --------------------------------------------------------------- gradients
+
+    def prepare_gradient_for_backward(self) -> None:
+        """Park an existing sharded gradient so a fresh unsharded one can accumulate."""
+        if self.use_orig_params:
+            self._sync_flat_grad_from_orig()
+        grad = self.flat_param.grad
+        if grad is not None and self.uses_sharded_strategy and not self.has_unreduced_grad:
+            self._saved_grad_shard = grad.detach()
+            self.flat_param.grad = None
+
+    def restore_parked_grad(self) -> None:
+        """A parked sharded gradient whose unit got no new gradient goes back."""
+        if self._saved_grad_shard is not None and self.flat_param.grad is None:
+            self.flat_param.grad = self._saved_grad_shard
+            self._saved_grad_shard = None
+            if self.use_orig_params:
+                self._set_grad_views()
+
+    def _sync_flat_grad_from_orig(self) -> None:
+        """Honour ``zero_grad(set_to_none=True)`` done on the original params."""
+        if self.has_unreduced_grad or self.flat_param.grad is None:
+            return
+        if all(info.param.grad is None for info in self.infos):
+            self.flat_param.grad = None
+
+    def reduce_gradient(self, sync: bool) -> None:
+        """Turn the unsharded gradient on ``flat_param`` into the mean sharded one.
+
+        Called from the post-backward hook after ``reshard``; when ``sync`` is
+        False (``no_sync``) the local unsharded gradient is kept for later.
+        """
+        grad = self.flat_param.grad
+        if grad is None:
+            return
+        if grad.requires_grad:
+            raise RuntimeError("FSDP does not support gradients of gradients")
+        if not sync:
+            self.has_unreduced_grad = True
+            if self.use_orig_params:
+                self._set_unsharded_grad_views(grad)
+            return
+        self.has_unreduced_grad = False
+        pre, post = self.divide
+        if not self.uses_sharded_strategy:
+            if pre > 1:
+                grad.div_(pre)
+            C.all_reduce(grad, self.process_group)
+            if post > 1:
+                grad.div_(post)
+        else:
+            self.flat_param.grad = None
+            if grad.numel() == self.padded_numel:
+                padded = grad
+            else:
+                padded = grad.new_zeros(self.padded_numel)
+                padded[: grad.numel()].copy_(grad)
+            if pre > 1:
+                padded.div_(pre)
+            shard = grad.new_empty(self.shard_numel)
+            C.reduce_scatter_sum(shard, padded, self.process_group)
+            if post > 1:
+                shard.div_(post)
+            if self._saved_grad_shard is not None:
+                self._saved_grad_shard.add_(shard)
+                shard = self._saved_grad_shard
+                self._saved_grad_shard = None
+            self.flat_param.grad = shard
+        if self.use_orig_params:
+            self._set_grad_views()
+
+    def _set_unsharded_grad_views(self, grad: torch.Tensor) -> None:
+        """Under ``no_sync`` the original params carry full-shape local gradients.
+
+        Their data is still the 1-D shard piece, so the gradient is installed
+        through ``.data``, which (unlike ``.grad =``) does not check shapes.
+        """
+        views = grad.split(self._segments)
+        for info, seg in zip(self.infos, self._info_segment):
+            if not info.param.requires_grad:
+                info.param.grad = None
+                continue
+            if info.param.grad is None:
+                info.param.grad = torch.empty_like(info.param)
+            info.param.grad.data = views[seg].view(info.shape)
+
+    # -------------------------------------------------------------- utilities
+
+    def flat_grad_for_norm(self) -> list[torch.Tensor]:
+        """The gradients ``clip_grad_norm_`` must see for this handle."""
+        if self.use_orig_params:
+            return [info.param.grad for info in self.infos if info.param.grad is not None]
+        return [self.flat_param.grad] if self.flat_param.grad is not None else []
+
+    def write_back_unsharded(self) -> None:
+        """Copy this rank's part of the unsharded data into the local shard."""
+        if not self.uses_sharded_strategy or self._full is None:
+            return
+        with torch.no_grad():
+            self.local_shard[: self.shard_valid_numel].copy_(
+                self._full[self.shard_offset : self.shard_offset + self.shard_valid_numel]
+            )

@@ -1,0 +1,506 @@
+"""``FullyShardedDataParallel``: the public façade tying the package together.
+
+Construction resolves the arguments (:mod:`._init`), auto-wraps children
+(:mod:`.wrap`), builds this unit's :class:`FlatParamHandle` and registers the
+state-dict hooks.  Forward and backward delegate to :mod:`._runtime`; state
+dicts to :mod:`._state_dict`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Generator, Iterable, Iterator
+from enum import Enum, auto
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import _collectives as C
+from . import _init
+from . import _runtime
+from . import _state_dict
+from ._compat import coerce_dataclass, coerce_enum
+from ._flat_param import FlatParamHandle, collect_unit_params
+from ._runtime import ExecOrder, TrainingState
+from .api import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    MixedPrecision,
+    OptimStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
+
+__all__ = ["FullyShardedDataParallel", "OptimStateKeyType"]
+
+FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
+
+
+class OptimStateKeyType(Enum):
+    """Key type of an optimizer state dict's ``"state"``: FQN strings or ids."""
+
+    PARAM_NAME = auto()
+    PARAM_ID = auto()
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shard a module's parameters across data-parallel ranks (FSDP1 semantics).
+
+    The wrapped module's parameters (except those of nested FSDP units and
+    ignored modules) are flattened into one flat parameter, and each rank keeps
+    one ``1/world_size`` shard of it.  Before the unit's forward and backward the
+    shards are all-gathered; afterwards the full copy is freed as the
+    ``sharding_strategy`` says, and gradients are reduce-scattered so every rank
+    ends with the mean gradient of its shard.
+
+    The arguments, their order and defaults are torch's; see ``docs/`` for what
+    each one gathers or frees, and when.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: Any = None,
+        sharding_strategy: ShardingStrategy | None = None,
+        cpu_offload: CPUOffload | None = None,
+        auto_wrap_policy: Callable[..., Any] | Any | None = None,
+        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision: MixedPrecision | None = None,
+        ignored_modules: Iterable[nn.Module] | None = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        device_id: int | torch.device | None = None,
+        sync_module_states: bool = False,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        use_orig_params: bool = False,
+        ignored_states: Iterable[nn.Parameter] | Iterable[nn.Module] | None = None,
+        device_mesh: Any = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(module, FullyShardedDataParallel):
+            raise ValueError(
+                "FSDP was given a module that is already wrapped by FullyShardedDataParallel; "
+                "wrap the inner module once (nest FSDP around submodules instead)."
+            )
+        strategy = coerce_enum(sharding_strategy, ShardingStrategy, "sharding_strategy")
+        backward_prefetch = coerce_enum(backward_prefetch, BackwardPrefetch, "backward_prefetch")
+        cpu_offload = coerce_dataclass(cpu_offload, CPUOffload, "cpu_offload")
+        mixed_precision = coerce_dataclass(mixed_precision, MixedPrecision, "mixed_precision")
+        strategy = strategy or ShardingStrategy.FULL_SHARD
+
+        ignored_mods, ignored_params = _init.resolve_ignored(module, ignored_modules, ignored_states)
+        self._ignored_modules = ignored_mods
+        self._ignored_params = ignored_params
+        pg_state = _init.resolve_process_group(process_group, device_mesh, strategy)
+        self.process_group = pg_state.group
+        self.rank = pg_state.rank
+        self.world_size = pg_state.world_size
+        self._device_mesh = device_mesh
+        self._inter_node_pg = None
+        divide = C.divide_factors(self.world_size)
+        self._gradient_predivide_factor, self._gradient_postdivide_factor = divide
+
+        _init.check_unimplemented(cpu_offload, mixed_precision, strategy)
+
+        if auto_wrap_policy is not None:
+            from .wrap import _auto_wrap
+
+            root_kwargs = dict(
+                process_group=process_group,
+                sharding_strategy=sharding_strategy,
+                cpu_offload=cpu_offload,
+                auto_wrap_policy=auto_wrap_policy,
+                backward_prefetch=backward_prefetch,
+                mixed_precision=mixed_precision,
+                ignored_modules=ignored_modules if ignored_states is None else None,
+                param_init_fn=param_init_fn,
+                device_id=device_id,
+                sync_module_states=sync_module_states,
+                forward_prefetch=forward_prefetch,
+                limit_all_gathers=limit_all_gathers,
+                use_orig_params=use_orig_params,
+                ignored_states=ignored_states,
+                device_mesh=device_mesh,
+            )
+            if ignored_modules is not None or ignored_states is not None:
+                # The iterables may be one-shot; children get the resolved sets.
+                if ignored_states is not None and ignored_params:
+                    root_kwargs["ignored_states"] = list(ignored_params)
+                else:
+                    root_kwargs["ignored_states"] = None
+                    root_kwargs["ignored_modules"] = list(ignored_mods)
+            _auto_wrap(
+                module, auto_wrap_policy, ignored_mods, ignored_params, root_kwargs,
+                FullyShardedDataParallel,
+            )
+
+        self.sharding_strategy = _init.clamp_strategy(strategy, self.world_size)
+        self.cpu_offload = cpu_offload or CPUOffload()
+        self.mixed_precision = mixed_precision or MixedPrecision()
+        self.backward_prefetch = backward_prefetch
+        self.forward_prefetch = forward_prefetch
+        self.limit_all_gathers = limit_all_gathers
+        self._use_orig_params = use_orig_params
+        self._sync_module_states = sync_module_states
+        self.training_state = TrainingState.IDLE
+        self._is_root: bool | None = None
+        # Plain attribute, not a submodule: the root is not a child of its units.
+        object.__setattr__(self, "_root", self)
+        self._sync_gradients = True
+        self._comm_hook = None
+        self._comm_hook_state = None
+        self._ran_pre_backward = False
+        self._final_callback_queued = False
+        self._forward_pending_backward = False
+        self._exec_order = ExecOrder()
+        self._all_fsdp_states: list[FullyShardedDataParallel] = []
+        self._all_handles: list[FlatParamHandle] = []
+        self._state_of: dict[FlatParamHandle, FullyShardedDataParallel] = {}
+
+        def stop(m: nn.Module) -> bool:
+            return isinstance(m, FullyShardedDataParallel) or m in ignored_mods
+
+        self.compute_device = _init.resolve_device(module, device_id, stop, ignored_params)
+        _init.materialize_or_reject_meta(module, stop, ignored_params, param_init_fn, self.rank)
+        _init.move_to_device(module, self.compute_device, stop, ignored_params)
+        if sync_module_states:
+            _init.sync_module_states(module, stop, ignored_params, self.process_group)
+
+        params, shared = collect_unit_params(module, stop, ignored_params)
+        _init.check_no_cross_unit_sharing(module, params, self.rank)
+        self._handle: FlatParamHandle | None = None
+        if params:
+            self._handle = FlatParamHandle(
+                module,
+                params,
+                shared,
+                unit_fqn="",  # set to the real FQN at lazy init
+                device=self.compute_device,
+                strategy=self.sharding_strategy,
+                process_group=self.process_group,
+                rank=self.rank,
+                world_size=self.world_size,
+                use_orig_params=use_orig_params,
+                divide=divide,
+            )
+            self._handle.flat_param.register_post_accumulate_grad_hook(
+                _runtime.make_post_backward_hook(self, self._handle)
+            )
+        self.params = [self._handle.flat_param] if self._handle is not None else []
+        self._fsdp_wrapped_module = module
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            warnings.warn(
+                "FSDP will not all-gather parameters for containers that do not implement "
+                f"forward: {module}",
+                stacklevel=2,
+            )
+        self._state_dict_type = StateDictType.FULL_STATE_DICT
+        self._state_dict_config: StateDictConfig = FullStateDictConfig()
+        self._optim_state_dict_config: OptimStateDictConfig = FullOptimStateDictConfig()
+        _state_dict.register_hooks(self)
+
+    # ------------------------------------------------------------ module API
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module (the inner one, if it is an activation-checkpoint wrapper)."""
+        inner = self._fsdp_wrapped_module
+        return getattr(inner, "_checkpoint_wrapped_module", inner)
+
+    @property
+    def _has_params(self) -> bool:
+        return self._handle is not None
+
+    @property
+    def _flat_param(self) -> nn.Parameter | None:
+        return self._handle.flat_param if self._handle is not None else None
+
+    @property
+    def _use_orig_params_flag(self) -> bool:
+        return self._use_orig_params
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._fsdp_wrapped_module, name)
+
+    def __getitem__(self, key: int) -> Any:
+        return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        handle = self._handle
+        args, kwargs = _runtime.root_pre_forward(self, args, kwargs)
+        _runtime.pre_forward(self, handle)
+        output = self._fsdp_wrapped_module(*args, **kwargs)
+        return _runtime.post_forward(self, handle, output)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        """As ``nn.Module``'s; inside ``summon_full_params`` the names are clean FQNs."""
+        clean = self.training_state is TrainingState.SUMMON_FULL_PARAMS
+        for name, param in super().named_parameters(*args, **kwargs):
+            yield (clean_fqn(name) if clean else name), param
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        clean = self.training_state is TrainingState.SUMMON_FULL_PARAMS
+        for name, buf in super().named_buffers(*args, **kwargs):
+            yield (clean_fqn(name) if clean else name), buf
+
+    def check_is_root(self) -> bool:
+        self._lazy_init()
+        return bool(self._is_root)
+
+    @staticmethod
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
+        """Every FSDP instance in ``module``'s tree (pre-order), ``module`` included."""
+        found = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        if root_only:
+            for m in found:
+                m._lazy_init()
+            found = [m for m in found if m._is_root]
+        return found
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:  # type: ignore[override]
+        """``nn.Module.apply`` with this unit's parameters gathered and written back."""
+        uninitialised = self._is_root is None
+        with _state_dict.unshard_for_summon([self], writeback=True):
+            super().apply(fn)
+        if uninitialised and self._is_root:
+            self._reset_lazy_init()
+        return self
+
+    # ------------------------------------------------------------- lazy init
+
+    def _lazy_init(self) -> None:
+        """Make the first FSDP instance reached the root of its tree.
+
+        Runs once per tree (at the first forward, state_dict, clip_grad_norm_,
+        ...).  Postcondition: every instance knows the root, the root knows
+        every instance and handle, and every rank was checked to hold the same
+        units.
+        """
+        if self._is_root is not None:
+            return
+        states = FullyShardedDataParallel.fsdp_modules(self)
+        self._is_root = True
+        fqn_of = {id(m): clean_fqn(n) for n, m in self.named_modules() if m in states}
+        for st in states:
+            if st is not self:
+                st._is_root = False
+                object.__setattr__(st, "_root", self)
+                st._all_fsdp_states = []
+            if st._handle is not None:
+                st._handle.unit_fqn = fqn_of.get(id(st), "")
+        self._all_fsdp_states = states
+        self._all_handles = [st._handle for st in states if st._handle is not None]
+        self._state_of = {st._handle: st for st in states if st._handle is not None}
+        for attr in ("_use_orig_params", "limit_all_gathers"):
+            values = {getattr(st, attr) for st in states}
+            if len(values) > 1:
+                raise ValueError(f"Expects one homogeneous value for {attr} but got {values}")
+        if self.world_size > 1:
+            _runtime.all_gather_unit_signatures(self)
+
+    def _reset_lazy_init(self) -> None:
+        self._is_root = None
+
+    def _unit_signature(self) -> tuple[Any, ...]:
+        h = self._handle
+        if h is None:
+            return (h,)
+        return (
+            h.unit_fqn or "<root>",
+            tuple((i.fqn, tuple(i.shape)) for i in h.infos),
+            str(h.flat_param.dtype),
+            self.sharding_strategy.name,
+            self._use_orig_params,
+        )
+
+    # ------------------------------------------------------------- no_sync
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Generator[None, None, None]:
+        """Accumulate local, unreduced gradients; the next synced backward reduces them."""
+        self._lazy_init()
+        if not self._is_root:
+            raise RuntimeError(
+                "`no_sync()` on inner FSDP instances is not supported. Please call `no_sync()` "
+                "on root FSDP module."
+            )
+        self._assert_state(TrainingState.IDLE)
+        states = FullyShardedDataParallel.fsdp_modules(self)
+        previous = [st._sync_gradients for st in states]
+        for st in states:
+            st._sync_gradients = False
+        try:
+            yield
+        finally:
+            for st, prev in zip(states, previous):
+                st._sync_gradients = prev
+
+    def _assert_state(self, state: TrainingState | list[TrainingState]) -> None:
+        allowed = state if isinstance(state, list) else [state]
+        if self.training_state not in allowed:
+            raise RuntimeError(
+                f"[rank {self.rank}] FSDP unit expects to be in state {allowed} but is in "
+                f"{self.training_state}"
+            )
+
+    # ------------------------------------------------------- clip_grad_norm_
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float | int, norm_type: float | int = 2.0) -> torch.Tensor:
+        """Clip gradients by their true global norm over all shards; return that norm.
+
+        The local norms are computed in fp32, ``norm ** p`` is summed over ranks
+        (max for ``inf``), and every gradient is scaled in place by
+        ``min(1, max_norm / (total + 1e-6))``.  Root only; a collective.
+        """
+        self._lazy_init()
+        if not self._is_root:
+            raise RuntimeError("`clip_grad_norm_()` should only be called on the root FSDP instance")
+        if self.training_state is not TrainingState.IDLE:
+            raise RuntimeError(
+                f"[rank {self.rank}] clip_grad_norm_() must be called outside forward/backward "
+                f"(state {self.training_state})"
+            )
+        max_norm, norm_type = float(max_norm), float(norm_type)
+        sharded: list[torch.Tensor] = []
+        nonsharded: list[torch.Tensor] = []
+        managed: set[nn.Parameter] = set()
+        for h in self._all_handles:
+            (sharded if h.uses_sharded_strategy else nonsharded).extend(h.flat_grad_for_norm())
+            managed.update(h.params if h.use_orig_params else [h.flat_param])
+        for p in self.parameters():
+            if p not in managed and p.grad is not None:
+                managed.add(p)
+                nonsharded.append(p.grad)
+        all_grads = sharded + nonsharded
+        if all(not h.uses_sharded_strategy for h in self._all_handles):
+            return torch.nn.utils.clip_grad_norm_(
+                [p for p in self.parameters() if p.grad is not None], max_norm, norm_type
+            )
+        local_sharded = _grad_norm(sharded, norm_type, self.compute_device)
+        local_non = _grad_norm(nonsharded, norm_type, self.compute_device) if nonsharded else None
+        if math.isinf(norm_type):
+            total = local_sharded if local_non is None else torch.maximum(local_sharded, local_non)
+            C.all_reduce(total, self.process_group, dist.ReduceOp.MAX)
+        else:
+            total = local_sharded**norm_type
+            C.all_reduce(total, self.process_group)
+            if local_non is not None:
+                total += local_non**norm_type
+            total = total ** (1.0 / norm_type)
+        clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in all_grads:
+            g.mul_(clip_coef.to(g.device, g.dtype))
+        if not all_grads:
+            warnings.warn(
+                f"Called FSDP.clip_grad_norm_() on rank {self.rank} with no gradients -- "
+                "returning the total norm in the default dtype torch.float32",
+                stacklevel=2,
+            )
+            return total
+        dtype = all_grads[0].dtype
+        for g in all_grads[1:]:
+            dtype = torch.promote_types(dtype, g.dtype)
+        return total.to(dtype)
+
+    # ---------------------------------------------------- summon_full_params
+
+    @staticmethod
+    @contextlib.contextmanager
+    def summon_full_params(
+        module: nn.Module,
+        recurse: bool = True,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ) -> Generator[None, None, None]:
+        """Expose full, unflattened parameters inside the context.
+
+        Every FSDP unit in ``module`` (only ``module`` itself if not
+        ``recurse``) is all-gathered; original parameters become full
+        ``nn.Parameter`` s.  With ``writeback`` changes are copied back to the
+        local shard on exit.  A collective.
+        """
+        if rank0_only or offload_to_cpu or with_grads:
+            raise NotImplementedError(
+                "summon_full_params(rank0_only=..., offload_to_cpu=..., with_grads=...) is not "
+                "implemented in this release of fsdp_wrap yet"
+            )
+        if recurse:
+            states = FullyShardedDataParallel.fsdp_modules(module)
+        else:
+            states = [module] if isinstance(module, FullyShardedDataParallel) else []
+        with _state_dict.unshard_for_summon(states, writeback=writeback):
+            yield
+
+    # ------------------------------------------------------------ state dicts
+
+    @staticmethod
+    def set_state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
+    ) -> StateDictSettings:
+        return _state_dict.set_state_dict_type(
+            module, state_dict_type, state_dict_config, optim_state_dict_config
+        )
+
+    @staticmethod
+    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+        return _state_dict.get_state_dict_type(module)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
+    ) -> Generator[None, None, None]:
+        """Use ``state_dict_type`` for every FSDP unit in ``module`` inside the context.
+
+        Unlike torch's, the previous settings come back even if the body raises.
+        """
+        prev = FullyShardedDataParallel.set_state_dict_type(
+            module, state_dict_type, state_dict_config, optim_state_dict_config
+        )
+        try:
+            yield
+        finally:
+            FullyShardedDataParallel.set_state_dict_type(
+                module,
+                prev.state_dict_type,
+                prev.state_dict_config,
+                prev.optim_state_dict_config,
+            )
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        try:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        except RuntimeError as err:
+            raise RuntimeError(clean_fqn(str(err))) from None
+
+
+def clean_fqn(name: str) -> str:
+    """Drop every ``_fsdp_wrapped_module.`` segment from a name."""
+    return name.replace(f"{FSDP_WRAPPED_MODULE}.", "").replace(FSDP_WRAPPED_MODULE, "")
+
+
+def _grad_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    if not grads:
+        return torch.tensor(0.0, device=device)
+    norms = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type, dtype=torch.float32).to(device)
