@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from . import _collectives as C
 from . import _init
+from . import _optim_state_dict as _osd
 from . import _runtime
 from . import _state_dict
 from ._compat import coerce_dataclass, coerce_enum
@@ -486,6 +487,94 @@ class FullyShardedDataParallel(nn.Module):
                 prev.state_dict_config,
                 prev.optim_state_dict_config,
             )
+
+    # ------------------------------------------------------ optimizer state
+
+    @staticmethod
+    def optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: dict[str, Any] | None = None,
+        group: Any = None,
+    ) -> dict[str, Any]:
+        """``optim``'s state keyed by clean FQNs, in the model's state-dict type."""
+        return _osd.optim_state_dict(model, optim, optim_state_dict, group)
+
+    @staticmethod
+    def optim_state_dict_to_load(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: dict[str, Any],
+        is_named_optimizer: bool = False,
+        load_directly: bool = False,
+        group: Any = None,
+    ) -> dict[str, Any]:
+        """The inverse of :meth:`optim_state_dict`: a dict ``optim.load_state_dict`` takes."""
+        return _osd.optim_state_dict_to_load(
+            model, optim, optim_state_dict, is_named_optimizer, load_directly, group
+        )
+
+    @staticmethod
+    def full_optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_input: Any = None,
+        rank0_only: bool = True,
+        group: Any = None,
+    ) -> dict[str, Any]:
+        return _osd.full_optim_state_dict(model, optim, optim_input, rank0_only, group)
+
+    @staticmethod
+    def sharded_optim_state_dict(
+        model: nn.Module, optim: torch.optim.Optimizer, group: Any = None
+    ) -> dict[str, Any]:
+        return _osd.sharded_optim_state_dict(model, optim, group)
+
+    @staticmethod
+    def shard_full_optim_state_dict(
+        full_optim_state_dict: dict[str, Any],
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+    ) -> dict[str, Any]:
+        return _osd.shard_full_optim_state_dict(full_optim_state_dict, model, optim_input, optim)
+
+    @staticmethod
+    def scatter_full_optim_state_dict(
+        full_optim_state_dict: dict[str, Any] | None,
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+        group: Any = None,
+    ) -> dict[str, Any]:
+        return _osd.scatter_full_optim_state_dict(
+            full_optim_state_dict, model, optim_input, optim, group
+        )
+
+    @staticmethod
+    def flatten_sharded_optim_state_dict(
+        sharded_optim_state_dict: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
+    ) -> dict[str, Any]:
+        return _osd.flatten_sharded_optim_state_dict(sharded_optim_state_dict, model, optim)
+
+    @staticmethod
+    def rekey_optim_state_dict(
+        optim_state_dict: dict[str, Any],
+        optim_state_key_type: OptimStateKeyType,
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+    ) -> dict[str, Any]:
+        return _osd.rekey_optim_state_dict(
+            optim_state_dict, optim_state_key_type, model, optim_input, optim
+        )
+
+    # ------------------------------------------------------------ comm hooks
+
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        raise NotImplementedError(
+            "register_comm_hook is not implemented in this release of fsdp_wrap yet"
+        )
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         try:
