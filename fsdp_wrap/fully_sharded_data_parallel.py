@@ -114,6 +114,8 @@ class FullyShardedDataParallel(nn.Module):
         if auto_wrap_policy is not None:
             from .wrap import _auto_wrap
 
+            # Children get the root's arguments, with the ignored set resolved to
+            # parameters (as torch passes it), so one-shot iterables are safe.
             root_kwargs = dict(
                 process_group=process_group,
                 sharding_strategy=sharding_strategy,
@@ -121,23 +123,16 @@ class FullyShardedDataParallel(nn.Module):
                 auto_wrap_policy=auto_wrap_policy,
                 backward_prefetch=backward_prefetch,
                 mixed_precision=mixed_precision,
-                ignored_modules=ignored_modules if ignored_states is None else None,
+                ignored_modules=None,
                 param_init_fn=param_init_fn,
                 device_id=device_id,
                 sync_module_states=sync_module_states,
                 forward_prefetch=forward_prefetch,
                 limit_all_gathers=limit_all_gathers,
                 use_orig_params=use_orig_params,
-                ignored_states=ignored_states,
+                ignored_states=list(ignored_params) if ignored_params else None,
                 device_mesh=device_mesh,
             )
-            if ignored_modules is not None or ignored_states is not None:
-                # The iterables may be one-shot; children get the resolved sets.
-                if ignored_states is not None and ignored_params:
-                    root_kwargs["ignored_states"] = list(ignored_params)
-                else:
-                    root_kwargs["ignored_states"] = None
-                    root_kwargs["ignored_modules"] = list(ignored_mods)
             _auto_wrap(
                 module, auto_wrap_policy, ignored_mods, ignored_params, root_kwargs,
                 FullyShardedDataParallel,
