@@ -1,0 +1,48 @@
+"""Packaging for fsdp_wrap (metadata here; build backend and tool settings in pyproject.toml)."""
+
+import os
+
+from setuptools import find_packages, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _long_description() -> str:
+    path = os.path.join(HERE, "README.md")
+    if not os.path.exists(path):
+        return ""
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+setup(
+    name="fsdp_wrap",
+    version="0.1.0",
+    description=(
+        "A Python re-implementation of PyTorch's FSDP1 on torch.distributed "
+        "(drop-in for torch.distributed.fsdp)"
+    ),
+    long_description=_long_description(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=find_packages(
+        exclude=[
+            "tests",
+            "tests.*",
+            "benchmarks",
+            "benchmarks.*",
+            "tutorials",
+            "tutorials.*",
+            "docs",
+            "docs.*",
+        ]
+    ),
+    # A bare lower bound: an already-installed torch (e.g. a CPU build) satisfies
+    # it and pip will not replace it.  Install the torch you want first.
+    install_requires=["torch>=2.4", "numpy", "packaging"],
+    extras_require={
+        "test": ["pytest"],
+        "dev": ["pytest", "ruff", "mypy"],
+    },
+    entry_points={"console_scripts": ["fsdp-wrap-demo = fsdp_wrap.demo:main"]},
+)
