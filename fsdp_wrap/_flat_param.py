@@ -35,6 +35,7 @@ from enum import Enum, auto
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
@@ -143,6 +144,33 @@ def collect_unit_params(
     return unique, shared
 
 
+@dataclass
+class _Gathered:
+    """One unsharded copy of the flat parameter and the gather filling it."""
+
+    buffer: torch.Tensor | None = None
+    valid: bool = False
+    pending: C.Work | None = None
+    source: torch.Tensor | None = None
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+            self.source = None
+            self.valid = True
+
+    def free(self, keep_storage_object: bool) -> None:
+        """Release the memory.  Sharded strategies keep the storage *object*
+        (resized to zero bytes) because autograd holds views of it."""
+        if self.buffer is not None:
+            if keep_storage_object:
+                self.buffer.untyped_storage().resize_(0)
+            else:
+                self.buffer = None
+        self.valid = False
+
+
 class FlatParamHandle:
     """Owns one unit's flat parameter: layout, shard, unshard, reshard, reduce.
 
@@ -164,6 +192,12 @@ class FlatParamHandle:
         world_size: int,
         use_orig_params: bool,
         divide: C.DivideFactors,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        keep_low_precision_grads: bool = False,
+        offload_params: bool = False,
+        replicate_group: ProcessGroup | None = None,
+        sync_from_rank0: bool = False,
     ) -> None:
         self.module = module  # the unit's wrapped module
         self.unit_fqn = unit_fqn
@@ -176,9 +210,19 @@ class FlatParamHandle:
         self.divide = divide
         self.uses_sharded_strategy = strategy in SHARDED_STRATEGIES
         self.reshard_after_forward = strategy in RESHARD_AFTER_FORWARD
+        self.replicate_group = replicate_group
+        self.offload_params = offload_params
 
         self._validate(params)
         dtype = params[0][3].dtype
+        # Mixed precision: compute in ``compute_dtype``, reduce in
+        # ``reduce_dtype`` (defaulting to the compute dtype, as torch does),
+        # keep the sharded master copy in the original dtype.
+        self.orig_dtype = dtype
+        self.compute_dtype = param_dtype or dtype
+        self.reduce_dtype = reduce_dtype or param_dtype or dtype
+        self.keep_low_precision_grads = keep_low_precision_grads
+        self.shard_device = torch.device("cpu") if offload_params else device
         align = 16 // dtype.itemsize if use_orig_params else 0
         self.infos, self._segments, self._info_segment = self._layout(params, align)
         self.shared = [SharedParamInfo(fqn, mod, name, idx) for fqn, mod, name, idx in shared]
@@ -198,16 +242,28 @@ class FlatParamHandle:
         requires_grad = any(p.requires_grad for *_, p in params)
         with torch.no_grad():
             flat = self._flatten(dtype)
+            if sync_from_rank0:
+                C.broadcast(flat, dist.get_global_rank(process_group, 0), process_group)
             self.local_shard = self._shard(flat)
+            if offload_params:
+                self.local_shard = self._to_shard_device(self.local_shard)
         self.flat_param = FlatParameter.make(self.local_shard, requires_grad)
-        self._full: torch.Tensor | None = None  # the unsharded buffer (sharded strategies)
-        self._full_valid = not self.uses_sharded_strategy
-        self._pending: C.Work | None = None
+        # Unsharded copies: one in the compute dtype for forward/backward, and
+        # (only when that differs from the original dtype) one in full
+        # precision for summon_full_params and state dicts.
+        self._gathered = {False: _Gathered(), True: _Gathered()}
+        self._current: _Gathered | None = None
+        # NO_SHARD needs a separate unsharded copy only to cast or move it.
+        self._needs_copy = (
+            self.uses_sharded_strategy or self.compute_dtype != dtype or self.shard_device != device
+        )
         self.state = HandleState.SHARDED
         # Gradient bookkeeping: a sharded gradient parked while a new unsharded
         # one accumulates, and whether .grad holds an unreduced (no_sync) grad.
         self._saved_grad_shard: torch.Tensor | None = None
         self.has_unreduced_grad = False
+        # ``(state, hook)`` from register_comm_hook: replaces the reduction.
+        self.comm_hook: tuple[object, Callable[..., Any]] | None = None
         self._shard_slices = self._compute_shard_slices()
         self._params_registered = False
         self._release_original_storage()
@@ -322,34 +378,54 @@ class FlatParamHandle:
     def is_unsharded(self) -> bool:
         return self.state is HandleState.UNSHARDED
 
-    def _ensure_full_buffer(self) -> torch.Tensor:
-        if self._full is None:
-            self._full = torch.empty(
-                self.padded_numel, dtype=self.local_shard.dtype, device=self.device
-            )
+    def _to_shard_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.to("cpu")
+        if self.device.type == "cuda":
+            out = out.pin_memory()
+        return out
+
+    def _slot(self, full_precision: bool) -> _Gathered:
+        return self._gathered[full_precision and self.compute_dtype != self.orig_dtype]
+
+    def _gather_source(self, dtype: torch.dtype) -> torch.Tensor:
+        src = self.local_shard
+        if src.device != self.device:
+            src = src.to(self.device, non_blocking=True)
+        return src if src.dtype == dtype else src.to(dtype)
+
+    def start_unshard(self, full_precision: bool = True) -> None:
+        """Issue the all-gather (asynchronously) unless the data is already there.
+
+        ``full_precision=False`` gathers the compute-dtype copy forward and
+        backward use; everything else (state dicts, summon) wants the
+        original dtype, which is the default.
+        """
+        slot = self._slot(full_precision)
+        if not self._needs_copy or slot.valid or slot.pending is not None:
+            return
+        dtype = self.orig_dtype if full_precision else self.compute_dtype
+        src = self._gather_source(dtype)
+        if not self.uses_sharded_strategy:
+            slot.buffer, slot.valid = src, True
+            return
+        if slot.buffer is None or slot.buffer.dtype != dtype:
+            slot.buffer = torch.empty(self.padded_numel, dtype=dtype, device=self.device)
         else:
-            storage = self._full.untyped_storage()
-            nbytes = self.padded_numel * self._full.element_size()
+            storage = slot.buffer.untyped_storage()
+            nbytes = self.padded_numel * slot.buffer.element_size()
             if storage.size() != nbytes:
                 storage.resize_(nbytes)
-        return self._full
+        slot.source = src  # keep the input alive until the gather finishes
+        slot.pending = C.all_gather_into(slot.buffer, src, self.process_group, async_op=True)
 
-    def start_unshard(self) -> None:
-        """Issue the all-gather (asynchronously) unless the data is already there."""
-        if self._full_valid or self._pending is not None:
-            return
-        full = self._ensure_full_buffer()
-        self._pending = C.all_gather_into(full, self.local_shard, self.process_group, async_op=True)
-
-    def finish_unshard(self) -> None:
+    def finish_unshard(self, full_precision: bool = True) -> None:
         """Wait for the gather and point ``flat_param`` at the unsharded data."""
-        self.start_unshard()
-        if self._pending is not None:
-            self._pending.wait()
-            self._pending = None
-            self._full_valid = True
-        if self.uses_sharded_strategy and self._full is not None:
-            self.flat_param.data = self._full[: self.unpadded_numel]
+        self.start_unshard(full_precision)
+        slot = self._slot(full_precision)
+        slot.wait()
+        if self._needs_copy and slot.buffer is not None:
+            self.flat_param.data = slot.buffer[: self.unpadded_numel]
+        self._current = slot
         self.state = HandleState.UNSHARDED
 
     def reshard(self, free: bool) -> None:
@@ -357,15 +433,15 @@ class FlatParamHandle:
 
         Idempotent.  Keeping the storage (``free=False``) lets the next unshard
         skip its all-gather; that is only valid while the shard is unchanged.
+        A full-precision copy (summon) and a NO_SHARD cast copy are always
+        dropped: they are cheap to make again and may go stale.
         """
-        if self._pending is not None:  # a prefetch nobody used: finish it first
-            self._pending.wait()
-            self._pending = None
-            self._full_valid = True
+        for full_precision, slot in self._gathered.items():
+            slot.wait()
+            if free or full_precision or not self.uses_sharded_strategy:
+                slot.free(self.uses_sharded_strategy)
         self.flat_param.data = self.local_shard
-        if free and self.uses_sharded_strategy and self._full is not None:
-            self._full.untyped_storage().resize_(0)
-            self._full_valid = False
+        self._current = None
         if self.state is HandleState.UNSHARDED:
             self.state = HandleState.SHARDED
             self.use_sharded_views()
@@ -377,11 +453,14 @@ class FlatParamHandle:
     @property
     def holds_unsharded_storage(self) -> bool:
         """Gathered (or being gathered) data that a later unshard would reuse."""
-        return self.uses_sharded_strategy and (self._full_valid or self._pending is not None)
+        slot = self._gathered[False]
+        return self._needs_copy and (slot.valid or slot.pending is not None)
 
     # ------------------------------------------------------------------- views
 
-    def use_unsharded_views(self, as_params: bool = False) -> None:
+    def use_unsharded_views(
+        self, as_params: bool = False, source: torch.Tensor | None = None
+    ) -> None:
         """Expose each original parameter as a view into the unsharded data.
 
         For compute (``as_params=False``) the views are made from
@@ -394,7 +473,8 @@ class FlatParamHandle:
         """
         if as_params:
             with torch.no_grad():
-                views = self.flat_param.detach().split(self._segments)
+                flat = self.flat_param.detach() if source is None else source
+                views = flat.split(self._segments)
             for info, seg in zip(self.infos, self._info_segment):
                 info.param.data = views[seg].view(info.shape)
                 info.module.__dict__.pop(info.name, None)
@@ -462,25 +542,31 @@ class FlatParamHandle:
             if grad is None or sl is None or not info.param.requires_grad:
                 info.param.grad = None
             elif not self.uses_sharded_strategy:
-                info.param.grad = grad[info.offset : info.offset + info.numel].view(info.shape)
+                _assign_grad(info.param, grad[info.offset : info.offset + info.numel].view(info.shape))
             else:
-                info.param.grad = grad[sl[0] : sl[1]]
+                _assign_grad(info.param, grad[sl[0] : sl[1]])
 
     # --------------------------------------------------------------- gradients
 
     def prepare_gradient_for_backward(self) -> None:
-        """Park an existing sharded gradient so a fresh unsharded one can accumulate."""
+        """Park an existing reduced gradient so a fresh local one can accumulate.
+
+        The parked gradient is added back after this backward's reduction, so
+        accumulation without ``zero_grad`` sums the per-iteration means.  An
+        unreduced (``no_sync``) gradient is left in place: autograd adds the new
+        local gradient to it and the next synced reduction takes both.
+        """
         if self.use_orig_params:
             self._sync_flat_grad_from_orig()
         grad = self.flat_param.grad
-        if grad is not None and self.uses_sharded_strategy and not self.has_unreduced_grad:
+        if grad is not None and not self.has_unreduced_grad:
             self._saved_grad_shard = grad.detach()
             self.flat_param.grad = None
 
     def restore_parked_grad(self) -> None:
-        """A parked sharded gradient whose unit got no new gradient goes back."""
+        """A parked gradient whose unit got no new gradient goes back."""
         if self._saved_grad_shard is not None and self.flat_param.grad is None:
-            self.flat_param.grad = self._saved_grad_shard
+            _assign_grad(self.flat_param, self._saved_grad_shard)
             self._saved_grad_shard = None
             if self.use_orig_params:
                 self._set_grad_views()
@@ -493,10 +579,15 @@ class FlatParamHandle:
             self.flat_param.grad = None
 
     def reduce_gradient(self, sync: bool) -> None:
-        """Turn the unsharded gradient on ``flat_param`` into the mean sharded one.
+        """Turn the local unsharded gradient on ``flat_param`` into the mean sharded one.
 
-        Called from the post-backward hook after ``reshard``; when ``sync`` is
-        False (``no_sync``) the local unsharded gradient is kept for later.
+        Called from the post-backward hook after ``reshard``.  Sharded
+        strategies reduce-scatter over the shard group; NO_SHARD all-reduces;
+        hybrid strategies then all-reduce the shard over the replicate group.
+        The gradient is divided by ``pre`` before and ``post`` after summing,
+        reduced in ``reduce_dtype``, returned to the original dtype (unless
+        ``keep_low_precision_grads``) and to CPU when offloading.  With
+        ``sync=False`` (``no_sync``) the local gradient is kept for later.
         """
         grad = self.flat_param.grad
         if grad is None:
@@ -509,48 +600,77 @@ class FlatParamHandle:
                 self._set_unsharded_grad_views(grad)
             return
         self.has_unreduced_grad = False
-        pre, post = self.divide
-        if not self.uses_sharded_strategy:
-            if pre > 1:
-                grad.div_(pre)
-            C.all_reduce(grad, self.process_group)
-            if post > 1:
-                grad.div_(post)
+        self.flat_param.grad = None
+        if self.comm_hook is not None:
+            reduced = self._reduce_with_hook(grad)
         else:
-            self.flat_param.grad = None
-            if grad.numel() == self.padded_numel:
-                padded = grad
+            reduced = self._reduce_default(grad)
+        if not self.keep_low_precision_grads and reduced.dtype != self.orig_dtype:
+            reduced = reduced.to(self.orig_dtype)
+        if reduced.device != self.shard_device:
+            reduced = self._to_shard_device(reduced)
+        if self._saved_grad_shard is not None:
+            parked = self._saved_grad_shard
+            self._saved_grad_shard = None
+            if parked.dtype == reduced.dtype and parked.device == reduced.device:
+                reduced = parked.add_(reduced)
             else:
-                padded = grad.new_zeros(self.padded_numel)
-                padded[: grad.numel()].copy_(grad)
-            if pre > 1:
-                padded.div_(pre)
-            shard = grad.new_empty(self.shard_numel)
-            C.reduce_scatter_sum(shard, padded, self.process_group)
-            if post > 1:
-                shard.div_(post)
-            if self._saved_grad_shard is not None:
-                self._saved_grad_shard.add_(shard)
-                shard = self._saved_grad_shard
-                self._saved_grad_shard = None
-            self.flat_param.grad = shard
+                reduced = parked.to(reduced) + reduced
+        _assign_grad(self.flat_param, reduced)
         if self.use_orig_params:
             self._set_grad_views()
 
-    def _set_unsharded_grad_views(self, grad: torch.Tensor) -> None:
-        """Under ``no_sync`` the original params carry full-shape local gradients.
+    def _pad(self, grad: torch.Tensor) -> torch.Tensor:
+        if grad.numel() == self.padded_numel:
+            return grad
+        padded = grad.new_zeros(self.padded_numel)
+        padded[: grad.numel()].copy_(grad)
+        return padded
 
-        Their data is still the 1-D shard piece, so the gradient is installed
-        through ``.data``, which (unlike ``.grad =``) does not check shapes.
-        """
+    def _reduce_with_hook(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.comm_hook is None:
+            raise RuntimeError("no communication hook registered")
+        hook_state, hook = self.comm_hook
+        if not _is_low_precision_hook(hook) and grad.dtype != self.reduce_dtype:
+            grad = grad.to(self.reduce_dtype)
+        if not self.uses_sharded_strategy:
+            hook(hook_state, grad)
+            return grad
+        padded = self._pad(grad)
+        reduced = padded.new_empty(self.shard_numel)
+        hook(hook_state, padded, reduced)
+        return reduced
+
+    def _reduce_default(self, grad: torch.Tensor) -> torch.Tensor:
+        pre, post = self.divide
+        if grad.dtype != self.reduce_dtype:
+            grad = grad.to(self.reduce_dtype)
+        if self.uses_sharded_strategy:
+            padded = self._pad(grad)
+            if pre > 1:
+                padded.div_(pre)
+            reduced = grad.new_empty(self.shard_numel)
+            C.reduce_scatter_sum(reduced, padded, self.process_group)
+        else:
+            reduced = grad
+            if pre > 1:
+                reduced.div_(pre)
+            if self.world_size > 1:
+                C.all_reduce(reduced, self.process_group)
+        if self.replicate_group is not None:
+            C.all_reduce(reduced, self.replicate_group)
+        if post > 1:
+            reduced.div_(post)
+        return reduced
+
+    def _set_unsharded_grad_views(self, grad: torch.Tensor) -> None:
+        """Under ``no_sync`` the original params carry full-shape local gradients."""
         views = grad.split(self._segments)
         for info, seg in zip(self.infos, self._info_segment):
             if not info.param.requires_grad:
                 info.param.grad = None
-                continue
-            if info.param.grad is None:
-                info.param.grad = torch.empty_like(info.param)
-            info.param.grad.data = views[seg].view(info.shape)
+            else:
+                _assign_grad(info.param, views[seg].view(info.shape))
 
     # -------------------------------------------------------------- utilities
 
@@ -560,11 +680,81 @@ class FlatParamHandle:
             return [info.param.grad for info in self.infos if info.param.grad is not None]
         return [self.flat_param.grad] if self.flat_param.grad is not None else []
 
-    def write_back_unsharded(self) -> None:
-        """Copy this rank's part of the unsharded data into the local shard."""
-        if not self.uses_sharded_strategy or self._full is None:
-            return
+    def gather_full_grad(self) -> torch.Tensor:
+        """The mean gradient of the whole flat parameter (a collective).
+
+        Ranks without a gradient contribute zeros so every rank takes part.
+        """
+        grad = self.flat_param.grad
+        if not self.uses_sharded_strategy:
+            if grad is None:
+                return torch.zeros(self.unpadded_numel, dtype=self.orig_dtype, device=self.device)
+            return grad.detach().to(self.device)
+        local = (
+            torch.zeros(self.shard_numel, dtype=self.orig_dtype, device=self.device)
+            if grad is None or self.has_unreduced_grad
+            else grad.detach().to(self.device)
+        )
+        full = local.new_empty(self.padded_numel)
+        C.all_gather_into(full, local, self.process_group)
+        return full[: self.unpadded_numel]
+
+    def show_full_grads(self, full_grad: torch.Tensor) -> None:
+        """Original params' ``.grad`` become full-shape views of ``full_grad``."""
+        self._set_unsharded_grad_views(full_grad)
+
+    def show_sharded_grads(self) -> None:
+        """Undo :meth:`show_full_grads`."""
+        if self.has_unreduced_grad and self.flat_param.grad is not None:
+            self._set_unsharded_grad_views(self.flat_param.grad)
+        else:
+            self._set_grad_views()
+
+    def write_back_from(self, unsharded: torch.Tensor) -> None:
+        """Write ``unsharded`` (a full flat copy, e.g. on CPU) into the local shard."""
         with torch.no_grad():
+            lo = self.shard_offset
             self.local_shard[: self.shard_valid_numel].copy_(
-                self._full[self.shard_offset : self.shard_offset + self.shard_valid_numel]
+                unsharded[lo : lo + self.shard_valid_numel]
             )
+
+    def write_back_unsharded(self) -> None:
+        """Copy this rank's part of the current unsharded data into the local shard."""
+        slot = self._current
+        if not self._needs_copy or slot is None or slot.buffer is None:
+            return  # the views alias the local shard: nothing to copy
+        with torch.no_grad():
+            if self.uses_sharded_strategy:
+                lo = self.shard_offset
+                self.local_shard[: self.shard_valid_numel].copy_(
+                    slot.buffer[lo : lo + self.shard_valid_numel]
+                )
+            else:
+                self.local_shard.copy_(slot.buffer[: self.unpadded_numel])
+
+
+def _assign_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Set ``param.grad``, also when its shape, dtype or device differ from the data.
+
+    ``.grad =`` checks that they match; FSDP legitimately breaks that (a full
+    local gradient on a sharded parameter under ``no_sync``, a low-precision
+    gradient with ``keep_low_precision_grads``), so such gradients are
+    installed through ``.grad.data``.
+    """
+    if (
+        grad.shape == param.shape
+        and grad.dtype == param.dtype
+        and grad.device == param.device
+    ):
+        param.grad = grad
+        return
+    if param.grad is None:
+        param.grad = torch.empty_like(param)
+    param.grad.data = grad
+
+
+def _is_low_precision_hook(hook: Callable[..., Any]) -> bool:
+    """torch's fp16/bf16 compress hooks cast the gradient themselves."""
+    return getattr(hook, "__name__", "") in {"fp16_compress_hook", "bf16_compress_hook"} and (
+        getattr(hook, "__module__", "") == "torch.distributed.algorithms._comm_hooks.default_hooks"
+    )

@@ -7,6 +7,7 @@ hang.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterable
 from typing import Any, Callable, NamedTuple
@@ -18,15 +19,17 @@ from torch.distributed import ProcessGroup
 
 from . import _collectives as C
 from ._flat_param import walk_unit_modules
-from .api import CPUOffload, MixedPrecision, ShardingStrategy
+from .api import ShardingStrategy
 
 HYBRID_STRATEGIES = frozenset({ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2})
 
 
 class ProcessGroupState(NamedTuple):
-    group: ProcessGroup
+    group: ProcessGroup  # the shard group (all ranks for non-hybrid strategies)
     rank: int
     world_size: int
+    replicate_group: ProcessGroup | None  # hybrid strategies only
+    replicate_size: int
 
 
 def _rank_tag() -> str:
@@ -89,39 +92,89 @@ def resolve_ignored(
 
 
 def resolve_process_group(
-    process_group: Any, device_mesh: Any, strategy: ShardingStrategy
+    process_group: Any, device_mesh: Any, strategy: ShardingStrategy, auto_wrap: bool
 ) -> ProcessGroupState:
+    """The shard group and, for hybrid strategies, the replicate group.
+
+    Hybrid groups come from a ``(shard, replicate)`` tuple, a 2-D mesh
+    ``(replicate, shard)``, or, with an auto-wrap policy, are built here: one
+    shard group per node (``LOCAL_WORLD_SIZE`` ranks as torchrun sets it,
+    else CUDA devices per node, else every rank) and one replicate group per
+    local rank.
+    """
     if process_group is not None and device_mesh is not None:
         raise ValueError(
             "Cannot pass both process_group and device_mesh at the same time. "
             "Please just pass only one of them."
         )
-    if strategy in HYBRID_STRATEGIES:
-        raise NotImplementedError(
-            f"sharding_strategy={strategy} (hybrid sharding) is not implemented in this release "
-            "of fsdp_wrap yet; use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD"
-        )
-    if isinstance(process_group, tuple):
-        raise ValueError(
-            "A (shard, replicate) process-group tuple is only valid with HYBRID_SHARD or "
-            f"_HYBRID_SHARD_ZERO2, but sharding_strategy is {strategy}"
-        )
-    if device_mesh is not None:
-        if device_mesh.ndim != 1:
+    hybrid = strategy in HYBRID_STRATEGIES
+    replicate: ProcessGroup | None = None
+    if hybrid:
+        if device_mesh is not None:
+            if device_mesh.ndim != 2:
+                raise ValueError(f"Expected device_mesh to have ndim=2 but got {device_mesh.ndim}")
+            group, replicate = device_mesh.get_group(1), device_mesh.get_group(0)
+        elif process_group is None:
+            if not auto_wrap:
+                raise ValueError(
+                    f"Manual wrapping with {strategy} requires explicit specification of process "
+                    "group or device_mesh."
+                )
+            group, replicate = _default_hybrid_groups()
+        elif isinstance(process_group, tuple) and len(process_group) == 2:
+            group, replicate = process_group
+        else:
             raise ValueError(
-                f"Expected device_mesh to have ndim=1 for {strategy} but got {device_mesh.ndim}"
+                "Expected process_group to be passed in as either None or "
+                f"Tuple[dist.ProcessGroup, dist.ProcessGroup] but got {type(process_group)}"
             )
-        group = device_mesh.get_group(0)
-    elif process_group is not None:
-        group = process_group
     else:
-        if not dist.is_initialized():
+        if isinstance(process_group, tuple):
             raise ValueError(
-                "Default process group has not been initialized, please make sure to call "
-                "init_process_group."
+                "A (shard, replicate) process-group tuple is only valid with HYBRID_SHARD or "
+                f"_HYBRID_SHARD_ZERO2, but sharding_strategy is {strategy}"
             )
-        group = dist.distributed_c10d._get_default_group()
-    return ProcessGroupState(group, dist.get_rank(group), dist.get_world_size(group))
+        if device_mesh is not None:
+            if device_mesh.ndim != 1:
+                raise ValueError(
+                    f"Expected device_mesh to have ndim=1 for {strategy} but got "
+                    f"{device_mesh.ndim}"
+                )
+            group = device_mesh.get_group(0)
+        elif process_group is not None:
+            group = process_group
+        else:
+            group = _default_group()
+    replicate_size = dist.get_world_size(replicate) if replicate is not None else 1
+    return ProcessGroupState(
+        group, dist.get_rank(group), dist.get_world_size(group), replicate, replicate_size
+    )
+
+
+def _default_group() -> ProcessGroup:
+    if not dist.is_initialized():
+        raise ValueError(
+            "Default process group has not been initialized, please make sure to call "
+            "init_process_group."
+        )
+    return dist.distributed_c10d._get_default_group()
+
+
+def _default_hybrid_groups() -> tuple[ProcessGroup, ProcessGroup]:
+    world = dist.get_world_size(_default_group())
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or (
+        torch.cuda.device_count() if torch.cuda.is_available() else world
+    )
+    if local <= 0 or world % local:
+        raise ValueError(
+            f"{_rank_tag()}cannot build hybrid-sharding groups: world size {world} is not a "
+            f"multiple of the ranks per node ({local}); pass (shard_group, replicate_group) or a "
+            "2-D device_mesh"
+        )
+    rank = dist.get_rank()
+    shard_groups = [dist.new_group(list(range(n * local, (n + 1) * local))) for n in range(world // local)]
+    replicate_groups = [dist.new_group(list(range(i, world, local))) for i in range(local)]
+    return shard_groups[rank // local], replicate_groups[rank % local]
 
 
 def clamp_strategy(strategy: ShardingStrategy, world_size: int) -> ShardingStrategy:
@@ -139,29 +192,6 @@ def clamp_strategy(strategy: ShardingStrategy, world_size: int) -> ShardingStrat
             stacklevel=3,
         )
     return strategy
-
-
-def check_unimplemented(
-    cpu_offload: CPUOffload | None, mixed_precision: MixedPrecision | None, strategy: Any
-) -> None:
-    """Options a later release implements are refused by name, never ignored."""
-    if cpu_offload is not None and cpu_offload.offload_params:
-        raise NotImplementedError(
-            "cpu_offload=CPUOffload(offload_params=True) is not implemented in this release of "
-            "fsdp_wrap yet"
-        )
-    if mixed_precision is not None and any(
-        dt is not None
-        for dt in (
-            mixed_precision.param_dtype,
-            mixed_precision.reduce_dtype,
-            mixed_precision.buffer_dtype,
-        )
-    ):
-        raise NotImplementedError(
-            "mixed_precision with param_dtype/reduce_dtype/buffer_dtype is not implemented in "
-            "this release of fsdp_wrap yet"
-        )
 
 
 def _unit_tensors(
@@ -209,18 +239,51 @@ def resolve_device(
     return next(iter(non_cpu)) if non_cpu else torch.device("cpu")
 
 
-def materialize_or_reject_meta(
+def materialize_meta(
     module: nn.Module,
     stop: Callable[[nn.Module], bool],
     ignored: set[nn.Parameter],
     param_init_fn: Callable[[nn.Module], None] | None,
+    device: torch.device,
     rank: int,
 ) -> None:
-    meta = [fqn for fqn, t in _unit_tensors(module, stop, ignored) if t.is_meta]
-    if meta:
-        raise NotImplementedError(
-            f"[rank {rank}] meta-device initialisation (param_init_fn / reset_parameters) is "
-            f"not implemented in this release of fsdp_wrap yet; meta tensors: {meta[:5]}"
+    """Materialise a meta-device unit, one module at a time, on ``device``.
+
+    Modules are visited breadth-first, not entering nested FSDP units (they
+    materialised themselves) or ignored modules.  ``param_init_fn(module)`` is
+    called on each; without one, each module holding tensors directly gets
+    ``to_empty(device, recurse=False)`` and ``reset_parameters()``.
+    """
+    if not any(t.is_meta for _, t in _unit_tensors(module, stop, ignored)):
+        return
+    queue, order = [module], []
+    while queue:
+        m = queue.pop(0)
+        order.append(m)
+        queue.extend(c for c in m.children() if not stop(c))
+    with torch.no_grad():
+        for m in order:
+            if param_init_fn is not None:
+                param_init_fn(m)
+                continue
+            if not any(True for _ in m.parameters(recurse=False)) and not any(
+                True for _ in m.buffers(recurse=False)
+            ):
+                continue
+            m.to_empty(device=device, recurse=False)
+            reset = getattr(m, "reset_parameters", None)
+            if not callable(reset):
+                raise ValueError(
+                    f"[rank {rank}] {type(m).__name__} has meta-device tensors but no "
+                    "reset_parameters(); pass param_init_fn to initialise it"
+                )
+            reset()
+    left = [fqn for fqn, t in _unit_tensors(module, stop, ignored) if t.is_meta]
+    if left:
+        raise RuntimeError(
+            f"[rank {rank}] meta-device tensors remain after initialisation: {left}. "
+            "param_init_fn must materialise every parameter and buffer of the module it is given "
+            "(e.g. module.to_empty(device=..., recurse=False) then initialise)."
         )
 
 
@@ -244,13 +307,28 @@ def sync_module_states(
     module: nn.Module,
     stop: Callable[[nn.Module], bool],
     ignored: set[nn.Parameter],
-    group: ProcessGroup,
+    groups: list[ProcessGroup],
 ) -> None:
-    """Broadcast rank 0's parameters and buffers (one collective per tensor)."""
-    src = dist.get_global_rank(group, 0)
+    """Give every rank group-rank 0's parameters and buffers.
+
+    One broadcast per dtype per group: tensors are packed into one flat buffer.
+    For hybrid sharding the replicate group goes first, then the shard group,
+    so global rank 0's values reach everyone.
+    """
+    tensors = [t for _, t in _unit_tensors(module, stop, ignored)]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t.data if isinstance(t, nn.Parameter) else t)
     with torch.no_grad():
-        for _, t in _unit_tensors(module, stop, ignored):
-            C.broadcast(t.data if isinstance(t, nn.Parameter) else t, src, group)
+        for group in groups:
+            src = dist.get_global_rank(group, 0)
+            for same in by_dtype.values():
+                flat = torch.cat([t.reshape(-1) for t in same])
+                C.broadcast(flat, src, group)
+                offset = 0
+                for t in same:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
 
 
 def check_no_cross_unit_sharing(
@@ -271,3 +349,23 @@ def check_no_cross_unit_sharing(
                 "unit already owns. Tied parameters must live in one FSDP unit: wrap their common "
                 "parent instead (e.g. exclude one of the two modules from the wrap policy)."
             )
+
+
+def cast_buffers(state: Any) -> dict[str, torch.dtype]:
+    """Cast the unit's floating buffers to ``buffer_dtype``; return their original dtypes."""
+    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+
+    dtype = state.mixed_precision.buffer_dtype
+    if dtype is None:
+        return {}
+    orig: dict[str, torch.dtype] = dict(state._buffer_orig_dtypes)
+    for mod_fqn, mod in walk_unit_modules(
+        state._fsdp_wrapped_module, lambda m: isinstance(m, FSDP)
+    ):
+        for name, b in mod._buffers.items():
+            if b is None or not b.is_floating_point() or b.dtype == dtype:
+                continue
+            fqn = f"{mod_fqn}.{name}" if mod_fqn else name
+            orig.setdefault(fqn, b.dtype)
+            mod._buffers[name] = b.to(dtype)
+    return orig

@@ -114,11 +114,11 @@ def pre_forward(state: FSDP, handle: FlatParamHandle | None) -> None:
         return
     root = state._root
     root._exec_order.record_pre_forward(handle)
-    handle.finish_unshard()
+    handle.finish_unshard(full_precision=False)
     if state.forward_prefetch:
         nxt = root._exec_order.next_in_forward(handle)
         if nxt is not None:
-            nxt.start_unshard()
+            nxt.start_unshard(full_precision=False)
     handle.use_unsharded_views()
 
 
@@ -168,7 +168,7 @@ def _pre_backward_hook(
     state._ran_pre_backward = True
     state.training_state = TrainingState.FORWARD_BACKWARD
     if handle is not None:
-        handle.finish_unshard()
+        handle.finish_unshard(full_precision=False)
         handle.use_unsharded_views()
         if state.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
             _prefetch_backward(state, handle)
@@ -199,7 +199,7 @@ def _prefetch_backward(state: FSDP, handle: FlatParamHandle) -> None:
     root = state._root
     nxt = root._exec_order.next_in_backward(handle)
     if nxt is not None and not root._state_of[nxt]._ran_pre_backward:
-        nxt.start_unshard()
+        nxt.start_unshard(full_precision=False)
 
 
 def _queue_final_callback(root: FSDP) -> None:
@@ -263,6 +263,11 @@ def _map_mapping(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
     for k in list(obj.keys()):
         obj[k] = _apply_to_tensors(fn, obj[k])
     return obj
+
+
+def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
+    """Cast every floating-point tensor in ``obj`` to ``dtype``."""
+    return _apply_to_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, obj)
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:

@@ -24,6 +24,7 @@ from . import _init
 from . import _optim_state_dict as _osd
 from . import _runtime
 from . import _state_dict
+from . import _summon
 from ._compat import coerce_dataclass, coerce_enum
 from ._flat_param import FlatParamHandle, collect_unit_params
 from ._runtime import ExecOrder, TrainingState
@@ -100,16 +101,19 @@ class FullyShardedDataParallel(nn.Module):
         ignored_mods, ignored_params = _init.resolve_ignored(module, ignored_modules, ignored_states)
         self._ignored_modules = ignored_mods
         self._ignored_params = ignored_params
-        pg_state = _init.resolve_process_group(process_group, device_mesh, strategy)
+        pg_state = _init.resolve_process_group(
+            process_group, device_mesh, strategy, auto_wrap_policy is not None
+        )
         self.process_group = pg_state.group
         self.rank = pg_state.rank
         self.world_size = pg_state.world_size
         self._device_mesh = device_mesh
-        self._inter_node_pg = None
-        divide = C.divide_factors(self.world_size)
+        self._inter_node_pg = pg_state.replicate_group
+        divide = C.divide_factors(self.world_size * pg_state.replicate_size)
         self._gradient_predivide_factor, self._gradient_postdivide_factor = divide
-
-        _init.check_unimplemented(cpu_offload, mixed_precision, strategy)
+        if pg_state.replicate_group is not None and device_mesh is None:
+            # Children share this unit's groups instead of building their own.
+            process_group = (pg_state.group, pg_state.replicate_group)
 
         if auto_wrap_policy is not None:
             from .wrap import _auto_wrap
@@ -160,15 +164,21 @@ class FullyShardedDataParallel(nn.Module):
         self._all_fsdp_states: list[FullyShardedDataParallel] = []
         self._all_handles: list[FlatParamHandle] = []
         self._state_of: dict[FlatParamHandle, FullyShardedDataParallel] = {}
+        # Original dtypes of buffers cast to ``buffer_dtype`` (clean FQN under
+        # the wrapped module -> dtype); state dicts save them in these dtypes.
+        self._buffer_orig_dtypes: dict[str, torch.dtype] = {}
 
         def stop(m: nn.Module) -> bool:
             return isinstance(m, FullyShardedDataParallel) or m in ignored_mods
 
         self.compute_device = _init.resolve_device(module, device_id, stop, ignored_params)
-        _init.materialize_or_reject_meta(module, stop, ignored_params, param_init_fn, self.rank)
+        _init.materialize_meta(
+            module, stop, ignored_params, param_init_fn, self.compute_device, self.rank
+        )
         _init.move_to_device(module, self.compute_device, stop, ignored_params)
         if sync_module_states:
-            _init.sync_module_states(module, stop, ignored_params, self.process_group)
+            groups = [g for g in (self._inter_node_pg, self.process_group) if g is not None]
+            _init.sync_module_states(module, stop, ignored_params, groups)
 
         params, shared = collect_unit_params(module, stop, ignored_params)
         _init.check_no_cross_unit_sharing(module, params, self.rank)
@@ -186,6 +196,11 @@ class FullyShardedDataParallel(nn.Module):
                 world_size=self.world_size,
                 use_orig_params=use_orig_params,
                 divide=divide,
+                param_dtype=self.mixed_precision.param_dtype,
+                reduce_dtype=self.mixed_precision.reduce_dtype,
+                keep_low_precision_grads=self.mixed_precision.keep_low_precision_grads,
+                offload_params=self.cpu_offload.offload_params,
+                replicate_group=self._inter_node_pg if pg_state.replicate_size > 1 else None,
             )
             self._handle.flat_param.register_post_accumulate_grad_hook(
                 _runtime.make_post_backward_hook(self, self._handle)
@@ -235,6 +250,11 @@ class FullyShardedDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         handle = self._handle
         args, kwargs = _runtime.root_pre_forward(self, args, kwargs)
+        mp = self.mixed_precision
+        if mp.param_dtype is not None and (
+            mp.cast_root_forward_inputs if self._is_root else mp.cast_forward_inputs
+        ):
+            args, kwargs = _runtime.cast_floating((args, kwargs), mp.param_dtype)
         _runtime.pre_forward(self, handle)
         output = self._fsdp_wrapped_module(*args, **kwargs)
         return _runtime.post_forward(self, handle, output)
@@ -267,7 +287,7 @@ class FullyShardedDataParallel(nn.Module):
     def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:  # type: ignore[override]
         """``nn.Module.apply`` with this unit's parameters gathered and written back."""
         uninitialised = self._is_root is None
-        with _state_dict.unshard_for_summon([self], writeback=True):
+        with _summon.summon([self], writeback=True):
             super().apply(fn)
         if uninitialised and self._is_root:
             self._reset_lazy_init()
@@ -304,6 +324,8 @@ class FullyShardedDataParallel(nn.Module):
                 raise ValueError(f"Expects one homogeneous value for {attr} but got {values}")
         if self.world_size > 1:
             _runtime.all_gather_unit_signatures(self)
+        for st in states:
+            st._buffer_orig_dtypes = _init.cast_buffers(st)
 
     def _reset_lazy_init(self) -> None:
         self._is_root = None
@@ -429,16 +451,11 @@ class FullyShardedDataParallel(nn.Module):
         ``nn.Parameter`` s.  With ``writeback`` changes are copied back to the
         local shard on exit.  A collective.
         """
-        if rank0_only or offload_to_cpu or with_grads:
-            raise NotImplementedError(
-                "summon_full_params(rank0_only=..., offload_to_cpu=..., with_grads=...) is not "
-                "implemented in this release of fsdp_wrap yet"
-            )
         if recurse:
             states = FullyShardedDataParallel.fsdp_modules(module)
         else:
             states = [module] if isinstance(module, FullyShardedDataParallel) else []
-        with _state_dict.unshard_for_summon(states, writeback=writeback):
+        with _summon.summon(states, writeback, rank0_only, offload_to_cpu, with_grads):
             yield
 
     # ------------------------------------------------------------ state dicts
@@ -567,9 +584,30 @@ class FullyShardedDataParallel(nn.Module):
     # ------------------------------------------------------------ comm hooks
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
-        raise NotImplementedError(
-            "register_comm_hook is not implemented in this release of fsdp_wrap yet"
-        )
+        """Replace gradient reduction by ``hook`` on every unit of this (root) tree.
+
+        ``hook(state, grad)`` for NO_SHARD units (reduce ``grad`` in place);
+        ``hook(state, padded_unsharded_grad, output)`` for sharded units (write
+        this rank's reduced shard into ``output``).  The hook owns the
+        averaging: the default pre/post division is skipped.
+        """
+        if not self.check_is_root():
+            raise AssertionError("register_comm_hook can only be called on a root instance.")
+        if not callable(hook):
+            raise ValueError(f"The communication hook must be callable but got {hook}")
+        states = FullyShardedDataParallel.fsdp_modules(self)
+        for st in states:
+            if st.sharding_strategy in _init.HYBRID_STRATEGIES:
+                raise AssertionError(
+                    "Communication hook is not supported for hybrid strategies: "
+                    f"{st.sharding_strategy}"
+                )
+            if st._comm_hook is not None:
+                raise AssertionError("A communication hook is already registered")
+        for st in states:
+            st._comm_hook, st._comm_hook_state = hook, state
+            if st._handle is not None:
+                st._handle.comm_hook = (state, hook)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         try:
