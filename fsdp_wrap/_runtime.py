@@ -169,7 +169,10 @@ def _pre_backward_hook(
     state.training_state = TrainingState.FORWARD_BACKWARD
     if handle is not None:
         handle.finish_unshard(full_precision=False)
-        handle.use_unsharded_views()
+        # Hooks run with grad disabled; reentrant activation checkpointing
+        # recomputes the forward through these views and needs them tracked.
+        with torch.enable_grad():
+            handle.use_unsharded_views()
         if state.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
             _prefetch_backward(state, handle)
         handle.prepare_gradient_for_backward()

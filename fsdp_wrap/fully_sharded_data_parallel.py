@@ -155,8 +155,8 @@ class FullyShardedDataParallel(nn.Module):
         # Plain attribute, not a submodule: the root is not a child of its units.
         object.__setattr__(self, "_root", self)
         self._sync_gradients = True
-        self._comm_hook = None
-        self._comm_hook_state = None
+        self._comm_hook: Callable[..., Any] | None = None
+        self._comm_hook_state: object = None
         self._ran_pre_backward = False
         self._final_callback_queued = False
         self._forward_pending_backward = False
