@@ -20,11 +20,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _collectives as C
-from . import _init
+from . import _init, _runtime, _state_dict, _summon
 from . import _optim_state_dict as _osd
-from . import _runtime
-from . import _state_dict
-from . import _summon
 from ._compat import coerce_dataclass, coerce_enum
 from ._flat_param import FlatParamHandle, collect_unit_params
 from ._runtime import ExecOrder, TrainingState
