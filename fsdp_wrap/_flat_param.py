@@ -246,7 +246,7 @@ class FlatParamHandle:
                 C.broadcast(flat, dist.get_global_rank(process_group, 0), process_group)
             self.local_shard = self._shard(flat)
             if offload_params:
-                self.local_shard = self._to_shard_device(self.local_shard)
+                self.local_shard = self._to_shard_device(self.local_shard, pin=True)
         self.flat_param = FlatParameter.make(self.local_shard, requires_grad)
         # Unsharded copies: one in the compute dtype for forward/backward, and
         # (only when that differs from the original dtype) one in full
@@ -378,11 +378,11 @@ class FlatParamHandle:
     def is_unsharded(self) -> bool:
         return self.state is HandleState.UNSHARDED
 
-    def _to_shard_device(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _to_shard_device(self, tensor: torch.Tensor, pin: bool = False) -> torch.Tensor:
+        """Copy to CPU; ``pin`` for the persistent shard, whose host-to-device
+        copy before every all-gather is then asynchronous."""
         out = tensor.to("cpu")
-        if self.device.type == "cuda":
-            out = out.pin_memory()
-        return out
+        return out.pin_memory() if pin and self.device.type == "cuda" else out
 
     def _slot(self, full_precision: bool) -> _Gathered:
         return self._gathered[full_precision and self.compute_dtype != self.orig_dtype]
