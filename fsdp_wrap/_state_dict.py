@@ -1,29 +1,48 @@
 """Model state dicts and the unshard-for-summon machinery they share.
 
 ``state_dict()`` and ``load_state_dict()`` stay ``nn.Module``'s; hooks on each
-FSDP unit adapt them:
+FSDP unit adapt them to the unit's state-dict type.  Keys are always clean
+FQNs (no ``_fsdp_wrapped_module.``), exactly the unwrapped model's keys.
 
-* save, FULL: the pre-hook gathers the unit and registers its original
+* FULL, save: the pre-hook gathers the unit and registers its original
   parameters (full shapes) in place of the flat parameter, so ``nn.Module``
   emits them in the unwrapped model's key order; the post-hook clones the
   unit's values (to CPU if asked, dropped off rank 0 under ``rank0_only``),
-  removes ``_fsdp_wrapped_module.`` from the keys and frees the unit again.
-  Units are gathered one nested level at a time.
-* load, FULL: the pre-hook gathers the unit and re-prefixes the keys; after
-  ``nn.Module`` copies into the full views, the post-hook writes this rank's
-  part back into the shard, frees the unit, and cleans the names in the
-  missing/unexpected key lists.
+  and frees the unit again.  Units are gathered one nested level at a time.
+* FULL, load: the pre-hook gathers the unit; after ``nn.Module`` copies into
+  the full views, the post-hook writes this rank's part back into the shard.
+* SHARDED, save: as FULL, then each original parameter is cut on dim 0 with
+  ``torch.chunk`` semantics into a ShardedTensor (DTensor ``Shard(0)`` with a
+  device mesh).  The layout depends only on the parameter's shape and the
+  world size, never on the flat layout, so DCP can reshard it.
+* SHARDED, load: each unit's chunks are all-gathered (one collective per unit
+  and dtype), then loaded like FULL.
+* LOCAL: one ``<unit>._flat_param`` 1-D ShardedTensor per unit holding this
+  rank's flat shard without its right padding.  No collective; needs the same
+  world size and wrapping to load.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections.abc import Generator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed import ProcessGroup
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import (
+    Shard,
+    ShardedTensor,
+    ShardedTensorMetadata,
+    TensorProperties,
+)
+from torch.distributed.tensor import DTensor
 
 from . import _compat
 from ._flat_param import walk_unit_modules
@@ -46,6 +65,8 @@ if TYPE_CHECKING:
     from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
 
 WRAPPED = "_fsdp_wrapped_module."
+CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module."
+FLAT_PARAM_KEY = "_flat_param"
 
 _CONFIG_CLASSES: dict[StateDictType, tuple[type[StateDictConfig], type[OptimStateDictConfig]]] = {
     StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
@@ -154,6 +175,226 @@ def unshard_for_summon(states: Sequence[FSDP], writeback: bool) -> Generator[Non
             st.training_state = TrainingState.IDLE
 
 
+
+# ------------------------------------------------- dim-0 chunked values
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """How sharded state-dict values are cut: dim 0, ``torch.chunk``, over ``group``.
+
+    Rank ``r`` holds rows ``[r * c, (r + 1) * c)`` with ``c = ceil(d0 / world_size)``;
+    trailing ranks may hold nothing.  ``mesh`` set means DTensor values.
+    """
+
+    group: ProcessGroup
+    rank: int
+    world_size: int
+    device: torch.device
+    mesh: Any = None
+
+
+def chunk_layout(state: FSDP, use_dtensor: bool) -> ChunkLayout:
+    """The layout of ``state``'s sharded values (DTensor with a mesh or ``_use_dtensor``)."""
+    mesh = state._device_mesh
+    if mesh is None and use_dtensor:
+        mesh = state.__dict__.get("_sd_device_mesh")
+        if mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            mesh = DeviceMesh.from_group(state.process_group, state.compute_device.type)
+            state.__dict__["_sd_device_mesh"] = mesh
+    return ChunkLayout(state.process_group, state.rank, state.world_size, state.compute_device, mesh)
+
+
+def _chunk_rows(d0: int, world_size: int, rank: int) -> tuple[int, int]:
+    """``(first row, row count)`` of ``rank``'s ``torch.chunk`` piece of ``d0`` rows."""
+    size = math.ceil(d0 / world_size) if d0 else 0
+    start = min(d0, size * rank)
+    return start, max(0, min(size, d0 - start))
+
+
+def _placement(global_rank: int, device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"rank:{global_rank}/cuda:{global_rank % max(1, torch.cuda.device_count())}"
+    return f"rank:{global_rank}/{device.type}"
+
+
+def chunk_tensor(full: torch.Tensor, layout: ChunkLayout, offload_to_cpu: bool) -> Any:
+    """This rank's dim-0 chunk of ``full`` (a copy) as a ShardedTensor or DTensor.
+
+    No communication: every rank knows every chunk's extent.
+    """
+    full = full.detach()
+    d0 = full.shape[0]
+    start, rows = _chunk_rows(d0, layout.world_size, layout.rank)
+    local = full.narrow(0, start, rows).clone()
+    if offload_to_cpu:
+        local = local.cpu()
+    if layout.mesh is not None:
+        from torch.distributed.tensor import Shard as DShard
+
+        return DTensor.from_local(
+            local, layout.mesh, [DShard(0)], run_check=False, shape=full.shape,
+            stride=full.stride(),
+        )
+    device = local.device
+    shards_md: list[ShardMetadata] = []
+    for r in range(layout.world_size):
+        r_start, r_rows = _chunk_rows(d0, layout.world_size, r)
+        if r_rows == 0 and r > 0:
+            continue  # torch.chunk made fewer chunks: no metadata entry
+        offsets = [r_start] + [0] * (full.dim() - 1)
+        sizes = [r_rows, *full.shape[1:]]
+        global_rank = dist.get_global_rank(layout.group, r)
+        shards_md.append(ShardMetadata(offsets, sizes, _placement(global_rank, device)))
+    local_shards = []
+    if rows > 0 or layout.rank == 0:
+        offsets = [start] + [0] * (full.dim() - 1)
+        global_rank = dist.get_global_rank(layout.group, layout.rank)
+        local_shards.append(Shard.from_tensor_and_offsets(local, offsets, global_rank))
+    metadata = ShardedTensorMetadata(
+        shards_metadata=shards_md,
+        size=full.size(),
+        tensor_properties=TensorProperties(
+            dtype=full.dtype,
+            layout=full.layout,
+            requires_grad=False,
+            memory_format=torch.contiguous_format,
+            pin_memory=False,
+        ),
+    )
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local_shards, sharded_tensor_metadata=metadata, process_group=layout.group
+    )
+
+
+def is_chunked(value: Any) -> bool:
+    return isinstance(value, (ShardedTensor, DTensor))
+
+
+def _local_chunk(key: str, value: Any, layout: ChunkLayout) -> tuple[torch.Size, torch.Tensor]:
+    """Global shape and this rank's chunk of a ShardedTensor/DTensor (checked)."""
+    shape = torch.Size(value.size())
+    start, rows = _chunk_rows(shape[0], layout.world_size, layout.rank)
+    expected = torch.Size([rows, *shape[1:]])
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        where = f"placements {value.placements}"
+    else:
+        shards = value.local_shards()
+        if len(shards) > 1:
+            raise ValueError(
+                f"[rank {layout.rank}] '{clean_key(key)}': expected at most one local shard "
+                f"but got {len(shards)}"
+            )
+        if shards:
+            local = shards[0].tensor
+            offsets = list(shards[0].metadata.shard_offsets)
+        else:
+            local = torch.empty(expected, dtype=value.dtype)
+            offsets = [start] + [0] * (len(shape) - 1)
+        where = f"offsets {offsets}"
+        if rows and offsets != [start] + [0] * (len(shape) - 1):
+            local = None  # type: ignore[assignment]
+    if local is None or local.shape != expected:
+        got = None if local is None else tuple(local.shape)
+        raise ValueError(
+            f"[rank {layout.rank}] '{clean_key(key)}' is not chunked on dim 0 over "
+            f"{layout.world_size} ranks: expected a local chunk of shape {tuple(expected)} "
+            f"at row {start} but got {got} ({where}). Load sharded checkpoints through "
+            "torch.distributed.checkpoint so they are resharded for this world size."
+        )
+    return shape, local
+
+
+def gather_chunks(items: Sequence[tuple[str, Any]], layout: ChunkLayout) -> list[torch.Tensor]:
+    """Full tensors from dim-0 chunked values: one all-gather per dtype.
+
+    Every rank must pass the same keys in the same order (a collective).
+    """
+    out: list[torch.Tensor | None] = [None] * len(items)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    locals_: list[tuple[torch.Size, torch.Tensor]] = []
+    for i, (key, value) in enumerate(items):
+        locals_.append(_local_chunk(key, value, layout))
+        by_dtype.setdefault(value.dtype, []).append(i)
+    ws = layout.world_size
+    for dtype, idxs in by_dtype.items():
+        sizes = []
+        for i in idxs:
+            shape = locals_[i][0]
+            row = math.prod(shape[1:])
+            sizes.append((math.ceil(shape[0] / ws) if shape[0] else 0) * row)
+        total = sum(sizes)
+        buf = torch.zeros(total, dtype=dtype, device=layout.device)
+        pos = 0
+        for i, size in zip(idxs, sizes):
+            local = locals_[i][1].reshape(-1)
+            buf[pos : pos + local.numel()].copy_(local)
+            pos += size
+        gathered = torch.empty(total * ws, dtype=dtype, device=layout.device)
+        dist.all_gather_into_tensor(gathered, buf, group=layout.group)
+        table = gathered.view(ws, total)
+        pos = 0
+        for i, size in zip(idxs, sizes):
+            shape = locals_[i][0]
+            full = table[:, pos : pos + size].reshape(-1)[: math.prod(shape)]
+            out[i] = full.view(shape)
+            pos += size
+    return [t for t in out if t is not None]
+
+
+def clean_key(key: str) -> str:
+    return key.replace(WRAPPED, "").replace(CHECKPOINT_WRAPPED, "")
+
+
+# ------------------------------------------------ collective-call check
+
+_CALLS = (
+    "state_dict(FULL_STATE_DICT)",
+    "state_dict(SHARDED_STATE_DICT)",
+    "load_state_dict(FULL_STATE_DICT)",
+    "load_state_dict(SHARDED_STATE_DICT)",
+    "optim_state_dict",
+    "optim_state_dict_to_load",
+)
+
+
+def check_same_call(group: ProcessGroup, rank: int, call: str) -> None:
+    """Fail on every rank, naming the call, if the ranks are not all making it.
+
+    One tiny all-gather of a call code.  When some ranks run a different
+    FSDP collective entry point (another state-dict call, another type) the
+    codes differ and every rank raises the same error instead of the group
+    deadlocking or exchanging mismatched buffers.  A rank that makes no
+    collective at all cannot be detected without a timeout; that case is left
+    to the process group's own timeout.
+    """
+    if dist.get_world_size(group) == 1:
+        return
+    code = _CALLS.index(call) + 1
+    mine = torch.tensor([code], dtype=torch.int64)
+    device = _group_device(group)
+    mine = mine.to(device)
+    everyone = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(everyone, mine, group=group)
+    codes = everyone.tolist()
+    if any(c != code for c in codes):
+        seen = {r: (_CALLS[c - 1] if 0 < c <= len(_CALLS) else f"<unknown {c}>") for r, c in enumerate(codes)}
+        raise RuntimeError(
+            f"[rank {rank}] {call} is a collective: every rank of the process group must call "
+            f"it at the same point, but the ranks called {seen}"
+        )
+
+
+def _group_device(group: ProcessGroup) -> torch.device:
+    backend = dist.get_backend(group)
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 # ---------------------------------------------------------------- hooks
 
 
@@ -164,31 +405,59 @@ def register_hooks(state: FSDP) -> None:
     state.register_load_state_dict_post_hook(_post_load_state_dict_hook)
 
 
-def _effective_type(state: FSDP) -> StateDictType:
-    if state._state_dict_type is not StateDictType.FULL_STATE_DICT and (
-        state.sharding_strategy is ShardingStrategy.NO_SHARD
-    ):
-        warnings.warn(
-            "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned.",
-            stacklevel=4,
-        )
+def effective_type(state: FSDP, warn: bool = True) -> StateDictType:
+    """The type ``state`` really uses: NO_SHARD always falls back to FULL (with a warning)."""
+    sd_type = state._state_dict_type
+    if sd_type is StateDictType.FULL_STATE_DICT:
+        return sd_type
+    if state.sharding_strategy is ShardingStrategy.NO_SHARD:
+        if warn:
+            warnings.warn(
+                "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned.",
+                stacklevel=4,
+            )
         return StateDictType.FULL_STATE_DICT
-    if state._state_dict_type is not StateDictType.FULL_STATE_DICT:
-        raise NotImplementedError(
-            f"{state._state_dict_type} is not implemented in this release of fsdp_wrap yet; "
-            "use StateDictType.FULL_STATE_DICT"
+    if sd_type is StateDictType.LOCAL_STATE_DICT and state._device_mesh is not None:
+        raise RuntimeError(
+            "Found state_dict_type LOCAL_STATE_DICT. DeviceMesh is not compatible with "
+            "LOCAL_STATE_DICT. Please set state_dict_type to SHARDED_STATE_DICT to get DTensor "
+            "state_dict."
         )
-    return state._state_dict_type
+    return sd_type
+
+
+def _uses_dtensor(state: FSDP) -> bool:
+    cfg = state._state_dict_config
+    return state._device_mesh is not None or bool(getattr(cfg, "_use_dtensor", False))
+
+
+def _rel(info_fqn: str) -> str:
+    return info_fqn.replace(CHECKPOINT_WRAPPED, "")
+
+
+def _param_rels(state: FSDP) -> list[str]:
+    """Keys (relative to the wrapped module) of the unit's flattened parameters."""
+    h = state._handle
+    return [] if h is None else [_rel(i.fqn) for i in h.infos]
+
+
+def _shared_rels(state: FSDP) -> list[str]:
+    h = state._handle
+    return [] if h is None else [_rel(s.fqn) for s in h.shared]
 
 
 def _pre_state_dict_hook(state: FSDP, prefix: str, keep_vars: bool) -> None:
     state._lazy_init()
-    _effective_type(state)
+    sd_type = effective_type(state)
     if state.training_state is not TrainingState.IDLE:
         raise RuntimeError(
             f"[rank {state.rank}] state_dict() called on FSDP unit '{prefix.rstrip('.')}' during "
             f"{state.training_state}; call it outside forward/backward"
         )
+    if sd_type is StateDictType.LOCAL_STATE_DICT:
+        return
+    if state._is_root:
+        check_same_call(state.process_group, state.rank, f"state_dict({sd_type.name})")
     if state._handle is not None:
         state._handle.finish_unshard()
         state._handle.use_unsharded_views(as_params=True)
@@ -202,7 +471,8 @@ def _unit_keys(state: FSDP) -> list[str]:
     for mod_fqn, mod in walk_unit_modules(
         state._fsdp_wrapped_module, lambda m: isinstance(m, FSDP)
     ):
-        pre = f"{mod_fqn}." if mod_fqn else ""
+        pre = f"{_rel(mod_fqn)}." if mod_fqn else ""
+        pre = pre.replace("_checkpoint_wrapped_module.", "")
         keys.extend(pre + n for n, p in mod._parameters.items() if p is not None)
         keys.extend(
             pre + n
@@ -216,48 +486,204 @@ def _unit_keys(state: FSDP) -> list[str]:
 def _post_state_dict_hook(
     state: FSDP, state_dict: dict[str, Any], prefix: str, local_metadata: Any
 ) -> None:
-    cfg = state._state_dict_config
-    rank0_only = isinstance(cfg, FullStateDictConfig) and cfg.rank0_only
-    drop = rank0_only and state.rank != 0
+    sd_type = effective_type(state, warn=False)
     try:
-        for rel in _unit_keys(state):
-            key = prefix + WRAPPED + rel
-            if key not in state_dict:
-                continue
-            value = state_dict[key]
-            if drop:
-                del state_dict[key]
-            elif isinstance(value, torch.Tensor):
-                value = value.detach()
-                value = value.to("cpu", copy=True) if cfg.offload_to_cpu else value.clone()
-                state_dict[key] = value
+        if sd_type is StateDictType.FULL_STATE_DICT:
+            _full_post_state_dict(state, state_dict, prefix)
+        elif sd_type is StateDictType.SHARDED_STATE_DICT:
+            _sharded_post_state_dict(state, state_dict, prefix)
+        else:
+            _local_post_state_dict(state, state_dict, prefix)
         old = prefix + WRAPPED
         for key in [k for k in state_dict if k.startswith(old)]:
             state_dict[prefix + key[len(old) :]] = state_dict.pop(key)
     finally:
-        if state._handle is not None:
+        if state._handle is not None and sd_type is not StateDictType.LOCAL_STATE_DICT:
             state._handle.reshard(free=True)
+
+
+def _full_post_state_dict(state: FSDP, state_dict: dict[str, Any], prefix: str) -> None:
+    cfg = state._state_dict_config
+    rank0_only = isinstance(cfg, FullStateDictConfig) and cfg.rank0_only
+    drop = rank0_only and state.rank != 0
+    for rel in _unit_keys(state):
+        key = prefix + WRAPPED + rel
+        if key not in state_dict:
+            continue
+        value = state_dict[key]
+        if drop:
+            del state_dict[key]
+        elif isinstance(value, torch.Tensor):
+            state_dict[key] = _copy(value, cfg.offload_to_cpu)
+
+
+def _copy(value: torch.Tensor, offload_to_cpu: bool) -> torch.Tensor:
+    value = value.detach()
+    return value.to("cpu", copy=True) if offload_to_cpu else value.clone()
+
+
+def _sharded_post_state_dict(state: FSDP, state_dict: dict[str, Any], prefix: str) -> None:
+    """Original parameters (tied aliases included, as torch) become dim-0 chunks."""
+    cfg = state._state_dict_config
+    layout = chunk_layout(state, _uses_dtensor(state))
+    for rel in [*_param_rels(state), *_shared_rels(state)]:
+        key = prefix + WRAPPED + rel
+        if key in state_dict:
+            state_dict[key] = chunk_tensor(state_dict[key], layout, cfg.offload_to_cpu)
+
+
+def local_flat_value(state: FSDP, offload_to_cpu: bool) -> ShardedTensor:
+    """This rank's flat shard without right padding as a 1-D ShardedTensor (a view)."""
+    h = state._handle
+    if h is None:
+        raise RuntimeError(f"[rank {state.rank}] FSDP unit has no flat parameter")
+    local = h.local_shard[: h.shard_valid_numel]
+    if offload_to_cpu:
+        local = local.cpu()
+    shards_md: list[ShardMetadata] = []
+    for r in range(h.world_size):
+        valid = max(0, min(h.shard_numel, h.unpadded_numel - r * h.shard_numel))
+        if valid:
+            shards_md.append(
+                ShardMetadata(
+                    [r * h.shard_numel], [valid],
+                    _placement(dist.get_global_rank(h.process_group, r), local.device),
+                )
+            )
+    local_shards = []
+    if h.shard_valid_numel:
+        gr = dist.get_global_rank(h.process_group, h.rank)
+        local_shards.append(Shard.from_tensor_and_offsets(local, [h.shard_offset], gr))
+    metadata = ShardedTensorMetadata(
+        shards_metadata=shards_md,
+        size=torch.Size([h.unpadded_numel]),
+        tensor_properties=TensorProperties(dtype=local.dtype, requires_grad=False),
+    )
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local_shards, sharded_tensor_metadata=metadata, process_group=h.process_group
+    )
+
+
+def _local_post_state_dict(state: FSDP, state_dict: dict[str, Any], prefix: str) -> None:
+    """One ``_flat_param`` key per unit; the 1-D original views (use_orig_params) are dropped."""
+    if state._handle is None:
+        return
+    base = prefix + WRAPPED
+    for rel in [*_param_rels(state), *_shared_rels(state), FLAT_PARAM_KEY]:
+        state_dict.pop(base + rel, None)
+    state_dict[base + FLAT_PARAM_KEY] = local_flat_value(
+        state, state._state_dict_config.offload_to_cpu
+    )
 
 
 def _pre_load_state_dict_hook(
     state: FSDP,
     state_dict: dict[str, Any],
     prefix: str,
-    *args: Any,
+    local_metadata: Any = None,
+    strict: bool = True,
+    missing_keys: Any = None,
+    unexpected_keys: Any = None,
+    error_msgs: list[str] | None = None,
 ) -> None:
     state._lazy_init()
-    _effective_type(state)
-    if state._handle is not None:
-        state._handle.finish_unshard()
-        state._handle.use_unsharded_views(as_params=True)
+    sd_type = effective_type(state)
     wrapped = prefix + WRAPPED
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(wrapped)]:
         state_dict[wrapped + key[len(prefix) :]] = state_dict.pop(key)
+    if sd_type is StateDictType.LOCAL_STATE_DICT:
+        _local_pre_load(state, state_dict, wrapped, error_msgs if error_msgs is not None else [])
+        return
+    if state._is_root:
+        check_same_call(state.process_group, state.rank, f"load_state_dict({sd_type.name})")
+    if sd_type is StateDictType.SHARDED_STATE_DICT:
+        _sharded_pre_load(state, state_dict, wrapped)
+    if state._handle is not None:
+        state._handle.finish_unshard()
+        state._handle.use_unsharded_views(as_params=True)
+
+
+def _sharded_pre_load(state: FSDP, state_dict: dict[str, Any], wrapped: str) -> None:
+    """Replace this unit's chunked parameter values by the full tensors (a collective)."""
+    keys = [
+        wrapped + rel
+        for rel in [*_param_rels(state), *_shared_rels(state)]
+        if is_chunked(state_dict.get(wrapped + rel))
+    ]
+    if not keys:
+        return
+    layout = chunk_layout(state, _uses_dtensor(state))
+    fulls = gather_chunks([(k, state_dict[k]) for k in keys], layout)
+    for key, full in zip(keys, fulls):
+        state_dict[key] = full
+
+
+def _local_pre_load(
+    state: FSDP, state_dict: dict[str, Any], wrapped: str, error_msgs: list[str]
+) -> None:
+    h = state._handle
+    state.__dict__["_sd_local_load"] = None
+    if h is None:
+        return
+    key = wrapped + FLAT_PARAM_KEY
+    originals = [wrapped + rel for rel in [*_param_rels(state), *_shared_rels(state)]]
+    if h.use_orig_params:
+        # The original names are registered (1-D views); the flat key carries the data.
+        for k in originals:
+            state_dict.pop(k, None)
+        state.__dict__["_sd_local_load"] = (originals, key if key not in state_dict else None)
+    if key not in state_dict:
+        return
+    value = state_dict[key]
+    if isinstance(value, ShardedTensor):
+        shards = value.local_shards()
+        local = shards[0].tensor if shards else torch.empty(0, dtype=value.dtype)
+    elif isinstance(value, torch.Tensor):  # a padded shard (this unit's own flat_param)
+        local = value.reshape(-1)
+        if local.numel() == h.shard_numel:
+            local = local[: h.shard_valid_numel]
+    else:
+        local = None
+    if local is None or local.numel() != h.shard_valid_numel:
+        got = "no tensor" if local is None else f"{local.numel()} elements"
+        error_msgs.append(
+            f"[rank {state.rank}] LOCAL_STATE_DICT key '{clean_key(key)}' of FSDP unit "
+            f"'{h.unit_fqn or '<root>'}' expects this rank's flat shard of "
+            f"{h.shard_valid_numel} elements but got {got}; LOCAL_STATE_DICT needs the same "
+            "world size, wrapping and use_orig_params as when it was saved"
+        )
+        if h.use_orig_params:
+            state_dict.pop(key)
+        else:
+            state_dict[key] = h.flat_param.detach()
+        return
+    if h.use_orig_params:
+        with torch.no_grad():
+            h.local_shard[: h.shard_valid_numel].copy_(local.reshape(-1))
+        state_dict.pop(key)
+    else:
+        padded = h.flat_param.detach().new_zeros(h.shard_numel)
+        padded[: h.shard_valid_numel].copy_(local.reshape(-1))
+        state_dict[key] = padded
 
 
 def _post_load_state_dict_hook(state: FSDP, incompatible_keys: Any) -> None:
-    if state._handle is not None:
+    sd_type = effective_type(state, warn=False)
+    if sd_type is StateDictType.LOCAL_STATE_DICT:
+        pending = state.__dict__.pop("_sd_local_load", None)
+        if pending is not None:
+            originals, missing_flat = pending
+            # (an inner unit's hook may already have cleaned the shared list)
+            handled = {clean_key(k) for k in originals}
+            incompatible_keys.missing_keys[:] = [
+                k for k in incompatible_keys.missing_keys if clean_key(k) not in handled
+            ]
+            if missing_flat is not None:
+                incompatible_keys.missing_keys.append(missing_flat)
+        if state._handle is not None:
+            state._handle.invalidate_unsharded()
+    elif state._handle is not None:
         state._handle.write_back_unsharded()
         state._handle.reshard(free=True)
     for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
-        keys[:] = [k.replace(WRAPPED, "") for k in keys]
+        keys[:] = [clean_key(k) for k in keys]

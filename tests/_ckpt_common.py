@@ -1,0 +1,115 @@
+"""Models and helpers shared by the checkpoint tests (state dicts, optimizer state, DCP)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
+
+import fsdp_wrap
+from fsdp_wrap.wrap import ModuleWrapPolicy
+
+CPU = torch.device("cpu")
+
+
+class Tied(nn.Module):
+    """Embedding whose weight the output head shares, plus a buffer and a nested unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.body = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 4))
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x) * self.scale
+        return self.head(self.body(h))
+
+
+def make_model(kind: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    if kind == "seq":
+        m = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3), nn.LayerNorm(3))
+        m.register_buffer("buf", torch.arange(3, dtype=torch.float32))
+        return m
+    if kind == "tied":
+        return Tied()
+    raise ValueError(kind)
+
+
+def policy(kind: str) -> Any:
+    if kind == "seq":
+        return ModuleWrapPolicy({nn.Linear})
+    return ModuleWrapPolicy({nn.Sequential})
+
+
+def wrap_ours(kind: str, uop: bool, seed: int = 0, **kw: Any) -> nn.Module:
+    return fsdp_wrap.FullyShardedDataParallel(
+        make_model(kind, seed), auto_wrap_policy=policy(kind), device_id=CPU,
+        use_orig_params=uop, **kw,
+    )
+
+
+def wrap_torch(kind: str, uop: bool, seed: int = 0, **kw: Any) -> nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    return TorchFSDP(
+        make_model(kind, seed), auto_wrap_policy=policy(kind), device_id=CPU,
+        use_orig_params=uop, **kw,
+    )
+
+
+def batch(kind: str, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    if kind == "seq":
+        return torch.randn(5, 4, generator=g)
+    return torch.randint(0, 10, (3, 2), generator=g)
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, kind: str, steps: range) -> list[float]:
+    losses = []
+    for s in steps:
+        loss = model(batch(kind, s)).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t.item())
+    return losses
+
+
+def describe(v: Any) -> Any:
+    """A comparable description of a state-dict value (type, shapes, local data)."""
+    if isinstance(v, ShardedTensor):
+        md = [
+            (list(s.shard_offsets), list(s.shard_sizes), str(s.placement))
+            for s in v.metadata().shards_metadata
+        ]
+        loc = [(list(s.metadata.shard_offsets), s.tensor.tolist()) for s in v.local_shards()]
+        return ("ST", tuple(v.size()), str(v.dtype), md, loc)
+    if isinstance(v, DTensor):
+        return ("DT", tuple(v.shape), str(v.placements), v.to_local().tolist())
+    if isinstance(v, torch.Tensor):
+        return ("T", tuple(v.shape), str(v.dtype), v.tolist())
+    return ("obj", v)
+
+
+def describe_sd(sd: dict[str, Any]) -> dict[str, Any]:
+    return {k: describe(v) for k, v in sd.items()}
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Clean-FQN full parameters of an FSDP model (ours or torch's)."""
+    cls = type(model)
+    with cls.summon_full_params(model):
+        return {
+            k.replace("_fsdp_wrapped_module.", ""): p.detach().clone()
+            for k, p in model.named_parameters()
+        }
