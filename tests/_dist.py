@@ -159,6 +159,7 @@ def _worker_main(
     log_path: str,
     pg_timeout_s: float,
     parent_pid: int,
+    preload: list[str],
 ) -> None:
     # 1. Everything this process writes, Python or C++, goes to its log.
     sys.stdout.flush()
@@ -226,6 +227,14 @@ def _worker_main(
             return int(pg._get_sequence_number_for_group())
         except Exception:
             return None
+
+    # Modules the pool's recent tasks came from: importing them is start-up
+    # work, not something the next task's timeout should pay for.
+    for name in preload:
+        try:
+            importlib.import_module(name)
+        except BaseException:  # noqa: B036  (the task itself will report it)
+            pass
 
     conn.send_bytes(pickle.dumps(("ready", os.getpid(), seq())))
 
@@ -332,7 +341,10 @@ class DistPool:
         if self.start_method == "forkserver":
             # The fork server imports torch once; workers fork from it in
             # milliseconds instead of each importing torch (~2 s of CPU).
-            self._ctx.set_forkserver_preload(["torch", "torch.distributed"])
+            preload = ["torch", "torch.distributed"]
+            if "pytest" in sys.modules:
+                preload.append("pytest")
+            self._ctx.set_forkserver_preload(preload)
         self._lock = threading.Lock()
         self._logdir = tempfile.mkdtemp(prefix=f"fsdp_wrap_pool{world_size}_")
         self._logs = [os.path.join(self._logdir, f"rank{r}.log") for r in range(world_size)]
@@ -341,6 +353,7 @@ class DistPool:
         self._store: Any = None
         self._ready = False
         self._busy = False  # a task was sent and its replies not all read
+        self._recent_modules: list[str] = []  # imported by restarted workers
         self._closed = False
         self._start()
 
@@ -378,6 +391,7 @@ class DistPool:
                     self._logs[rank],
                     pg_timeout,
                     os.getpid(),
+                    list(self._recent_modules),
                 ),
                 name=f"DistPool{self.world_size}-rank{rank}",
                 daemon=False,  # workers may start processes of their own
@@ -517,6 +531,9 @@ class DistPool:
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
         module_name, qualname = _fn_ref(fn)
+        if module_name in self._recent_modules:
+            self._recent_modules.remove(module_name)
+        self._recent_modules = [*self._recent_modules, module_name][-3:]
         name = f"{module_name}.{qualname}"
         payload = pickle.dumps((module_name, qualname, args, kwargs), pickle.HIGHEST_PROTOCOL)
         if not self._lock.acquire(blocking=False):
