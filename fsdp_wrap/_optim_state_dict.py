@@ -1,21 +1,476 @@
-"""Optimizer state dicts: FSDP1's optimizer-state APIs (filled in by issue 4).
+"""Optimizer state dicts: FSDP1's optimizer-state APIs.
 
-Every function here is the implementation behind the static method of the
-same name on ``FullyShardedDataParallel``.
+Every public function here is the implementation behind the static method of
+the same name on ``FullyShardedDataParallel``.
+
+The checkpoint format is the unwrapped model's: ``"state"`` keyed by clean
+parameter FQNs, ``"param_groups"`` listing FQNs.  Values are
+
+* FULL: full tensors in the original shapes (copies; on CPU when
+  ``offload_to_cpu``; ``{}`` off rank 0 with ``rank0_only``);
+* SHARDED and LOCAL: dim-0 ``torch.chunk`` pieces of those full tensors as
+  ShardedTensor (DTensor ``Shard(0)`` with a device mesh), the same layout as
+  the SHARDED model state dict, so DCP can reshard them;
+* 0-dim tensors (``step``) and non-tensor values as they are.
+
+Saving gathers, per FSDP unit and per state name (``exp_avg``, ...), the
+optimizer state of the unit's flat shard: one all-gather of one flat buffer,
+then each original parameter's slice.  A parameter that has no state on some
+rank (its shard piece is empty, it is frozen, or it was never stepped) is
+valid: which parameters carry which states is agreed once per call with one
+small object all-gather.  Loading is the inverse; each rank keeps its own
+shard of each state (``optim_state_dict_to_load``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
+from . import _state_dict as SD
+from .api import (
+    FullOptimStateDictConfig,
+    StateDictType,
+)
 
-def _todo(name: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"FullyShardedDataParallel.{name} is not implemented in this release of fsdp_wrap yet"
-    )
+if TYPE_CHECKING:
+    from ._flat_param import FlatParamHandle
+    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+
+
+# ------------------------------------------------------------- model index
+
+
+@dataclass
+class _Unit:
+    """One FSDP unit's handle and the clean FQNs of its original parameters."""
+
+    state: FSDP
+    handle: FlatParamHandle
+    fqns: list[str]
+
+
+@dataclass
+class _Index:
+    """Which model parameter each optimizer parameter is, by identity."""
+
+    units: list[_Unit] = field(default_factory=list)
+    # id(param) -> (unit index or -1, info index or -1 for a flat parameter, FQNs)
+    where: dict[int, tuple[int, int, list[str]]] = field(default_factory=dict)
+
+    def fqns_of(self, param: torch.Tensor) -> list[str]:
+        entry = self.where.get(id(param))
+        if entry is None:
+            raise ValueError(
+                "The optimizer holds a parameter that is not in the model "
+                f"(shape {tuple(param.shape)}); pass the model the optimizer was built for"
+            )
+        return entry[2]
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
+def _index(model: nn.Module) -> _Index:
+    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+
+    if not FSDP.fsdp_modules(model, root_only=True):  # (also runs lazy init)
+        raise ValueError(f"{type(model).__name__} contains no FullyShardedDataParallel unit")
+    index = _Index()
+    for name, mod in model.named_modules():
+        if not isinstance(mod, FSDP) or mod._handle is None:
+            continue
+        h = mod._handle
+        base = SD.clean_key(name + ".").rstrip(".")
+        fqns = [_join(base, SD.clean_key(i.fqn)) for i in h.infos]
+        u = len(index.units)
+        index.units.append(_Unit(mod, h, fqns))
+        index.where[id(h.flat_param)] = (u, -1, fqns)
+        for k, info in enumerate(h.infos):
+            index.where[id(info.param)] = (u, k, [fqns[k]])
+    for name, p in model.named_parameters():
+        index.where.setdefault(id(p), (-1, -1, [SD.clean_key(name)]))
+    return index
+
+
+def _optim_params(optim: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
+    return [list(g["params"]) for g in optim.param_groups]
+
+
+def _piece(h: FlatParamHandle, k: int) -> tuple[int, int] | None:
+    """Elements ``[lo, hi)`` of original parameter ``k`` held in this rank's shard."""
+    if not h.uses_sharded_strategy:
+        return 0, h.infos[k].numel
+    sl = h.param_shard_slice(k)
+    if sl is None:
+        return None
+    start = h.shard_offset + sl[0] - h.infos[k].offset
+    return start, start + sl[1] - sl[0]
+
+
+def _settings(model: nn.Module) -> tuple[StateDictType, Any]:
+    settings = SD.get_state_dict_type(model)
+    return settings.state_dict_type, settings.optim_state_dict_config
+
+
+# ------------------------------------------------------------------- save
+
+
+def _local_unit_states(
+    index: _Index, groups: list[list[torch.Tensor]], state: dict[int, Any]
+) -> list[dict[int, dict[str, Any]]]:
+    """Per unit: info index -> this rank's optimizer state of that parameter.
+
+    A flat parameter's state (use_orig_params=False) is listed under every
+    info index; tensors keep their flat-shard shape.
+    """
+    per_unit: list[dict[int, dict[str, Any]]] = [{} for _ in index.units]
+    pid = 0
+    for params in groups:
+        for p in params:
+            u, k, _ = index.where.get(id(p), (-1, -1, []))
+            st = state.get(pid)
+            pid += 1
+            if u < 0 or not st:
+                continue
+            ks = range(len(index.units[u].handle.infos)) if k < 0 else [k]
+            for kk in ks:
+                per_unit[u][kk] = st
+    return per_unit
+
+
+def _describe(h: FlatParamHandle, k: int, flat: bool, st: dict[str, Any]) -> dict[str, Any]:
+    """What a rank tells the others about one parameter's state."""
+    out: dict[str, Any] = {}
+    piece = None if flat else _piece(h, k)
+    want = h.shard_numel if flat else (piece[1] - piece[0] if piece else -1)
+    for name, v in st.items():
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == want:
+            out[name] = ("shard", v.dtype)
+        elif isinstance(v, torch.Tensor):
+            out[name] = ("value", v.detach().cpu().clone())
+        else:
+            out[name] = ("value", copy.deepcopy(v))
+    return out
+
+
+def _gather_optim(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    osd: dict[str, Any] | None,
+    *,
+    full: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+    use_dtensor: bool,
+) -> dict[str, Any]:
+    index = _index(model)
+    groups = _optim_params(optim)
+    osd = osd if osd is not None else optim.state_dict()
+    local_state: dict[int, Any] = osd.get("state", {})
+    if not index.units:
+        raise ValueError(f"{type(model).__name__} has no FSDP unit with parameters")
+    root = index.units[0].state
+    SD.check_same_call(root.process_group, root.rank, "optim_state_dict")
+    per_unit = _local_unit_states(index, groups, local_state)
+    flat_unit = [not u.handle.use_orig_params for u in index.units]
+    mine = [
+        {k: _describe(u.handle, k, flat_unit[i], st) for k, st in per_unit[i].items()}
+        for i, u in enumerate(index.units)
+    ]
+    everyone = _all_gather_objects(mine, root)
+
+    keep = not (rank0_only and root.rank != 0)
+    values: dict[str, dict[str, Any]] = {}  # fqn -> state name -> value
+    for i, unit in enumerate(index.units):
+        h = unit.handle
+        merged: dict[int, dict[str, Any]] = {}
+        for rank_desc in everyone:
+            for k, names in rank_desc[i].items():
+                for name, d in names.items():
+                    merged.setdefault(k, {}).setdefault(name, d)
+        layout = SD.chunk_layout(unit.state, use_dtensor) if not full else None
+        shard_names = sorted({n for st in merged.values() for n, d in st.items() if d[0] == "shard"})
+        for name in shard_names:
+            holders = [k for k, st in merged.items() if st.get(name, ("",))[0] == "shard"]
+            dtype = merged[holders[0]][name][1]
+            flat_full = _gather_flat_state(h, per_unit[i], name, dtype, flat_unit[i])
+            for k in holders:
+                info = h.infos[k]
+                t = flat_full[info.offset : info.offset + info.numel].view(info.shape)
+                if not keep:
+                    continue
+                if full:
+                    value = t.to("cpu", copy=True) if offload_to_cpu else t.clone()
+                else:
+                    value = SD.chunk_tensor(t, layout, offload_to_cpu)  # type: ignore[arg-type]
+                values.setdefault(unit.fqns[k], {})[name] = value
+        for k, st in merged.items():
+            for name, d in st.items():
+                if d[0] == "value" and keep:
+                    v = d[1]
+                    if isinstance(v, torch.Tensor) and not offload_to_cpu:
+                        v = v.to(h.device)
+                    values.setdefault(unit.fqns[k], {})[name] = v
+    if not keep:
+        return {}
+    return _assemble(index, groups, osd, local_state, values, offload_to_cpu)
+
+
+def _all_gather_objects(obj: Any, root: FSDP) -> list[Any]:
+    out: list[Any] = [None] * root.world_size
+    dist.all_gather_object(out, obj, group=root.process_group)
+    return out
+
+
+def _gather_flat_state(
+    h: FlatParamHandle, states: dict[int, dict[str, Any]], name: str, dtype: torch.dtype,
+    flat: bool,
+) -> torch.Tensor:
+    """The unsharded flat tensor of state ``name`` for handle ``h`` (one all-gather)."""
+    shard = torch.zeros(h.shard_numel, dtype=dtype, device=h.device)
+    if flat:
+        st = states.get(0)
+        if st is not None and name in st:
+            shard.copy_(st[name].detach().reshape(-1))
+    else:
+        for k, st in states.items():
+            sl = h.param_shard_slice(k) if h.uses_sharded_strategy else (
+                h.infos[k].offset, h.infos[k].offset + h.infos[k].numel
+            )
+            if sl is not None and name in st:
+                shard[sl[0] : sl[1]].copy_(st[name].detach().reshape(-1))
+    if not h.uses_sharded_strategy:
+        return shard
+    out = torch.empty(h.padded_numel, dtype=dtype, device=h.device)
+    dist.all_gather_into_tensor(out, shard, group=h.process_group)
+    return out
+
+
+def _assemble(
+    index: _Index,
+    groups: list[list[torch.Tensor]],
+    osd: dict[str, Any],
+    local_state: dict[int, Any],
+    values: dict[str, dict[str, Any]],
+    offload_to_cpu: bool,
+) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    param_groups = []
+    pid = 0
+    for gi, params in enumerate(groups):
+        names: list[str] = []
+        for p in params:
+            u, _, fqns = index.where.get(id(p), (-1, -1, []))
+            if not fqns:
+                fqns = index.fqns_of(p)
+            names.extend(fqns)
+            if u < 0 and pid in local_state:  # not managed by FSDP: as it is
+                state[fqns[0]] = {
+                    n: (v.detach().to("cpu", copy=True) if offload_to_cpu else v.detach().clone())
+                    if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                    for n, v in local_state[pid].items()
+                }
+            for fqn in fqns:
+                if fqn in values:
+                    state[fqn] = dict(sorted(values[fqn].items()))
+            pid += 1
+        group = {k: copy.deepcopy(v) for k, v in osd["param_groups"][gi].items() if k != "params"}
+        group["params"] = names
+        param_groups.append(group)
+    return {"state": state, "param_groups": param_groups}
+
+
+# ------------------------------------------------------------------- load
+
+
+def _check_loadable(
+    index: _Index, groups: list[list[torch.Tensor]], osd: dict[str, Any], rank: int
+) -> None:
+    """Every mismatch between ``osd`` and the model/optimizer in ONE error (no collective)."""
+    problems: list[str] = []
+    if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
+        raise ValueError(
+            f"[rank {rank}] expected an optimizer state dict with 'state' and 'param_groups' "
+            f"but got keys {list(osd) if isinstance(osd, dict) else type(osd).__name__}"
+        )
+    shape_of: dict[str, torch.Size] = {}
+    for unit in index.units:
+        for fqn, info in zip(unit.fqns, unit.handle.infos):
+            shape_of[fqn] = info.shape
+    known = {f for _, _, fqns in index.where.values() for f in fqns}
+    bad_keys = [k for k in osd["state"] if k not in known]
+    if bad_keys:
+        problems.append(f"unexpected key(s) {bad_keys}")
+    for fqn, st in osd["state"].items():
+        want = shape_of.get(fqn) if isinstance(fqn, str) else None
+        if want is None:
+            continue
+        for name, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and torch.Size(v.size()) != want:
+                problems.append(
+                    f"'{fqn}' state '{name}' has shape {tuple(v.size())}, the parameter "
+                    f"{tuple(want)}"
+                )
+    if len(osd["param_groups"]) != len(groups):
+        problems.append(
+            f"{len(osd['param_groups'])} param group(s) in the state dict, "
+            f"{len(groups)} in the optimizer"
+        )
+    else:
+        for gi, (saved, params) in enumerate(zip(osd["param_groups"], groups)):
+            names = {f for p in params for f in index.fqns_of(p)}
+            listed = saved.get("params", [])
+            if all(isinstance(x, str) for x in listed) and set(listed) != names:
+                problems.append(
+                    f"param group {gi} lists {sorted(set(listed) - names)} not in the "
+                    f"optimizer's group and misses {sorted(names - set(listed))}"
+                )
+    if problems:
+        raise ValueError(
+            f"[rank {rank}] the optimizer state dict does not match the model and optimizer: "
+            + "; ".join(problems)
+        )
+
+
+def _flatten_optim(
+    model: nn.Module,
+    groups: list[list[torch.Tensor]],
+    osd: dict[str, Any],
+    *,
+    collective_check: str | None,
+) -> dict[str, Any]:
+    """Full or chunked FQN-keyed state -> this rank's id-keyed state for ``groups``."""
+    index = _index(model)
+    root = index.units[0].state
+    _check_loadable(index, groups, osd, root.rank)
+    if collective_check is not None:
+        SD.check_same_call(root.process_group, root.rank, collective_check)
+    state_in: dict[str, dict[str, Any]] = osd["state"]
+    pid_of: dict[int, int] = {}
+    for params in groups:
+        for p in params:
+            pid_of.setdefault(id(p), len(pid_of))
+    out: dict[int, dict[str, Any]] = {}
+    for unit in index.units:
+        h = unit.handle
+        full = _unit_full_states(unit, state_in)
+        if not h.use_orig_params:
+            pid = pid_of.get(id(h.flat_param))
+            if pid is not None and any(f in state_in for f in unit.fqns):
+                out[pid] = _flat_shard_state(h, unit, full)
+            continue
+        for k, (fqn, info) in enumerate(zip(unit.fqns, h.infos)):
+            pid = pid_of.get(id(info.param))
+            piece = _piece(h, k)
+            if pid is None or fqn not in state_in or piece is None:
+                continue
+            st: dict[str, Any] = {}
+            for name, v in full[k].items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    if h.uses_sharded_strategy:
+                        v = v.reshape(-1)[piece[0] : piece[1]]
+                    v = v.clone()
+                st[name] = v
+            out[pid] = st
+    for params in groups:  # parameters FSDP does not manage: as they are
+        for p in params:
+            u, _, fqns = index.where[id(p)]
+            if u < 0 and fqns[0] in state_in:
+                out[pid_of[id(p)]] = {
+                    n: v.full_tensor() if SD.is_chunked(v) else v  # type: ignore[union-attr]
+                    for n, v in state_in[fqns[0]].items()
+                }
+    param_groups = []
+    pid = 0
+    for saved, params in zip(osd["param_groups"], groups):
+        group = {k: copy.deepcopy(v) for k, v in saved.items() if k != "params"}
+        group["params"] = list(range(pid, pid + len(params)))
+        pid += len(params)
+        param_groups.append(group)
+    return {"state": out, "param_groups": param_groups}
+
+
+def _unit_full_states(unit: _Unit, state_in: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per original parameter: state name -> full tensor (gathering chunked values)."""
+    full: list[dict[str, Any]] = [dict(state_in.get(fqn, {})) for fqn in unit.fqns]
+    chunked = [
+        (k, name)
+        for k in range(len(full))
+        for name in sorted(full[k])
+        if SD.is_chunked(full[k][name])
+    ]
+    if chunked:
+        layout = SD.chunk_layout(unit.state, False)
+        items = [(f"{unit.fqns[k]}.{name}", full[k][name]) for k, name in chunked]
+        for (k, name), t in zip(chunked, SD.gather_chunks(items, layout)):
+            full[k][name] = t
+    for st in full:
+        for name, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                st[name] = v.to(unit.handle.device)
+    return full
+
+
+def _flat_shard_state(h: FlatParamHandle, unit: _Unit, full: list[dict[str, Any]]) -> dict[str, Any]:
+    """This rank's flat-shard state (padded like the flat parameter's shard)."""
+    st: dict[str, Any] = {}
+    names = sorted({n for f in full for n in f})
+    for name in names:
+        tensors = [f.get(name) for f in full]
+        first = next(t for t in tensors if t is not None)
+        if not (isinstance(first, torch.Tensor) and first.dim() > 0):
+            st[name] = first.clone() if isinstance(first, torch.Tensor) else copy.deepcopy(first)
+            continue
+        flat = torch.zeros(h.padded_numel, dtype=first.dtype, device=h.device)
+        for info, t in zip(h.infos, tensors):
+            if t is not None:
+                flat[info.offset : info.offset + info.numel].copy_(t.reshape(-1))
+        st[name] = flat[h.shard_offset : h.shard_offset + h.shard_numel].clone()
+    return st
+
+
+def _broadcast_osd(osd: dict[str, Any] | None, model: nn.Module) -> dict[str, Any]:
+    """Rank 0's optimizer state dict on every rank (structure, then tensor by tensor)."""
+    index = _index(model)
+    root = index.units[0].state
+    src = dist.get_global_rank(root.process_group, 0)
+    tensors: list[torch.Tensor] = []
+
+    def strip(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            tensors.append(v)
+            return ("__fsdp_wrap_tensor__", tuple(v.shape), v.dtype)
+        if isinstance(v, dict):
+            return {k: strip(x) for k, x in v.items()}
+        return v
+
+    skeleton = [strip(osd) if root.rank == 0 else None]
+    dist.broadcast_object_list(skeleton, src=src, group=root.process_group)
+    device = SD._group_device(root.process_group)
+
+    def fill(v: Any) -> Any:
+        if isinstance(v, tuple) and len(v) == 3 and v[0] == "__fsdp_wrap_tensor__":
+            t = tensors.pop(0).to(device) if root.rank == 0 else torch.empty(v[1], dtype=v[2], device=device)
+            dist.broadcast(t, src=src, group=root.process_group)
+            return t
+        if isinstance(v, dict):
+            return {k: fill(x) for k, x in v.items()}
+        return v
+
+    result = fill(skeleton[0])
+    if not isinstance(result, dict):
+        raise ValueError("rank 0 passed no optimizer state dict to broadcast")
+    return result
+
+
+# ------------------------------------------------------------ public API
 
 
 def optim_state_dict(
@@ -24,7 +479,25 @@ def optim_state_dict(
     optim_state_dict: dict[str, Any] | None = None,
     group: Any = None,
 ) -> dict[str, Any]:
-    raise _todo("optim_state_dict")
+    sd_type, cfg = _settings(model)
+    full = sd_type is StateDictType.FULL_STATE_DICT
+    units = [m for m in _fsdp_modules(model) if m._handle is not None]
+    return _gather_optim(
+        model,
+        optim,
+        optim_state_dict,
+        full=full,
+        rank0_only=full and bool(getattr(cfg, "rank0_only", False)),
+        offload_to_cpu=cfg.offload_to_cpu,
+        use_dtensor=bool(getattr(cfg, "_use_dtensor", False))
+        or any(m._device_mesh is not None for m in units),
+    )
+
+
+def _fsdp_modules(model: nn.Module) -> list[FSDP]:
+    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+
+    return FSDP.fsdp_modules(model)
 
 
 def optim_state_dict_to_load(
@@ -35,7 +508,20 @@ def optim_state_dict_to_load(
     load_directly: bool = False,
     group: Any = None,
 ) -> dict[str, Any]:
-    raise _todo("optim_state_dict_to_load")
+    if is_named_optimizer:
+        raise NotImplementedError(
+            "optim_state_dict_to_load(is_named_optimizer=True) is not implemented in fsdp_wrap"
+        )
+    sd_type, cfg = _settings(model)
+    check: str | None = "optim_state_dict_to_load"
+    if sd_type is StateDictType.FULL_STATE_DICT:
+        if isinstance(cfg, FullOptimStateDictConfig) and cfg.rank0_only:
+            optim_state_dict = _broadcast_osd(optim_state_dict, model)
+        check = None  # full values on every rank: no collective
+    result = _flatten_optim(model, _optim_params(optim), optim_state_dict, collective_check=check)
+    if load_directly:
+        optim.load_state_dict(result)
+    return result
 
 
 def full_optim_state_dict(
@@ -45,13 +531,29 @@ def full_optim_state_dict(
     rank0_only: bool = True,
     group: Any = None,
 ) -> dict[str, Any]:
-    raise _todo("full_optim_state_dict")
+    return _gather_optim(
+        model, optim, None, full=True, rank0_only=rank0_only, offload_to_cpu=True,
+        use_dtensor=False,
+    )
 
 
 def sharded_optim_state_dict(
     model: nn.Module, optim: torch.optim.Optimizer, group: Any = None
 ) -> dict[str, Any]:
-    raise _todo("sharded_optim_state_dict")
+    return _gather_optim(
+        model, optim, None, full=False, rank0_only=False, offload_to_cpu=True, use_dtensor=False
+    )
+
+
+def _groups_from(model: nn.Module, optim_input: Any, optim: torch.optim.Optimizer | None) -> list[list[torch.Tensor]]:
+    if optim is not None:
+        return _optim_params(optim)
+    if optim_input is None:
+        return [list(model.parameters())]
+    items = list(optim_input)
+    if items and isinstance(items[0], dict):
+        return [list(g["params"]) for g in items]
+    return [items]
 
 
 def shard_full_optim_state_dict(
@@ -60,7 +562,8 @@ def shard_full_optim_state_dict(
     optim_input: Any = None,
     optim: torch.optim.Optimizer | None = None,
 ) -> dict[str, Any]:
-    raise _todo("shard_full_optim_state_dict")
+    groups = _groups_from(model, optim_input, optim)
+    return _flatten_optim(model, groups, full_optim_state_dict, collective_check=None)
 
 
 def scatter_full_optim_state_dict(
@@ -70,13 +573,30 @@ def scatter_full_optim_state_dict(
     optim: torch.optim.Optimizer | None = None,
     group: Any = None,
 ) -> dict[str, Any]:
-    raise _todo("scatter_full_optim_state_dict")
+    osd = _broadcast_osd(full_optim_state_dict, model)
+    return shard_full_optim_state_dict(osd, model, optim_input, optim)
 
 
 def flatten_sharded_optim_state_dict(
     sharded_optim_state_dict: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
 ) -> dict[str, Any]:
-    raise _todo("flatten_sharded_optim_state_dict")
+    return _flatten_optim(
+        model, _optim_params(optim), sharded_optim_state_dict,
+        collective_check="optim_state_dict_to_load",
+    )
+
+
+def _param_fqns(model: nn.Module) -> dict[int, str]:
+    """``id(param) -> first clean FQN`` for plain and FSDP models."""
+    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+
+    out: dict[int, str] = {}
+    if FSDP.fsdp_modules(model):
+        for pid, (_, _, fqns) in _index(model).where.items():
+            out[pid] = fqns[0]
+    for name, p in model.named_parameters():
+        out.setdefault(id(p), SD.clean_key(name))
+    return out
 
 
 def rekey_optim_state_dict(
@@ -86,4 +606,30 @@ def rekey_optim_state_dict(
     optim_input: Any = None,
     optim: torch.optim.Optimizer | None = None,
 ) -> dict[str, Any]:
-    raise _todo("rekey_optim_state_dict")
+    key_type = getattr(optim_state_key_type, "name", None)
+    if key_type not in ("PARAM_NAME", "PARAM_ID"):
+        raise AssertionError(
+            f"Expected optim_state_key_type to be PARAM_NAME or PARAM_ID, got {optim_state_key_type}"
+        )
+    osd = optim_state_dict
+    keys = list(osd["state"])
+    names = [type(k) is str for k in keys]
+    ids = [type(k) is int for k in keys]
+    if (any(names) and not all(names)) or (any(ids) and not all(ids)):
+        raise ValueError(f"Invalid parameter keys: {osd['state'].keys()}")
+    if (key_type == "PARAM_NAME" and all(names)) or (key_type == "PARAM_ID" and all(ids)):
+        return osd
+    params = [p for g in _groups_from(model, optim_input, optim) for p in g]
+    fqn_of = _param_fqns(model)
+    id_to_name = [fqn_of[id(p)] for p in params]
+    new: dict[str, Any] = {"param_groups": copy.deepcopy(osd["param_groups"])}
+    if key_type == "PARAM_NAME":
+        new["state"] = {id_to_name[k]: v for k, v in osd["state"].items()}
+        for g in new["param_groups"]:
+            g["params"] = sorted(id_to_name[k] for k in g["params"])
+    else:
+        name_to_id = {n: i for i, n in enumerate(id_to_name)}
+        new["state"] = {name_to_id[k]: v for k, v in osd["state"].items()}
+        for g in new["param_groups"]:
+            g["params"] = sorted(name_to_id[k] for k in g["params"])
+    return new
