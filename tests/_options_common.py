@@ -1,0 +1,142 @@
+"""Helpers shared by the option test files (mixed precision, offload, hybrid, ...).
+
+Each test file ships a list of configurations to one ``pool.run``; on every
+rank a worker trains a reference (torch's FSDP1 where it supports the option
+on CPU, else a plain replicated model with all-reduced mean gradients) and
+fsdp_wrap in lockstep on different data per rank, and returns a list of
+human-readable failures.  Everything here runs inside the workers.
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+FP32_TOL = 1e-5
+
+
+def rank_tag() -> str:
+    return f"[rank {dist.get_rank()}]"
+
+
+def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.numel() == 0:
+        return 0.0
+    return float((a.detach().float().cpu() - b.detach().float().cpu()).abs().max())
+
+
+def shape_of(t: torch.Tensor | None) -> str:
+    return "None" if t is None else f"{tuple(t.shape)}/{t.dtype}/{t.device.type}"
+
+
+def cmp(what: str, a: torch.Tensor | None, b: torch.Tensor | None, tol: float = FP32_TOL,
+        check_dtype: bool = True) -> str | None:
+    """None if ``a`` (reference) and ``b`` (ours) agree within ``tol``, else why not."""
+    if a is None or b is None:
+        return None if a is None and b is None else f"{what}: ref {shape_of(a)} vs ours {shape_of(b)}"
+    if a.shape != b.shape or (check_dtype and a.dtype != b.dtype):
+        return f"{what}: ref {shape_of(a)} vs ours {shape_of(b)}"
+    d = maxdiff(a, b)
+    return None if d <= tol else f"{what}: max |diff| {d:.3g} > {tol:g}"
+
+
+def loss_of(out: torch.Tensor) -> torch.Tensor:
+    return out.float().pow(2).mean()
+
+
+def snapshot(model: nn.Module) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
+    grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+    params = [p.detach().clone() for p in model.parameters()]
+    return grads, params
+
+
+def compare_step(tag: str, names: list[str], ref: tuple[Any, ...], ours: tuple[Any, ...],
+                 tol: float = FP32_TOL, loss_tol: float | None = None) -> list[str]:
+    """Compare ``(loss, grads, params)`` triples; return at most one summary line."""
+    (l1, g1, p1), (l2, g2, p2) = ref, ours
+    errs = [cmp("loss", l1, l2, loss_tol if loss_tol is not None else tol)]
+    errs += [cmp(f"grad of {names[i]}", a, b, tol) for i, (a, b) in enumerate(zip(g1, g2))]
+    errs += [cmp(f"param {names[i]}", a, b, tol) for i, (a, b) in enumerate(zip(p1, p2))]
+    if len(g1) != len(g2):
+        errs.append(f"parameter count: ref {len(g1)} vs ours {len(g2)}")
+    found = [e for e in errs if e]
+    if not found:
+        return []
+    more = f" (+{len(found) - 5} more)" if len(found) > 5 else ""
+    return [f"{tag}: " + "; ".join(found[:5]) + more]
+
+
+def run_configs(configs: list[dict[str, Any]], fn: Callable[[dict[str, Any]], list[str]],
+                describe: Callable[[dict[str, Any]], str] | None = None) -> list[str]:
+    """Run ``fn(cfg)`` for each config; a config that raises is reported and the sweep goes on.
+
+    A config-level error raised by every rank at the same point (construction,
+    a check before any collective) leaves the group in step, so this is safe;
+    the harness restarts the pool if the ranks ended out of step.
+    """
+    describe = describe or (lambda c: f"{rank_tag()} {c}")
+    fails: list[str] = []
+    for cfg in configs:
+        try:
+            fails += fn(cfg)
+        except Exception as e:  # noqa: BLE001
+            tb = "".join(traceback.format_exception(e)[-3:])
+            fails.append(f"{describe(cfg)}: raised {type(e).__name__}: {e}\n{tb}")
+    return fails
+
+
+# ---------------------------------------------------------------------------
+# a plain replicated reference (what FSDP must equal when torch cannot run it)
+# ---------------------------------------------------------------------------
+
+
+class Replicated:
+    """A plain copy of the model whose gradients are all-reduced to the mean.
+
+    ``group=None`` means the default group.  ``sync()`` after backward turns
+    the local gradients into the mean over the group's ranks, which is what
+    every FSDP strategy must produce.
+    """
+
+    def __init__(self, model: nn.Module, group: Any = None) -> None:
+        self.module = copy.deepcopy(model)
+        self.group = group
+
+    def sync(self) -> None:
+        ws = dist.get_world_size(self.group)
+        for p in self.module.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=self.group)
+                p.grad.div_(ws)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
+
+
+def fsdp_grads_full(model: nn.Module) -> list[torch.Tensor | None]:
+    """Full (unsharded) gradients of an fsdp_wrap model in original-parameter order.
+
+    Uses ``summon_full_params(with_grads=True)``, which needs use_orig_params.
+    """
+    import fsdp_wrap as fw
+
+    with fw.FullyShardedDataParallel.summon_full_params(model, with_grads=True):
+        return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+
+
+def fsdp_params_full(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full original parameters of an fsdp_wrap or torch FSDP model, by clean FQN."""
+    from tests.models import fsdp_api
+
+    impl = "ours" if type(model).__module__.startswith("fsdp_wrap") else "torch"
+    cls = fsdp_api(impl).FullyShardedDataParallel
+    with cls.summon_full_params(model, writeback=False):
+        return {
+            n.replace("_fsdp_wrapped_module.", ""): p.detach().clone()
+            for n, p in model.named_parameters()
+        }
