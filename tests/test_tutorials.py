@@ -1,0 +1,47 @@
+"""Every tutorial runs as a user would run it: a subprocess that spawns its own ranks."""
+
+from __future__ import annotations
+
+import functools
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TUTORIALS = sorted(glob.glob(os.path.join(REPO, "tutorials", "[0-9][0-9]_*.py")))
+FIRST = os.path.join(REPO, "tutorials", "01_first_training.py")
+
+
+@functools.cache
+def _run(path: str) -> subprocess.CompletedProcess[str]:
+    """Run one tutorial once per session (tests share the result)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # run as a user would, not as torchrun
+        env.pop(var, None)
+    return subprocess.run(
+        [sys.executable, path], cwd=REPO, env=env, capture_output=True, text=True, timeout=180
+    )
+
+
+def test_tutorials_exist() -> None:
+    assert FIRST in TUTORIALS
+
+
+@pytest.mark.parametrize("path", TUTORIALS, ids=os.path.basename)
+def test_tutorial_runs(path: str) -> None:
+    proc = _run(path)
+    assert proc.returncode == 0, f"{path} failed:\n{proc.stdout}\n{proc.stderr}"
+    assert proc.stdout.splitlines()[-1].endswith("OK"), proc.stdout
+
+
+def test_first_training_learns_and_round_trips() -> None:
+    proc = _run(FIRST)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    losses = [float(line.split()[-1]) for line in lines if line.startswith("step ")]
+    assert len(losses) == 8 and losses[-1] < losses[0] / 10, losses
+    assert "restored model matches the trained model: OK" in lines
