@@ -119,10 +119,8 @@ def _configs() -> list[dict[str, Any]]:
     def add(group: str, model: str, strategy: str, uop: bool, **mp: Any) -> None:
         out.append(dict(group=group, model=model, strategy=strategy, uop=uop, mp=mp, idx=len(out)))
 
-    # param_dtype with reduce_dtype inferred (torch: reduce = param dtype), and buffers cast.
-    for i, (dt, s, uop) in enumerate(
-        (dt, s, uop) for dt in (BF16, FP16) for s in STRATEGIES for uop in (False, True)
-    ):
+    # param_dtype alone: reduce_dtype inferred (torch: reduce = param dtype).
+    for dt, s, uop in ((dt, s, uop) for dt in (BF16, FP16) for s in STRATEGIES for uop in (False, True)):
         add("param_dtype", "deep", s, uop, param_dtype=dt)
     # reduce_dtype explicit: full-precision reduction of low-precision compute,
     # low-precision reduction of full-precision compute, and a mix.
