@@ -41,8 +41,13 @@ per-rank log; the slice a task wrote is echoed to the parent's stdout with a
 ``[rank r]`` prefix (pytest shows it for a failing test) and put into the
 error message when the task fails.
 
-Set ``FSDP_WRAP_TEST_TIMEOUT`` (seconds) to change the default task timeout
-of :func:`get_pool`.
+Workers are started with multiprocessing's ``forkserver`` method where it
+exists (a clean server process that has imported torch forks them, so a pool
+starts or restarts in well under a second instead of every rank importing
+torch), otherwise ``spawn``; never plain ``fork`` of the test process.
+
+Environment: ``FSDP_WRAP_TEST_TIMEOUT`` (seconds) changes the default task
+timeout of :func:`get_pool`; ``FSDP_WRAP_TEST_START_METHOD=spawn`` forces spawn.
 """
 
 from __future__ import annotations
@@ -321,7 +326,7 @@ def _prefix(text: str, tag: str) -> str:
 
 
 class DistPool:
-    """``world_size`` spawned processes in one gloo group, reused across tasks."""
+    """``world_size`` worker processes in one gloo group, reused across tasks."""
 
     def __init__(
         self,
