@@ -1,0 +1,131 @@
+"""Train with torch's FSDP1, checkpoint, resume with fsdp_wrap (and the reverse):
+the resumed losses equal those of the torch job continuing without a break.
+
+Checkpoints are real files: DCP SHARDED (model + optimizer) and FULL
+(``torch.save`` of rank 0's full state dicts).  Resharding 2 -> 3 and 4 -> 2 is
+checked against torch's FSDP1 resuming from the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+import fsdp_wrap
+from tests import _ckpt_common as C
+
+LR = 0.01
+
+
+def _mod(model: torch.nn.Module) -> Any:
+    if isinstance(model, fsdp_wrap.FullyShardedDataParallel):
+        return fsdp_wrap
+    import torch.distributed.fsdp as tfsdp
+
+    return tfsdp
+
+
+def _build(impl: str, kind: str, uop: bool, seed: int = 0) -> tuple[torch.nn.Module, Any]:
+    model = (C.wrap_ours if impl == "ours" else C.wrap_torch)(kind, uop, seed=seed)
+    return model, torch.optim.Adam(model.parameters(), lr=LR)
+
+
+def _ctx(model: torch.nn.Module, fmt: str) -> Any:
+    mod = _mod(model)
+    if fmt == "dcp":
+        return mod.FullyShardedDataParallel.state_dict_type(model, mod.StateDictType.SHARDED_STATE_DICT)
+    return mod.FullyShardedDataParallel.state_dict_type(
+        model, mod.StateDictType.FULL_STATE_DICT,
+        mod.FullStateDictConfig(rank0_only=True),
+        mod.FullOptimStateDictConfig(rank0_only=True, offload_to_cpu=False),
+    )
+
+
+def _save(model: torch.nn.Module, opt: Any, fmt: str, path: str) -> None:
+    F = _mod(model).FullyShardedDataParallel
+    with _ctx(model, fmt):
+        state = {"model": model.state_dict(), "optim": F.optim_state_dict(model, opt)}
+    if fmt == "dcp":
+        dcp.save(state, checkpoint_id=path)
+    elif dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+        torch.save(state, os.path.join(path, "full.pt"))
+    dist.barrier()
+
+
+def _resume(impl: str, kind: str, uop: bool, fmt: str, path: str) -> tuple[torch.nn.Module, Any]:
+    model, opt = _build(impl, kind, uop, seed=11)
+    C.train(model, opt, kind, range(100, 101))  # optimizer state exists: a DCP template
+    F = _mod(model).FullyShardedDataParallel
+    with _ctx(model, fmt):
+        if fmt == "dcp":
+            state = {"model": model.state_dict(), "optim": F.optim_state_dict(model, opt)}
+            dcp.load(state, checkpoint_id=path)
+        else:
+            state = torch.load(os.path.join(path, "full.pt"), weights_only=False) if dist.get_rank() == 0 else {"model": {}, "optim": None}
+        if fmt == "dcp":
+            model.load_state_dict(state["model"])
+        else:  # rank0_only: every rank loads rank 0's full model through a broadcast dict
+            objs = [state["model"] if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(objs, src=0)
+            model.load_state_dict(objs[0])
+        opt.load_state_dict(F.optim_state_dict_to_load(model, opt, state["optim"]))
+    return model, opt
+
+
+def _interop(root: str, k: int = 2, more: int = 3) -> list[str]:
+    problems = []
+    for kind in ("seq", "tied"):
+        for uop in (False, True):
+            for fmt in ("dcp", "full"):
+                for saver, loader in (("torch", "ours"), ("ours", "torch")):
+                    path = os.path.join(root, f"{kind}-{uop}-{fmt}-{saver}")
+                    src, sopt = _build(saver, kind, uop)
+                    C.train(src, sopt, kind, range(k))
+                    _save(src, sopt, fmt, path)
+                    # the original job continues without a break (the reference)
+                    want = C.train(src, sopt, kind, range(k, k + more))
+                    # Resume with the other use_orig_params mode, except tied weights from
+                    # FULL checkpoints: there torch's own FSDP1 resuming its checkpoint
+                    # with the other mode diverges from step 2 too (open question, see
+                    # the report), so that cell is not an fsdp_wrap oracle.
+                    load_uop = uop if (kind == "tied" and fmt == "full") else not uop
+                    dst, dopt = _resume(loader, kind, load_uop, fmt, path)
+                    got = C.train(dst, dopt, kind, range(k, k + more))
+                    if max(abs(a - b) for a, b in zip(got, want)) > 1e-5:
+                        problems.append(f"{kind} uop={uop} {fmt} {saver}->{loader}: {got} vs {want}")
+    return problems
+
+
+def test_torch_fsdp1_and_fsdp_wrap_resume_each_other(pool2: Any, tmp_path: Any) -> None:
+    assert pool2.run(_interop, str(tmp_path)) == [[], []]
+
+
+def _save_job(path: str, uop: bool) -> None:
+    model, opt = _build("ours", "seq", uop)
+    C.train(model, opt, "seq", range(2))
+    _save(model, opt, "dcp", path)
+
+
+def _resume_job(path: str, uop: bool) -> list[list[float]]:
+    out = []
+    for impl in ("ours", "torch"):
+        model, opt = _resume(impl, "seq", uop, "dcp", path)
+        out.append(C.train(model, opt, "seq", range(2, 5)))
+    return out
+
+
+def test_reshard_2_to_3_and_4_to_2(pool2: Any, pool3: Any, pool4: Any, tmp_path: Any) -> None:
+    for uop in (False, True):
+        a = str(tmp_path / f"ws2-{uop}")
+        pool2.run(_save_job, a, uop)
+        for ours, ref in pool3.run(_resume_job, a, not uop):
+            assert max(abs(x - y) for x, y in zip(ours, ref)) <= 1e-5, (ours, ref)
+        b = str(tmp_path / f"ws4-{uop}")
+        pool4.run(_save_job, b, uop)
+        for ours, ref in pool2.run(_resume_job, b, uop):
+            assert max(abs(x - y) for x, y in zip(ours, ref)) <= 1e-5, (ours, ref)
