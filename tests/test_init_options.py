@@ -198,7 +198,7 @@ def _meta_param_init_fn_calls() -> list[str]:
         p1, p2 = fsdp_params_full(models["torch"]), fsdp_params_full(models["ours"])
         fails += [f"{tag}: {e}" for e in (cmp(f"param {n}", p, p2.get(n), 0.0) for n, p in p1.items()) if e]
         gen = torch.Generator().manual_seed(3 + dist.get_rank())
-        fails += _lockstep(tag, models["torch"], models["ours"], lambda: _x(gen))
+        fails += _lockstep(tag, models["torch"], models["ours"], lambda gen=gen: _x(gen))
     return fails
 
 
@@ -223,7 +223,7 @@ def _meta_default_reset_parameters() -> list[str]:
             fails.append(f"{tag}: " + "; ".join(errs[:5]))
             continue
         gen = torch.Generator().manual_seed(5 + dist.get_rank())
-        fails += _lockstep(tag, ref, ours, lambda: _x(gen))
+        fails += _lockstep(tag, ref, ours, lambda gen=gen: _x(gen))
     return fails
 
 
@@ -278,7 +278,7 @@ def _device_id_cpu() -> list[str]:
         if any(u.compute_device != torch.device("cpu") for u in fw.FullyShardedDataParallel.fsdp_modules(ours)):
             fails.append(f"{tag}: a nested unit's compute_device is not cpu")
         gen = torch.Generator().manual_seed(13 + dist.get_rank())
-        fails += _lockstep(tag, ref, ours, lambda: make_input("transformer", gen))
+        fails += _lockstep(tag, ref, ours, lambda gen=gen: make_input("transformer", gen))
     return fails
 
 
