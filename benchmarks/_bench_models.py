@@ -1,0 +1,190 @@
+"""Workloads and framework builders for ``bench_fsdp.py``.
+
+Every model is a stack of pre-norm transformer :class:`Block` s built only from
+``nn.Linear`` and ``nn.LayerNorm`` (both have ``reset_parameters``, so torch's
+meta-device initialisation works on them).  Each framework wraps one ``Block``
+per FSDP unit plus the root, so all of them shard the same units.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# The FSDP1 wrappers compared: torch's, ours, torch's FSDP2, DDP, and (world
+# size 1 only) the plain module with no wrapper at all.
+FRAMEWORKS = ("torch_fsdp1", "fsdp_wrap", "fsdp2", "ddp", "plain")
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A model shape and the batch each rank feeds it every step."""
+
+    name: str
+    layers: int
+    dim: int
+    heads: int
+    batch: int
+    seq: int
+    what: str
+
+    def params(self) -> int:
+        # Per block: qkv (3d^2+3d), proj (d^2+d), fc1 (4d^2+4d), fc2 (4d^2+d),
+        # two LayerNorms (4d); the final LayerNorm and head add 2d and d^2+d.
+        d = self.dim
+        per_block = 12 * d * d + 13 * d
+        return self.layers * per_block + d * d + 3 * d
+
+
+WORKLOADS = {
+    "compute": Workload("compute", 6, 384, 6, 4, 128, "compute-heavy transformer"),
+    "small": Workload("small", 48, 48, 4, 4, 16, "many small units: framework overhead dominates"),
+    "large": Workload("large", 8, 1024, 16, 1, 16, "about 100M parameters, for peak memory"),
+    "meta1b": Workload("meta1b", 20, 2048, 16, 1, 8, "1B parameters built on the meta device"),
+}
+
+# ``--tiny``: the same structure at toy sizes, for the smoke test.
+TINY = {
+    "compute": Workload("compute", 2, 32, 2, 2, 8, "compute-heavy transformer (tiny)"),
+    "small": Workload("small", 6, 8, 2, 2, 4, "many small units (tiny)"),
+    "large": Workload("large", 2, 64, 2, 2, 8, "memory workload (tiny)"),
+    "meta1b": Workload("meta1b", 2, 64, 2, 1, 4, "meta-device construction (tiny)"),
+}
+
+
+class Block(nn.Module):
+    """Pre-norm self-attention + 4x MLP, residual; one FSDP unit."""
+
+    def __init__(self, dim: int, heads: int, device: Any = None) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim, device=device)
+        self.qkv = nn.Linear(dim, 3 * dim, device=device)
+        self.proj = nn.Linear(dim, dim, device=device)
+        self.ln2 = nn.LayerNorm(dim, device=device)
+        self.fc1 = nn.Linear(dim, 4 * dim, device=device)
+        self.fc2 = nn.Linear(4 * dim, dim, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class Model(nn.Module):
+    def __init__(self, w: Workload, device: Any = None) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(Block(w.dim, w.heads, device) for _ in range(w.layers)))
+        self.norm = nn.LayerNorm(w.dim, device=device)
+        self.head = nn.Linear(w.dim, w.dim, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.blocks(x)))
+
+
+def make_model(w: Workload, seed: int = 0, device: Any = None) -> Model:
+    """The same initial weights on every rank and for every framework."""
+    torch.manual_seed(seed)
+    return Model(w, device=device)
+
+
+def make_batches(w: Workload, rank: int, n: int, device: torch.device) -> list[torch.Tensor]:
+    """``n`` distinct batches for ``rank`` (different per rank, equal across frameworks)."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    return [torch.randn(w.batch, w.seq, w.dim, generator=g).to(device) for _ in range(n)]
+
+
+def loss_fn(out: torch.Tensor) -> torch.Tensor:
+    return out.float().pow(2).mean()
+
+
+# ---------------------------------------------------------------------------
+# framework builders
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One wrapped configuration: framework, sharding strategy, use_orig_params."""
+
+    framework: str
+    strategy: str  # "-" where the framework has no such choice (DDP, plain)
+    orig: bool | None  # use_orig_params; None where it does not apply
+
+    @property
+    def key(self) -> str:
+        o = "-" if self.orig is None else ("T" if self.orig else "F")
+        return f"{self.framework}/{self.strategy}/{o}"
+
+
+def variants_for(world_size: int, frameworks: tuple[str, ...], strategies: tuple[str, ...],
+                 origs: tuple[bool, ...]) -> list[Variant]:
+    """Every configuration one workload runs, interleaved."""
+    out: list[Variant] = []
+    for strategy in strategies:
+        for orig in origs:
+            for fw in ("torch_fsdp1", "fsdp_wrap"):
+                if fw in frameworks:
+                    out.append(Variant(fw, strategy, orig))
+        # FSDP2 has no NO_SHARD (that is DDP's / replicate's job) and always
+        # behaves like use_orig_params=True.
+        if "fsdp2" in frameworks and strategy != "NO_SHARD":
+            out.append(Variant("fsdp2", strategy, None))
+    if "ddp" in frameworks:
+        out.append(Variant("ddp", "-", None))
+    if "plain" in frameworks and world_size == 1:
+        out.append(Variant("plain", "-", None))
+    return out
+
+
+def build(v: Variant, model: nn.Module, device: torch.device) -> nn.Module:
+    """Wrap ``model`` (already on ``device``) as ``v`` says; one unit per Block + root."""
+    if v.framework in ("torch_fsdp1", "fsdp_wrap"):
+        if v.framework == "torch_fsdp1":
+            import torch.distributed.fsdp as api
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        else:
+            import fsdp_wrap as api
+            from fsdp_wrap.wrap import ModuleWrapPolicy
+        return api.FullyShardedDataParallel(
+            model,
+            sharding_strategy=api.ShardingStrategy[v.strategy],
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            device_id=device,
+            use_orig_params=bool(v.orig),
+        )
+    if v.framework == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+        reshard = v.strategy == "FULL_SHARD"
+        for m in model.modules():
+            if isinstance(m, Block):
+                fully_shard(m, mesh=mesh, reshard_after_forward=reshard)
+        # torch's FSDP1 keeps the root unsharded after forward; so does this.
+        fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        return model
+    if v.framework == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [device.index] if device.type == "cuda" else None
+        return DDP(model, device_ids=ids)
+    if v.framework == "plain":
+        return model
+    raise ValueError(f"unknown framework {v.framework!r}")
+
+
+def build_meta(framework: str, w: Workload, device: torch.device) -> nn.Module:
+    """Build ``w`` on the meta device and let ``framework`` materialise it."""
+    with torch.device("meta"):
+        model = Model(w)
+    v = Variant(framework, "FULL_SHARD", False)
+    return build(v, model, device)
