@@ -39,7 +39,9 @@ def _scalar() -> nn.Module:
 
 def _integer() -> nn.Module:
     m = _lin_pair()
-    m.register_parameter("steps", nn.Parameter(torch.ones(3, dtype=torch.int64), requires_grad=False))
+    m.register_parameter(
+        "steps", nn.Parameter(torch.ones(3, dtype=torch.int64), requires_grad=False)
+    )
     return m
 
 
@@ -81,13 +83,18 @@ def _case_mixed_requires_grad(impl: str) -> None:
 
 def _case_mixed_requires_grad_policy(impl: str) -> None:
     m = nn.Sequential(_mixed_grad(), nn.Linear(2, 2))
-    fsdp_cls(impl)(m, auto_wrap_policy=wrap_api(impl).ModuleWrapPolicy({nn.Sequential}),
-                   **fsdp_kwargs(impl, use_orig_params=False))
+    fsdp_cls(impl)(
+        m,
+        auto_wrap_policy=wrap_api(impl).ModuleWrapPolicy({nn.Sequential}),
+        **fsdp_kwargs(impl, use_orig_params=False),
+    )
 
 
 def _wrapped(impl: str) -> nn.Module:
     m = _lin_pair()
-    return fsdp_cls(impl)(m, auto_wrap_policy=wrap_api(impl).ModuleWrapPolicy({nn.Linear}), **fsdp_kwargs(impl))
+    return fsdp_cls(impl)(
+        m, auto_wrap_policy=wrap_api(impl).ModuleWrapPolicy({nn.Linear}), **fsdp_kwargs(impl)
+    )
 
 
 def _case_clip_on_non_root(impl: str) -> None:
@@ -107,7 +114,9 @@ _MESH: Any = None
 
 
 def _case_pg_and_mesh(impl: str) -> None:
-    fsdp_cls(impl)(_lin_pair(), process_group=dist.group.WORLD, device_mesh=_MESH, **fsdp_kwargs(impl))
+    fsdp_cls(impl)(
+        _lin_pair(), process_group=dist.group.WORLD, device_mesh=_MESH, **fsdp_kwargs(impl)
+    )
 
 
 def _case_ignored_both(impl: str) -> None:
@@ -140,8 +149,9 @@ def _case_fsdp_in_ignored(impl: str) -> None:
 def _case_wrong_state_dict_config(impl: str) -> None:
     api = fsdp_api(impl)
     m = _wrapped(impl)
-    with api.FullyShardedDataParallel.state_dict_type(m, api.StateDictType.FULL_STATE_DICT,
-                                                      api.ShardedStateDictConfig()):
+    with api.FullyShardedDataParallel.state_dict_type(
+        m, api.StateDictType.FULL_STATE_DICT, api.ShardedStateDictConfig()
+    ):
         pass
 
 
@@ -149,7 +159,11 @@ def _case_wrong_optim_state_dict_config(impl: str) -> None:
     api = fsdp_api(impl)
     m = _wrapped(impl)
     api.FullyShardedDataParallel.set_state_dict_type(
-        m, api.StateDictType.SHARDED_STATE_DICT, api.ShardedStateDictConfig(), api.FullOptimStateDictConfig())
+        m,
+        api.StateDictType.SHARDED_STATE_DICT,
+        api.ShardedStateDictConfig(),
+        api.FullOptimStateDictConfig(),
+    )
 
 
 def _case_nested_summon(impl: str) -> None:
@@ -180,7 +194,7 @@ def _case_summon_with_grads_flat(impl: str) -> None:
 
 
 CASES: dict[str, Callable[[str], None]] = {
-    name[len("_case_"):]: fn for name, fn in globals().items() if name.startswith("_case_")
+    name[len("_case_") :]: fn for name, fn in globals().items() if name.startswith("_case_")
 }
 
 
@@ -204,39 +218,68 @@ def _run_cases(names: list[str]) -> dict[str, dict[str, Outcome]]:
 
 # (torch's text we expect in both messages, extra things ours must name)
 EXPECTED: dict[str, tuple[str, list[str]]] = {
-    "already_wrapped_child": ("FSDP auto wrapping requires modules to not already have FSDP applied", []),
+    "already_wrapped_child": (
+        "FSDP auto wrapping requires modules to not already have FSDP applied",
+        [],
+    ),
     "scalar": ("FSDP doesn't support scalar parameters. Change", ["rank", "p"]),
     "integer": ("Cannot flatten integer dtype tensors", ["rank", "steps"]),
-    "mixed_dtype": ("Must flatten tensors with uniform dtype but got torch.float32 and torch.float64",
-                    ["rank", "2.weight"]),
-    "mixed_requires_grad": ("Must flatten tensors with uniform `requires_grad` when `use_orig_params=False`",
-                            ["rank", "2.bias"]),
+    "mixed_dtype": (
+        "Must flatten tensors with uniform dtype but got torch.float32 and torch.float64",
+        ["rank", "2.weight"],
+    ),
+    "mixed_requires_grad": (
+        "Must flatten tensors with uniform `requires_grad` when `use_orig_params=False`",
+        ["rank", "2.bias"],
+    ),
     "mixed_requires_grad_policy": (
         "has both parameters with requires_grad=True and False. FSDP does not support wrapping such "
-        "modules when use_orig_params=False.", []),
+        "modules when use_orig_params=False.",
+        [],
+    ),
     "clip_on_non_root": ("`clip_grad_norm_()` should only be called on the root FSDP instance", []),
-    "no_sync_on_non_root": ("`no_sync()` on inner FSDP instances is not supported. Please call "
-                            "`no_sync()` on root FSDP module.", []),
-    "pg_and_mesh": ("Cannot pass both process_group and device_mesh at the same time. Please just pass "
-                    "only one of them.", []),
-    "ignored_both": ("Cannot pass both ignored_modules and ignored_states at the same time. Please just "
-                     "pass ignored_states.", []),
-    "ignored_states_mixed_types": ("ignored_states expects all nn.Parameter or all nn.Module list "
-                                   "elements but got types", []),
-    "ignored_modules_not_modules": ("ignored_modules expects nn.Module list elements but got types", []),
+    "no_sync_on_non_root": (
+        "`no_sync()` on inner FSDP instances is not supported. Please call "
+        "`no_sync()` on root FSDP module.",
+        [],
+    ),
+    "pg_and_mesh": (
+        "Cannot pass both process_group and device_mesh at the same time. Please just pass "
+        "only one of them.",
+        [],
+    ),
+    "ignored_both": (
+        "Cannot pass both ignored_modules and ignored_states at the same time. Please just "
+        "pass ignored_states.",
+        [],
+    ),
+    "ignored_states_mixed_types": (
+        "ignored_states expects all nn.Parameter or all nn.Module list elements but got types",
+        [],
+    ),
+    "ignored_modules_not_modules": (
+        "ignored_modules expects nn.Module list elements but got types",
+        [],
+    ),
     # torch's text here is Python's own ("'int' object is not iterable"); we only
     # require the type, and that ours names the argument.
     "ignored_modules_not_iterable": ("", ["ignored_modules"]),
     "fsdp_in_ignored": ("`ignored_modules` should not include FSDP modules", []),
-    "wrong_state_dict_config": ("Expected state_dict_config of type", ["FullStateDictConfig",
-                                                                       "ShardedStateDictConfig"]),
-    "wrong_optim_state_dict_config": ("Expected optim_state_dict_config of type",
-                                      ["ShardedOptimStateDictConfig", "FullOptimStateDictConfig"]),
+    "wrong_state_dict_config": (
+        "Expected state_dict_config of type",
+        ["FullStateDictConfig", "ShardedStateDictConfig"],
+    ),
+    "wrong_optim_state_dict_config": (
+        "Expected optim_state_dict_config of type",
+        ["ShardedOptimStateDictConfig", "FullOptimStateDictConfig"],
+    ),
     "nested_summon": ("Cannot manually unshard parameters when already unsharding parameters", []),
     "summon_writeback_rank0_only": ("writeback=True and rank0_only=True is not supported yet", []),
     "summon_offload_no_shard": ("offload_to_cpu=True and NO_SHARD is not supported yet", []),
-    "summon_with_grads_flat": ("with_grads=True, use_orig_params=False, offload_to_cpu=False is not "
-                               "supported yet", []),
+    "summon_with_grads_flat": (
+        "with_grads=True, use_orig_params=False, offload_to_cpu=False is not supported yet",
+        [],
+    ),
 }
 
 _RESULTS: list[dict[str, dict[str, Outcome]]] = []
@@ -261,8 +304,10 @@ XFAIL = {"already_wrapped_child": REPR_BUG}
 
 @pytest.mark.parametrize(
     "case",
-    [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=XFAIL[c])) if c in XFAIL else c
-     for c in sorted(EXPECTED)],
+    [
+        pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=XFAIL[c])) if c in XFAIL else c
+        for c in sorted(EXPECTED)
+    ],
 )
 def test_misuse_matches_torch(pool2: Any, case: str) -> None:
     text, extras = EXPECTED[case]
@@ -270,10 +315,17 @@ def test_misuse_matches_torch(pool2: Any, case: str) -> None:
         torch_out, ours = res[case]["torch"], res[case]["ours"]
         assert torch_out is not None, f"torch did not raise for {case} on rank {rank}"
         assert text in torch_out[1], f"reference text changed? torch said: {torch_out[1]}"
-        assert ours is not None, f"fsdp_wrap did not raise for {case} on rank {rank} (torch: {torch_out})"
+        assert ours is not None, (
+            f"fsdp_wrap did not raise for {case} on rank {rank} (torch: {torch_out})"
+        )
         assert ours[0] == torch_out[0], (rank, ours, torch_out)
-        exc_type = {"ValueError": ValueError, "RuntimeError": RuntimeError, "TypeError": TypeError,
-                    "AssertionError": AssertionError, "NotImplementedError": NotImplementedError}[ours[0]]
+        exc_type = {
+            "ValueError": ValueError,
+            "RuntimeError": RuntimeError,
+            "TypeError": TypeError,
+            "AssertionError": AssertionError,
+            "NotImplementedError": NotImplementedError,
+        }[ours[0]]
         with pytest.raises(exc_type, match=re.escape(text) if text else None):
             raise exc_type(ours[1])
         for extra in extras:
@@ -295,7 +347,8 @@ def _not_implemented() -> dict[str, Outcome]:
     opt = torch.optim.Adam(model.parameters())
     cases: dict[str, Callable[[], Any]] = {
         "is_named_optimizer": lambda: fw.FullyShardedDataParallel.optim_state_dict_to_load(
-            model, opt, {"state": {}, "param_groups": []}, is_named_optimizer=True),
+            model, opt, {"state": {}, "param_groups": []}, is_named_optimizer=True
+        ),
     }
     out: dict[str, Outcome] = {}
     for name, fn in cases.items():
@@ -328,7 +381,9 @@ def _different_units(uop: bool) -> tuple[str, str]:
     torch.manual_seed(0)
     hidden = 6 if rank == 0 else 8  # rank 1 builds a different model
     m = nn.Sequential(nn.Linear(3, hidden), nn.ReLU(), nn.Linear(hidden, 2))
-    model = fw.FullyShardedDataParallel(m, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=uop)
+    model = fw.FullyShardedDataParallel(
+        m, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=uop
+    )
     try:
         model(torch.randn(2, 3)).sum().backward()
     except Exception as e:  # noqa: BLE001
@@ -368,5 +423,11 @@ def _two_devices() -> tuple[Outcome, Outcome]:
 @requires_cuda
 def test_params_on_two_devices(pool2: Any) -> None:
     for torch_out, ours in pool2.run(_two_devices):
-        assert torch_out is not None and ours is not None and ours[0] == torch_out[0], (torch_out, ours)
-        assert "To support a module with both CPU and GPU params, please pass in device_id argument" in ours[1]
+        assert torch_out is not None and ours is not None and ours[0] == torch_out[0], (
+            torch_out,
+            ours,
+        )
+        assert (
+            "To support a module with both CPU and GPU params, please pass in device_id argument"
+            in ours[1]
+        )

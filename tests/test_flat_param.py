@@ -59,8 +59,14 @@ def units() -> dict[str, nn.Module]:
         "section6_whole": m,
         "block": Block(),
         "tied_transformer": TinyTransformer(),  # shared emb/head weight: flattened once
-        "odd_1d": nn.ParameterList([nn.Parameter(torch.randn(5)), nn.Parameter(torch.randn(1)),
-                                    nn.Parameter(torch.randn(2, 3)), nn.Parameter(torch.randn(7))]),
+        "odd_1d": nn.ParameterList(
+            [
+                nn.Parameter(torch.randn(5)),
+                nn.Parameter(torch.randn(1)),
+                nn.Parameter(torch.randn(2, 3)),
+                nn.Parameter(torch.randn(7)),
+            ]
+        ),
         "bigger_than_ws": nn.Linear(1, 1),  # 2 elements, fewer than some world sizes
     }
 
@@ -68,16 +74,32 @@ def units() -> dict[str, nn.Module]:
 def ours_handle(module: nn.Module, rank: int, ws: int, strategy: str, uop: bool) -> FlatParamHandle:
     params, shared = collect_unit_params(module, lambda m: False, set())
     return FlatParamHandle(
-        module, params, shared, unit_fqn="", device=CPU, strategy=ShardingStrategy[strategy],
+        module,
+        params,
+        shared,
+        unit_fqn="",
+        device=CPU,
+        strategy=ShardingStrategy[strategy],
         process_group=FakeGroup(rank, ws),  # type: ignore[arg-type]
-        rank=rank, world_size=ws, use_orig_params=uop, divide=divide_factors(ws),
+        rank=rank,
+        world_size=ws,
+        use_orig_params=uop,
+        divide=divide_factors(ws),
     )
 
 
 def torch_handle(module: nn.Module, rank: int, ws: int, strategy: str, uop: bool) -> TorchHandle:
     h = TorchHandle(
-        list(module.parameters()), module, CPU, HandleShardingStrategy[strategy], False, None, None,
-        False, FakeGroup(rank, ws), uop,  # type: ignore[arg-type]
+        list(module.parameters()),
+        module,
+        CPU,
+        HandleShardingStrategy[strategy],
+        False,
+        None,
+        None,
+        False,
+        FakeGroup(rank, ws),
+        uop,  # type: ignore[arg-type]
     )
     h.shard()
     return h
@@ -103,7 +125,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("name,ws,rank,strategy,uop", CASES)
-def test_layout_and_shard_match_torch(name: str, ws: int, rank: int, strategy: str, uop: bool) -> None:
+def test_layout_and_shard_match_torch(
+    name: str, ws: int, rank: int, strategy: str, uop: bool
+) -> None:
     mod = units()[name]
     ours = ours_handle(copy.deepcopy(mod), rank, ws, strategy, uop)
     ref_mod = copy.deepcopy(mod)
@@ -116,9 +140,10 @@ def test_layout_and_shard_match_torch(name: str, ws: int, rank: int, strategy: s
     assert [tuple(i.shape) for i in ours.infos] == [tuple(s) for s in fp._shapes]
     assert [i.numel for i in ours.infos] == list(fp._numels)
     assert [i.offset for i in ours.infos] == torch_offsets(fp)
-    assert [s.fqn for s in ours.shared] == [info.param_name if not info.module_name else
-                                            f"{info.module_name}.{info.param_name}"
-                                            for info in fp._shared_param_infos]
+    assert [s.fqn for s in ours.shared] == [
+        info.param_name if not info.module_name else f"{info.module_name}.{info.param_name}"
+        for info in fp._shared_param_infos
+    ]
     # The local shard: size, right padding, contents (alignment pads hold 42).
     assert ours.flat_param.numel() == ours.shard_numel == fp.numel()
     assert ours.shard_numel - ours.shard_valid_numel == fp._shard_numel_padded
@@ -130,10 +155,16 @@ def test_layout_and_shard_match_torch(name: str, ws: int, rank: int, strategy: s
         if not info.in_shard:
             assert sl is None, (i, sl)
         else:
-            assert sl == (info.offset_in_shard, info.offset_in_shard + info.numel_in_shard), (i, sl, info)
+            assert sl == (info.offset_in_shard, info.offset_in_shard + info.numel_in_shard), (
+                i,
+                sl,
+                info,
+            )
     # use_orig_params=True: the originals are views with torch's sharded shapes.
     if uop:
-        assert [tuple(p.shape) for p in ours.params] == [tuple(p.shape) for p in ref_mod.parameters()]
+        assert [tuple(p.shape) for p in ours.params] == [
+            tuple(p.shape) for p in ref_mod.parameters()
+        ]
     assert isinstance(ours.flat_param, FlatParameter)
     assert ours.flat_param.requires_grad
 
@@ -182,7 +213,10 @@ def test_alignment_padding_values() -> None:
     expected = torch.cat([w, torch.tensor([PADDING_VALUE]), b, torch.tensor([PADDING_VALUE])])
     torch.testing.assert_close(h.flat_param.detach(), expected, rtol=0, atol=0)
     # NO_SHARD uop=True keeps the padding (reference: 24 instead of 21 for Linear(6,3)).
-    assert ours_handle(copy.deepcopy(units()["linear_6_3"]), 0, 2, "NO_SHARD", True).unpadded_numel == 24
+    assert (
+        ours_handle(copy.deepcopy(units()["linear_6_3"]), 0, 2, "NO_SHARD", True).unpadded_numel
+        == 24
+    )
     # uop=False: no padding at all.
     h = ours_handle(copy.deepcopy(ln), 0, 1, "NO_SHARD", False)
     torch.testing.assert_close(h.flat_param.detach(), torch.cat([w, b]), rtol=0, atol=0)
@@ -231,8 +265,19 @@ def test_divide_factors_match_reference_and_torch() -> None:
 
     _get_gradient_predivide_factor = DefaultState._get_gradient_predivide_factor
 
-    table = {1: (1, 1), 2: (2, 1), 3: (2, 1.5), 4: (2, 2), 6: (4, 1.5), 8: (4, 2), 16: (4, 4),
-             32: (8, 4), 64: (8, 8), 128: (16, 8), 256: (16, 16)}
+    table = {
+        1: (1, 1),
+        2: (2, 1),
+        3: (2, 1.5),
+        4: (2, 2),
+        6: (4, 1.5),
+        8: (4, 2),
+        16: (4, 4),
+        32: (8, 4),
+        64: (8, 8),
+        128: (16, 8),
+        256: (16, 16),
+    }
     for ws, (pre, post) in table.items():
         assert tuple(divide_factors(ws)) == (pre, post), ws
     for ws in range(1, 300):
@@ -244,14 +289,32 @@ def test_validation_errors_single_process() -> None:
     with pytest.raises(ValueError, match="FSDP doesn't support scalar parameters"):
         ours_handle(nn.ParameterList([nn.Parameter(torch.tensor(1.0))]), 0, 2, "FULL_SHARD", False)
     with pytest.raises(ValueError, match="Cannot flatten integer dtype tensors"):
-        ours_handle(nn.ParameterList([nn.Parameter(torch.ones(3, dtype=torch.int64), requires_grad=False)]),
-                    0, 2, "FULL_SHARD", False)
-    with pytest.raises(ValueError, match="Must flatten tensors with uniform dtype but got torch.float32 and torch.float64"):
-        ours_handle(nn.ParameterList([nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2, dtype=torch.float64))]),
-                    0, 2, "FULL_SHARD", False)
+        ours_handle(
+            nn.ParameterList([nn.Parameter(torch.ones(3, dtype=torch.int64), requires_grad=False)]),
+            0,
+            2,
+            "FULL_SHARD",
+            False,
+        )
+    with pytest.raises(
+        ValueError,
+        match="Must flatten tensors with uniform dtype but got torch.float32 and torch.float64",
+    ):
+        ours_handle(
+            nn.ParameterList(
+                [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2, dtype=torch.float64))]
+            ),
+            0,
+            2,
+            "FULL_SHARD",
+            False,
+        )
     mixed = nn.Linear(2, 2)
     mixed.bias.requires_grad_(False)
-    with pytest.raises(ValueError, match="Must flatten tensors with uniform `requires_grad` when `use_orig_params=False`"):
+    with pytest.raises(
+        ValueError,
+        match="Must flatten tensors with uniform `requires_grad` when `use_orig_params=False`",
+    ):
         ours_handle(mixed, 0, 2, "FULL_SHARD", False)
     ours_handle(copy.deepcopy(mixed), 0, 2, "FULL_SHARD", True)  # fine with use_orig_params=True
 
@@ -274,21 +337,46 @@ def _real_handles() -> list[tuple[str, bool, str, list[Any], list[Any]]]:
         base = section6_model()
         base.register_buffer("buf", torch.arange(3, dtype=torch.float32))
         ref = tfsdp.FullyShardedDataParallel(
-            copy.deepcopy(base), auto_wrap_policy=TorchMWP({nn.Linear}), device_id=CPU,
-            use_orig_params=uop, sharding_strategy=tfsdp.ShardingStrategy[strategy])
+            copy.deepcopy(base),
+            auto_wrap_policy=TorchMWP({nn.Linear}),
+            device_id=CPU,
+            use_orig_params=uop,
+            sharding_strategy=tfsdp.ShardingStrategy[strategy],
+        )
         ours = fsdp_wrap.FullyShardedDataParallel(
-            copy.deepcopy(base), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
-            use_orig_params=uop, sharding_strategy=fsdp_wrap.ShardingStrategy[strategy])
+            copy.deepcopy(base),
+            auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+            use_orig_params=uop,
+            sharding_strategy=fsdp_wrap.ShardingStrategy[strategy],
+        )
         t_info, o_info = [], []
         for st in tfsdp.FullyShardedDataParallel.fsdp_modules(ref):
             fp = st._handle.flat_param
-            t_info.append((fp.numel(), fp._unpadded_unsharded_size.numel(), fp._shard_numel_padded,
-                           [(i.in_shard, i.offset_in_shard, i.numel_in_shard) for i in fp._shard_param_infos]))
+            t_info.append(
+                (
+                    fp.numel(),
+                    fp._unpadded_unsharded_size.numel(),
+                    fp._shard_numel_padded,
+                    [
+                        (i.in_shard, i.offset_in_shard, i.numel_in_shard)
+                        for i in fp._shard_param_infos
+                    ],
+                )
+            )
         for st in fsdp_wrap.FullyShardedDataParallel.fsdp_modules(ours):
             h = st._handle
             slices = [h.param_shard_slice(i) for i in range(len(h.infos))]
-            o_info.append((h.flat_param.numel(), h.unpadded_numel, h.shard_numel - h.shard_valid_numel,
-                           [(False, None, None) if s is None else (True, s[0], s[1] - s[0]) for s in slices]))
+            o_info.append(
+                (
+                    h.flat_param.numel(),
+                    h.unpadded_numel,
+                    h.shard_numel - h.shard_valid_numel,
+                    [
+                        (False, None, None) if s is None else (True, s[0], s[1] - s[0])
+                        for s in slices
+                    ],
+                )
+            )
         out.append((strategy, uop, f"rank {dist.get_rank()}", t_info, o_info))
     return out
 
@@ -308,7 +396,9 @@ def test_real_handles_match_torch_ws2(pool2: Any) -> None:
         assert [x[0] for x in by_cfg[("FULL_SHARD", False)]] == [3, 15, 11]
         assert [x[0] for x in by_cfg[("FULL_SHARD", True)]] == [4, 15, 12]
         assert [x[1] for x in by_cfg[("FULL_SHARD", True)]] == [8, 30, 24]
-        assert [x[2] for x in by_cfg[("FULL_SHARD", False)]] == ([0, 0, 0] if rank == 0 else [0, 0, 1])
+        assert [x[2] for x in by_cfg[("FULL_SHARD", False)]] == (
+            [0, 0, 0] if rank == 0 else [0, 0, 1]
+        )
 
 
 def test_real_handles_match_torch_ws3(pool3: Any) -> None:

@@ -21,7 +21,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tests.models import DeepNest, build, fsdp_api, fsdp_cls, fsdp_kwargs, make_input, new_model, wrap_api
+from tests.models import (
+    DeepNest,
+    build,
+    fsdp_api,
+    fsdp_cls,
+    fsdp_kwargs,
+    make_input,
+    new_model,
+    wrap_api,
+)
 
 IMPLS = ("torch", "ours")
 
@@ -34,21 +43,38 @@ def _section6() -> nn.Module:
 
 
 def _wrap_section6(impl: str, base: nn.Module, **kw: Any) -> nn.Module:
-    return fsdp_cls(impl)(copy.deepcopy(base), auto_wrap_policy=wrap_api(impl).ModuleWrapPolicy({nn.Linear}),
-                          **fsdp_kwargs(impl, **kw))
+    return fsdp_cls(impl)(
+        copy.deepcopy(base),
+        auto_wrap_policy=wrap_api(impl).ModuleWrapPolicy({nn.Linear}),
+        **fsdp_kwargs(impl, **kw),
+    )
 
 
-def _pairs(**kw: Any) -> list[tuple[str, nn.Module, nn.Module, Callable[[torch.Generator], torch.Tensor]]]:
+def _pairs(
+    **kw: Any,
+) -> list[tuple[str, nn.Module, nn.Module, Callable[[torch.Generator], torch.Tensor]]]:
     """(name, torch model, our model, input maker) for the models checked here."""
     out = []
     base = _section6()
-    out.append(("section6", _wrap_section6("torch", base, **kw), _wrap_section6("ours", base, **kw),
-                lambda g: torch.randn(2, 4, generator=g)))
+    out.append(
+        (
+            "section6",
+            _wrap_section6("torch", base, **kw),
+            _wrap_section6("ours", base, **kw),
+            lambda g: torch.randn(2, 4, generator=g),
+        )
+    )
     for name in ("transformer", "deep"):  # (frozen units: see test_parity)
         torch.manual_seed(1)
         b = new_model(name)
-        out.append((name, build(name, "torch", b, **kw), build(name, "ours", b, **kw),
-                    lambda g, n=name: make_input(n, g)))
+        out.append(
+            (
+                name,
+                build(name, "torch", b, **kw),
+                build(name, "ours", b, **kw),
+                lambda g, n=name: make_input(n, g),
+            )
+        )
     return out
 
 
@@ -66,7 +92,11 @@ def _full_sd(model: nn.Module, impl: str) -> dict[str, torch.Tensor]:
 def _sd_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> str | None:
     if list(a) != list(b):
         return f"keys {list(a)} vs {list(b)}"
-    bad = [k for k in a if a[k].shape != b[k].shape or not torch.allclose(a[k], b[k], rtol=0, atol=1e-6)]
+    bad = [
+        k
+        for k in a
+        if a[k].shape != b[k].shape or not torch.allclose(a[k], b[k], rtol=0, atol=1e-6)
+    ]
     return f"values differ at {bad}" if bad else None
 
 
@@ -82,7 +112,9 @@ def _grads_diff(g1: list[torch.Tensor | None], g2: list[torch.Tensor | None]) ->
     if len(g1) != len(g2):
         return f"{len(g1)} vs {len(g2)} grads"
     for i, (a, b) in enumerate(zip(g1, g2)):
-        if (a is None) != (b is None) or (a is not None and (a.shape != b.shape or not torch.allclose(a, b, rtol=1e-5, atol=1e-5))):
+        if (a is None) != (b is None) or (
+            a is not None and (a.shape != b.shape or not torch.allclose(a, b, rtol=1e-5, atol=1e-5))
+        ):
             return f"grad {i} differs"
     return None
 
@@ -100,7 +132,9 @@ def check_repr_after_forward() -> list[str]:
             x = inp(g)
             ref(x), ours(x)
             if repr(ref) != repr(ours):
-                fails.append(f"{name} uop={uop}: print(model) differs:\ntorch:\n{ref}\nours:\n{ours}")
+                fails.append(
+                    f"{name} uop={uop}: print(model) differs:\ntorch:\n{ref}\nours:\n{ours}"
+                )
     return fails
 
 
@@ -120,15 +154,23 @@ def check_repr_before_forward() -> list[str]:
 
 def check_named_parameters() -> list[str]:
     fails = []
-    for uop, strategy in itertools.product((False, True), ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")):
+    for uop, strategy in itertools.product(
+        (False, True), ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+    ):
         for name, ref, ours, inp in _pairs(use_orig_params=uop, sharding_strategy=strategy):
             tag = f"{name} uop={uop} {strategy}"
             for when in ("after construction", "after a step"):
                 if _named(ref) != _named(ours):
-                    fails.append(f"{tag} {when}: named_parameters torch {_named(ref)} vs ours {_named(ours)}")
+                    fails.append(
+                        f"{tag} {when}: named_parameters torch {_named(ref)} vs ours {_named(ours)}"
+                    )
                 if _named(ref, True) != _named(ours, True):
-                    fails.append(f"{tag} {when}: named_buffers torch {_named(ref, True)} vs ours {_named(ours, True)}")
-                if [type(p).__name__ for p in ref.parameters()] != [type(p).__name__ for p in ours.parameters()]:
+                    fails.append(
+                        f"{tag} {when}: named_buffers torch {_named(ref, True)} vs ours {_named(ours, True)}"
+                    )
+                if [type(p).__name__ for p in ref.parameters()] != [
+                    type(p).__name__ for p in ours.parameters()
+                ]:
                     fails.append(f"{tag} {when}: parameter types differ")
                 g = torch.Generator().manual_seed(dist.get_rank())
                 x = inp(g)
@@ -143,7 +185,11 @@ def check_forwarding_and_tree() -> list[str]:
     for impl in IMPLS:
         cls = fsdp_cls(impl)
         lin = cls(nn.Linear(2, 3), **fsdp_kwargs(impl))
-        if lin.in_features != 2 or type(lin.module) is not nn.Linear or lin.module is not lin._fsdp_wrapped_module:
+        if (
+            lin.in_features != 2
+            or type(lin.module) is not nn.Linear
+            or lin.module is not lin._fsdp_wrapped_module
+        ):
             fails.append(f"{impl}: __getattr__/.module forwarding broken")
         seq = cls(nn.Sequential(nn.Linear(2, 3), nn.ReLU()), **fsdp_kwargs(impl))
         if not isinstance(seq[1], nn.ReLU):
@@ -158,8 +204,14 @@ def check_forwarding_and_tree() -> list[str]:
         child_mods = [type(x.module).__name__ for x in cls.fsdp_modules(m[0])]
         trees[impl] = (mods, roots, is_root, child_mods)
     if trees["torch"] != trees["ours"]:
-        fails.append(f"fsdp_modules/root_only/check_is_root: torch {trees['torch']} vs ours {trees['ours']}")
-    if trees["ours"][:3] != (["Sequential", "Linear", "Linear"], ["Sequential"], [True, False, False]):
+        fails.append(
+            f"fsdp_modules/root_only/check_is_root: torch {trees['torch']} vs ours {trees['ours']}"
+        )
+    if trees["ours"][:3] != (
+        ["Sequential", "Linear", "Linear"],
+        ["Sequential"],
+        [True, False, False],
+    ):
         fails.append(f"fsdp_modules etc. not as the reference says: {trees['ours']}")
     return fails
 
@@ -180,7 +232,9 @@ def check_apply() -> list[str]:
             d = _sd_diff(sd_t, sd_o)
             if d:
                 fails.append(f"{name} uop={uop}: after apply(): {d}")
-            lin_keys = [k for k in sd_o if k.endswith("weight") and sd_o[k].dim() == 2 and "emb" not in k]
+            lin_keys = [
+                k for k in sd_o if k.endswith("weight") and sd_o[k].dim() == 2 and "emb" not in k
+            ]
             if not lin_keys or not all(bool((sd_o[k] == 0.5).all()) for k in lin_keys):
                 fails.append(f"{name} uop={uop}: apply() did not persist in ours")
             x = inp(torch.Generator().manual_seed(0))
@@ -198,20 +252,29 @@ def check_flat_param_identity() -> list[str]:
     fails = []
     for uop in (False, True):
         for name, _, ours, _ in _pairs(use_orig_params=uop):
-            flats = [st._flat_param for st in fsdp_wrap.FullyShardedDataParallel.fsdp_modules(ours)
-                     if st._flat_param is not None]
+            flats = [
+                st._flat_param
+                for st in fsdp_wrap.FullyShardedDataParallel.fsdp_modules(ours)
+                if st._flat_param is not None
+            ]
             if not flats or not all(isinstance(f, TorchFlatParameter) for f in flats):
                 fails.append(f"{name} uop={uop}: flat params are not torch FlatParameter instances")
             if not all(isinstance(f, fsdp_wrap.FlatParameter) for f in flats):
-                fails.append(f"{name} uop={uop}: flat params are not fsdp_wrap.FlatParameter instances")
+                fails.append(
+                    f"{name} uop={uop}: flat params are not fsdp_wrap.FlatParameter instances"
+                )
             exposed = [isinstance(p, TorchFlatParameter) for p in ours.parameters()]
             if exposed != [not uop] * len(exposed):
-                fails.append(f"{name} uop={uop}: isinstance(param, FlatParameter) over parameters() = {exposed}")
+                fails.append(
+                    f"{name} uop={uop}: isinstance(param, FlatParameter) over parameters() = {exposed}"
+                )
     return fails
 
 
 def check_ignored() -> list[str]:
-    cases = itertools.product((False, True), ("ignored_modules", "ignored_states_modules", "ignored_states_params"))
+    cases = itertools.product(
+        (False, True), ("ignored_modules", "ignored_states_modules", "ignored_states_params")
+    )
     return _ignored([c for c in cases if c != (True, "ignored_states_params")])
 
 
@@ -239,8 +302,10 @@ def _ignored(cases: list[tuple[bool, str]]) -> list[str]:
             else:
                 kw = {"ignored_states": [m.out.weight, m.inp.bias]}
             models[impl] = fsdp_cls(impl)(
-                m, auto_wrap_policy=wrap_api(impl).ModuleWrapPolicy({type(m.mid)}),
-                **fsdp_kwargs(impl, use_orig_params=uop, **kw))
+                m,
+                auto_wrap_policy=wrap_api(impl).ModuleWrapPolicy({type(m.mid)}),
+                **fsdp_kwargs(impl, use_orig_params=uop, **kw),
+            )
         ref, ours = models["torch"], models["ours"]
         tag = f"uop={uop} {how}"
         if _named(ref) != _named(ours):
@@ -262,7 +327,9 @@ def _ignored(cases: list[tuple[bool, str]]) -> list[str]:
 def check_world_size_1() -> list[str]:
     fails = []
     rank = dist.get_rank()
-    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank makes every group
+    groups = [
+        dist.new_group([r]) for r in range(dist.get_world_size())
+    ]  # every rank makes every group
     mine = groups[rank]
     for uop in (False, True):
         torch.manual_seed(3)
@@ -272,9 +339,16 @@ def check_world_size_1() -> list[str]:
             with warnings.catch_warnings(record=True) as rec:
                 warnings.simplefilter("always")
                 m = build("transformer", impl, base, use_orig_params=uop, process_group=mine)
-            msgs = sorted({str(w.message) for w in rec if "switching to use `NO_SHARD`" in str(w.message)})
-            out[impl] = (m, msgs, [st.sharding_strategy.name for st in fsdp_cls(impl).fsdp_modules(m)],
-                         m.world_size, m.rank)
+            msgs = sorted(
+                {str(w.message) for w in rec if "switching to use `NO_SHARD`" in str(w.message)}
+            )
+            out[impl] = (
+                m,
+                msgs,
+                [st.sharding_strategy.name for st in fsdp_cls(impl).fsdp_modules(m)],
+                m.world_size,
+                m.rank,
+            )
         (ref, wt, st_t, ws_t, r_t), (ours, wo, st_o, ws_o, r_o) = out["torch"], out["ours"]
         if wt != wo or not wo:
             fails.append(f"uop={uop}: NO_SHARD clamp warnings torch {wt} vs ours {wo}")
@@ -300,8 +374,11 @@ def check_summon_full_params() -> list[str]:
             seen = {}
             for impl, m in (("torch", ref), ("ours", ours)):
                 with fsdp_cls(impl).summon_full_params(m, recurse=recurse, writeback=writeback):
-                    seen[impl] = (_named(m), _named(m, True),
-                                  [type(p).__name__ for p in m.parameters()])
+                    seen[impl] = (
+                        _named(m),
+                        _named(m, True),
+                        [type(p).__name__ for p in m.parameters()],
+                    )
                     with torch.no_grad():
                         for i, p in enumerate(m.parameters()):
                             p.add_(0.25 * (i + 1))
@@ -316,7 +393,7 @@ def check_summon_full_params() -> list[str]:
     return fails
 
 
-CHECKS = {name[len("check_"):]: fn for name, fn in globals().items() if name.startswith("check_")}
+CHECKS = {name[len("check_") :]: fn for name, fn in globals().items() if name.startswith("check_")}
 
 
 def _run_checks(names: list[str]) -> dict[str, list[str]]:
@@ -326,7 +403,9 @@ def _run_checks(names: list[str]) -> dict[str, list[str]]:
         try:
             out[name] = CHECKS[name]()
         except Exception as e:  # noqa: BLE001  (raised on every rank at the same point)
-            out[name] = [f"raised {type(e).__name__}: {e}\n" + "".join(traceback.format_exception(e)[-4:])]
+            out[name] = [
+                f"raised {type(e).__name__}: {e}\n" + "".join(traceback.format_exception(e)[-4:])
+            ]
     return out
 
 
@@ -344,8 +423,10 @@ XFAIL = {
 @pytest.mark.parametrize("ws", [2, 3])
 @pytest.mark.parametrize(
     "check",
-    [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=XFAIL[c])) if c in XFAIL else c
-     for c in sorted(CHECKS)],
+    [
+        pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=XFAIL[c])) if c in XFAIL else c
+        for c in sorted(CHECKS)
+    ],
 )
 def test_module_api_matches_torch(request: pytest.FixtureRequest, ws: int, check: str) -> None:
     if ws not in _RESULTS:
