@@ -18,17 +18,18 @@ What it does, on every rank:
    the loss visibly falls within a few steps and nothing is downloaded;
 3. prints one progress line per step (rank 0), then each rank's sharded vs.
    full parameter bytes and peak RSS;
-4. at step ``k`` saves a checkpoint: the full model state dict
-   (``FULL_STATE_DICT``, ``rank0_only``, offloaded to CPU, written by rank 0)
-   and each rank's *local* ``optim.state_dict()`` in a file of its own;
+4. at step ``k`` saves a checkpoint: the full model state dict and the full
+   optimizer state dict (``FULL_STATE_DICT``, ``rank0_only``, offloaded to
+   CPU, written by rank 0; ``FSDP.optim_state_dict`` keys the optimizer state
+   by parameter name, like the model's);
 5. keeps training to step ``N``; then builds a fresh model and optimizer,
    loads the step-``k`` checkpoint, trains ``k+1 .. N`` again and checks that
    every loss matches the uninterrupted run.  Exit code 0 means it did.
 
-Stop-gap: fsdp_wrap does not implement ``FSDP.optim_state_dict`` yet, so the
-optimizer state is saved per rank, as the optimizer sees it (flat-parameter
-shards).  Such a checkpoint can only be resumed with the same world size,
-sharding strategy, ``use_orig_params`` and model; the demo checks that.
+``--optim-state per-rank`` saves each rank's local ``optim.state_dict()``
+(its flat-parameter shards) in a file of its own instead: cheaper, no
+collective, but only resumable with the same world size, sharding strategy,
+``use_orig_params`` and model (the demo checks that).
 
 This module is an application of the library; nothing in ``fsdp_wrap``
 imports it.
@@ -164,6 +165,7 @@ class Settings:
     lr: float
     use_orig_params: bool
     checkpoint_dir: str | None
+    optim_state: str
     keep_checkpoint: bool
     seed: int
     quiet: bool
@@ -193,6 +195,13 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
                    help="FSDP(use_orig_params=True): the optimizer sees the original parameters")
     p.add_argument("--checkpoint-dir", default=None,
                    help="where to write the checkpoint [a temporary directory, removed at exit]")
+    p.add_argument(
+        "--optim-state",
+        choices=("full", "per-rank"),
+        default="full",
+        help="full: FSDP.optim_state_dict, rank 0 writes one file; per-rank: each rank's "
+        "optim.state_dict(), same world size needed to resume [full]",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of model init and data [0]")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
     a = p.parse_args(argv)
@@ -211,6 +220,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         nprocs=a.nprocs, steps=a.steps, checkpoint_step=k, strategy=a.strategy, layers=layers,
         width=width, heads=heads, vocab=64, seq_len=a.seq_len, batch=a.batch_size, lr=a.lr,
         use_orig_params=a.use_orig_params, checkpoint_dir=a.checkpoint_dir,
+        optim_state=a.optim_state,
         keep_checkpoint=a.checkpoint_dir is not None, seed=a.seed, quiet=a.quiet,
     )
 
@@ -344,22 +354,26 @@ def memory_report(model: nn.Module, out: Printer) -> None:
 def save_checkpoint(
     model: nn.Module, optim: torch.optim.Optimizer, step: int, s: Settings, ckpt_dir: str
 ) -> None:
-    """Full model state dict (rank 0 writes) + each rank's local optimizer state."""
+    """Full model state dict and optimizer state (rank 0 writes, or one file per rank)."""
     import fsdp_wrap as fsdp
 
     FSDP = fsdp.FullyShardedDataParallel
     rank, ws = dist.get_rank(), dist.get_world_size()
     cfg = fsdp.FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
-    with FSDP.state_dict_type(model, fsdp.StateDictType.FULL_STATE_DICT, cfg):
-        model_sd = model.state_dict()  # a collective: every rank calls it
+    optim_cfg = fsdp.FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=True)
+    with FSDP.state_dict_type(model, fsdp.StateDictType.FULL_STATE_DICT, cfg, optim_cfg):
+        model_sd = model.state_dict()  # collectives: every rank calls both
+        full_osd = FSDP.optim_state_dict(model, optim) if s.optim_state == "full" else None
     if rank == 0:
         torch.save(model_sd, os.path.join(ckpt_dir, "model.pt"))
+        if full_osd is not None:
+            torch.save(full_osd, os.path.join(ckpt_dir, "optim.pt"))
         meta = {"step": step, "world_size": ws, "settings": asdict(s)}
         with open(os.path.join(ckpt_dir, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)
-    # Stop-gap until FSDP.optim_state_dict exists: this rank's optimizer state
-    # over its own shards.  Resuming needs the same world size and layout.
-    torch.save(optim.state_dict(), os.path.join(ckpt_dir, f"optim_rank{rank}.pt"))
+    if s.optim_state == "per-rank":
+        # This rank's optimizer state over its own shards, as the optimizer sees it.
+        torch.save(optim.state_dict(), os.path.join(ckpt_dir, f"optim_rank{rank}.pt"))
     dist.barrier()
 
 
@@ -373,11 +387,18 @@ def load_checkpoint(
     with open(os.path.join(ckpt_dir, "meta.json")) as f:
         meta = json.load(f)
     saved = meta["settings"]
-    for key in ("strategy", "use_orig_params", "layers", "width"):
+    for key in ("layers", "width", "optim_state"):
         if saved[key] != getattr(s, key):
             raise RuntimeError(f"[rank {rank}] checkpoint has {key}={saved[key]!r}, "
                                f"this run has {getattr(s, key)!r}")
-    if meta["world_size"] != ws:
+    per_rank = s.optim_state == "per-rank"
+    for key in ("strategy", "use_orig_params") if per_rank else ():
+        if saved[key] != getattr(s, key):
+            raise RuntimeError(
+                f"[rank {rank}] per-rank optimizer state was saved with {key}={saved[key]!r}, "
+                f"this run has {getattr(s, key)!r}"
+            )
+    if per_rank and meta["world_size"] != ws:
         raise RuntimeError(
             f"[rank {rank}] the checkpoint's optimizer state was saved per rank by "
             f"{meta['world_size']} ranks; it can only be resumed with that many (got {ws})"
@@ -386,9 +407,13 @@ def load_checkpoint(
     model_sd = torch.load(os.path.join(ckpt_dir, "model.pt"), weights_only=True)
     with FSDP.state_dict_type(model, fsdp.StateDictType.FULL_STATE_DICT):
         model.load_state_dict(model_sd)
-    optim.load_state_dict(
-        torch.load(os.path.join(ckpt_dir, f"optim_rank{rank}.pt"), weights_only=True)
-    )
+        if per_rank:
+            osd = torch.load(os.path.join(ckpt_dir, f"optim_rank{rank}.pt"), weights_only=True)
+        else:
+            # Every rank reads the full optimizer state; each keeps its shard of it.
+            full_osd = torch.load(os.path.join(ckpt_dir, "optim.pt"), weights_only=True)
+            osd = FSDP.optim_state_dict_to_load(model, optim, full_osd)
+    optim.load_state_dict(osd)
     return int(meta["step"])
 
 
@@ -413,8 +438,12 @@ def run(s: Settings, ckpt_dir: str) -> int:
     def maybe_save(step: int) -> None:
         if step == k:
             save_checkpoint(model, optim, step, s, ckpt_dir)
-            out(f"checkpoint: saved step {k} to {ckpt_dir} (full model state dict from rank 0 "
-                f"+ {ws} per-rank optimizer files)")
+            what = (
+                "model + optimizer state dicts from rank 0"
+                if s.optim_state == "full"
+                else f"model state dict from rank 0 + {ws} per-rank optimizer files"
+            )
+            out(f"checkpoint: saved step {k} to {ckpt_dir} (full {what})")
 
     t0 = time.perf_counter()
     baseline = run_steps(model, optim, 1, n, s, out, "train ", on_step=maybe_save)
@@ -451,6 +480,8 @@ def run(s: Settings, ckpt_dir: str) -> int:
 def _init_process(nprocs: int) -> None:
     # torch 2.13 deprecates the c10d names fsdp_wrap calls; that is not the user's concern.
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    # --strategy NO_SHARD is a choice made on purpose here; torch's deprecation notice is noise.
+    warnings.filterwarnings("ignore", message="The `NO_SHARD` sharding strategy is deprecated")
     cores = os.cpu_count() or 1
     torch.set_num_threads(max(1, cores // max(nprocs, 1)))
 

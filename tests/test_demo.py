@@ -67,33 +67,57 @@ def _check_output(proc: subprocess.CompletedProcess[str], steps: int, k: int) ->
     return losses
 
 
-def test_demo_full_shard_default_flags() -> None:
-    proc = _run_demo("--steps", "6", "--model-size", "tiny")
+def _plain_model() -> torch.nn.Module:
+    s = demo.parse_args(["--model-size", "tiny"])
+    return demo.TinyGPT(s.vocab, s.seq_len, s.layers, s.width, s.heads)
+
+
+def _check_model_file(ckpt: str) -> torch.nn.Module:
+    """The model file is an ordinary full state dict: a plain, unwrapped model loads it."""
+    plain = _plain_model()
+    sd = torch.load(os.path.join(ckpt, "model.pt"), weights_only=True)
+    assert list(sd) == list(plain.state_dict())
+    plain.load_state_dict(sd, strict=True)
+    assert torch.equal(sd["head.weight"], sd["tok_emb.weight"])
+    return plain
+
+
+def test_demo_full_shard_full_optim_state(tmp_path: Path) -> None:
+    ckpt = str(tmp_path)
+    proc = _run_demo("--steps", "6", "--model-size", "tiny", "--checkpoint-dir", ckpt)
     _check_output(proc, steps=6, k=3)
     assert "FULL_SHARD" in proc.stdout
     # FULL_SHARD on 2 ranks: each rank holds half of the parameters (+ padding).
     for m in re.finditer(r"\(\s*([\d.]+)%\)", proc.stdout):
         assert 50.0 <= float(m.group(1)) < 51.0, proc.stdout
+    assert sorted(os.listdir(ckpt)) == ["meta.json", "model.pt", "optim.pt"]
+    plain = _check_model_file(ckpt)
+    # FSDP.optim_state_dict: keyed by the unwrapped model's names, full shapes, 3 steps taken.
+    osd = torch.load(os.path.join(ckpt, "optim.pt"), weights_only=True)
+    shapes = {n: p.shape for n, p in plain.named_parameters()}  # the tied head is not repeated
+    assert sorted(osd["state"]) == sorted(shapes)
+    for name, st in osd["state"].items():
+        assert st["exp_avg"].shape == shapes[name] == st["exp_avg_sq"].shape
+        assert float(st["step"]) == 3.0
 
 
-def test_demo_shard_grad_op_orig_params_checkpoint_files(tmp_path: Path) -> None:
+def test_demo_shard_grad_op_orig_params_per_rank_optim(tmp_path: Path) -> None:
     ckpt = str(tmp_path)
     flags = "--steps 5 --checkpoint-step 2 --model-size tiny --strategy SHARD_GRAD_OP"
-    proc = _run_demo(*flags.split(), "--use-orig-params", "--checkpoint-dir", ckpt)
+    proc = _run_demo(
+        *flags.split(), "--use-orig-params", "--optim-state", "per-rank", "--checkpoint-dir", ckpt
+    )
     _check_output(proc, steps=5, k=2)
     assert sorted(os.listdir(ckpt)) == ["meta.json", "model.pt", "optim_rank0.pt", "optim_rank1.pt"]
-    # The model file is an ordinary full state dict: a plain, unwrapped model loads it strictly.
-    s = demo.parse_args(["--model-size", "tiny"])
-    plain = demo.TinyGPT(s.vocab, s.seq_len, s.layers, s.width, s.heads)
-    sd = torch.load(os.path.join(ckpt, "model.pt"), weights_only=True)
-    assert list(sd) == list(plain.state_dict())
-    plain.load_state_dict(sd, strict=True)
-    assert torch.equal(sd["head.weight"], sd["tok_emb.weight"])
-    # Each rank's optimizer state covers that rank's shards only.
+    plain = _check_model_file(ckpt)
+    # Each rank's optimizer state covers that rank's shards: together, every element once.
+    total = 0
     for r in range(2):
         osd = torch.load(os.path.join(ckpt, f"optim_rank{r}.pt"), weights_only=True)
-        shard_numel = sum(st["exp_avg"].numel() for st in osd["state"].values())
-        assert 0 < shard_numel < sum(p.numel() for p in plain.parameters())
+        numel = sum(st["exp_avg"].numel() for st in osd["state"].values())
+        assert 0 < numel < sum(p.numel() for p in plain.parameters())
+        total += numel
+    assert total == sum(p.numel() for p in plain.parameters())
 
 
 def test_make_batch_is_a_pure_function_of_step_and_rank() -> None:
