@@ -605,8 +605,11 @@ class FlatParamHandle:
             reduced = self._reduce_with_hook(grad)
         else:
             reduced = self._reduce_default(grad)
-        if not self.keep_low_precision_grads and reduced.dtype != self.orig_dtype:
-            reduced = reduced.to(self.orig_dtype)
+        # The sharded gradient matches the master parameter's dtype, or stays in
+        # the compute dtype with keep_low_precision_grads (as torch leaves it).
+        grad_dtype = self.compute_dtype if self.keep_low_precision_grads else self.orig_dtype
+        if reduced.dtype != grad_dtype:
+            reduced = reduced.to(grad_dtype)
         if reduced.device != self.shard_device:
             reduced = self._to_shard_device(reduced)
         if self._saved_grad_shard is not None:

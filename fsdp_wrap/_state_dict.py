@@ -24,10 +24,9 @@ FQNs (no ``_fsdp_wrapped_module.``), exactly the unwrapped model's keys.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -142,37 +141,6 @@ def get_state_dict_type(module: nn.Module) -> StateDictSettings:
 
 
 # -------------------------------------------------------------- summon
-
-
-@contextlib.contextmanager
-def unshard_for_summon(states: Sequence[FSDP], writeback: bool) -> Generator[None, None, None]:
-    """Gather ``states``' units and register full original parameters.
-
-    On exit the (possibly changed) data is written back to the local shards
-    if ``writeback``, and every unit is freed.
-    """
-    for st in states:
-        st._lazy_init()
-        if st.training_state is TrainingState.SUMMON_FULL_PARAMS:
-            raise AssertionError("Cannot manually unshard parameters when already unsharding parameters")
-        if st.training_state is not TrainingState.IDLE:
-            raise AssertionError("Cannot manually unshard parameters during forward/backward")
-    entered: list[FSDP] = []
-    try:
-        for st in states:
-            st.training_state = TrainingState.SUMMON_FULL_PARAMS
-            entered.append(st)
-            if st._handle is not None:
-                st._handle.finish_unshard()
-                st._handle.use_unsharded_views(as_params=True)
-        yield
-    finally:
-        for st in reversed(entered):
-            if st._handle is not None:
-                if writeback:
-                    st._handle.write_back_unsharded()
-                st._handle.reshard(free=True)
-            st.training_state = TrainingState.IDLE
 
 
 
@@ -494,12 +462,22 @@ def _post_state_dict_hook(
             _sharded_post_state_dict(state, state_dict, prefix)
         else:
             _local_post_state_dict(state, state_dict, prefix)
+        _restore_buffer_dtypes(state, state_dict, prefix)
         old = prefix + WRAPPED
         for key in [k for k in state_dict if k.startswith(old)]:
             state_dict[prefix + key[len(old) :]] = state_dict.pop(key)
     finally:
         if state._handle is not None and sd_type is not StateDictType.LOCAL_STATE_DICT:
             state._handle.reshard(free=True)
+
+
+def _restore_buffer_dtypes(state: FSDP, state_dict: dict[str, Any], prefix: str) -> None:
+    """Buffers cast to ``buffer_dtype`` are saved in their original dtype, as torch does."""
+    for rel, dtype in state._buffer_orig_dtypes.items():
+        key = prefix + WRAPPED + rel
+        value = state_dict.get(key)
+        if isinstance(value, torch.Tensor) and value.dtype != dtype:
+            state_dict[key] = value.to(dtype)
 
 
 def _full_post_state_dict(state: FSDP, state_dict: dict[str, Any], prefix: str) -> None:

@@ -199,9 +199,12 @@ class FullyShardedDataParallel(nn.Module):
                 offload_params=self.cpu_offload.offload_params,
                 replicate_group=self._inter_node_pg if pg_state.replicate_size > 1 else None,
             )
-            self._handle.flat_param.register_post_accumulate_grad_hook(
-                _runtime.make_post_backward_hook(self, self._handle)
-            )
+            if self._handle.flat_param.requires_grad:
+                # A fully frozen unit gets no gradient; the end-of-backward
+                # callback reshards it.
+                self._handle.flat_param.register_post_accumulate_grad_hook(
+                    _runtime.make_post_backward_hook(self, self._handle)
+                )
         self.params = [self._handle.flat_param] if self._handle is not None else []
         self._fsdp_wrapped_module = module
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
@@ -248,8 +251,10 @@ class FullyShardedDataParallel(nn.Module):
         handle = self._handle
         args, kwargs = _runtime.root_pre_forward(self, args, kwargs)
         mp = self.mixed_precision
+        # The root casts for cast_root_forward_inputs; every unit, the root
+        # included, casts for cast_forward_inputs (torch's rule).
         if mp.param_dtype is not None and (
-            mp.cast_root_forward_inputs if self._is_root else mp.cast_forward_inputs
+            mp.cast_forward_inputs or (self._is_root and mp.cast_root_forward_inputs)
         ):
             args, kwargs = _runtime.cast_floating((args, kwargs), mp.param_dtype)
         _runtime.pre_forward(self, handle)
