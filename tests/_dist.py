@@ -68,6 +68,7 @@ import threading
 import time
 import traceback
 import warnings
+import weakref
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -360,6 +361,8 @@ class DistPool:
         self._busy = False  # a task was sent and its replies not all read
         self._recent_modules: list[str] = []  # imported by restarted workers
         self._closed = False
+        _LIVE_POOLS.add(self)
+        weakref.finalize(self, shutil.rmtree, self._logdir, True)
         self._start()
 
     # -- lifecycle ---------------------------------------------------------
@@ -479,7 +482,7 @@ class DistPool:
                 conn.send_bytes(pickle.dumps(None))
             except (EOFError, OSError):
                 pass
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + 2.0  # then kill: nothing is lost by it
         for proc in self._procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
         self._kill()
@@ -667,21 +670,28 @@ class DistPool:
 
 _POOLS: dict[int, DistPool] = {}
 _POOLS_LOCK = threading.Lock()
-_ATEXIT_REGISTERED = False
+_LIVE_POOLS: weakref.WeakSet[DistPool] = weakref.WeakSet()
+
+
+def _close_live_pools() -> None:
+    for pool in list(_LIVE_POOLS):
+        pool.close()
+
+
+# Registered after multiprocessing's own exit hook (imported above), so it runs
+# first: that hook joins non-daemon children and would wait forever on the idle
+# workers of a pool nobody closed.
+atexit.register(_close_live_pools)
 
 
 def get_pool(world_size: int) -> DistPool:
     """The shared pool for ``world_size`` ranks, started on first use."""
-    global _ATEXIT_REGISTERED
     with _POOLS_LOCK:
         pool = _POOLS.get(world_size)
         if pool is None or pool.closed:
             timeout = float(os.environ.get("FSDP_WRAP_TEST_TIMEOUT", _DEFAULT_TIMEOUT))
             pool = DistPool(world_size, timeout=timeout)
             _POOLS[world_size] = pool
-            if not _ATEXIT_REGISTERED:
-                atexit.register(close_all_pools)
-                _ATEXIT_REGISTERED = True
         return pool
 
 
