@@ -7,12 +7,16 @@ from setuptools import find_packages, setup
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _long_description() -> str:
-    path = os.path.join(HERE, "README.md")
-    if not os.path.exists(path):
-        return ""
-    with open(path, encoding="utf-8") as f:
-        return f.read()
+def _long_description() -> tuple[str, str]:
+    for name, content_type in (("README.rst", "text/x-rst"), ("README.md", "text/markdown")):
+        path = os.path.join(HERE, name)
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                return f.read(), content_type
+    return "", "text/plain"
+
+
+LONG_DESCRIPTION, LONG_DESCRIPTION_TYPE = _long_description()
 
 
 setup(
@@ -22,8 +26,8 @@ setup(
         "A Python re-implementation of PyTorch's FSDP1 on torch.distributed "
         "(drop-in for torch.distributed.fsdp)"
     ),
-    long_description=_long_description(),
-    long_description_content_type="text/markdown",
+    long_description=LONG_DESCRIPTION,
+    long_description_content_type=LONG_DESCRIPTION_TYPE,
     python_requires=">=3.9",
     packages=find_packages(
         exclude=[
