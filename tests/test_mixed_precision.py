@@ -355,17 +355,12 @@ GROUPS = ["param_dtype", "reduce_dtype", "buffer_dtype", "keep_low_precision_gra
 
 EXTRA_GROUPS = ["state_dict", "layout", "cast_root_false_forward_true", "keep_low_precision_grads_fp32_reduce"]
 
-# FULL state dicts must hold buffers in their original dtype (torch restores
-# them); filled in when the state-dict code does not do that yet.
-STATE_DICT_XFAIL = (
-    "FULL_STATE_DICT with MixedPrecision(buffer_dtype=...) returns buffers in buffer_dtype; torch "
-    "returns them in their original dtype (fsdp_wrap/_state_dict.py, reported)"
-)
 LAYOUT_XFAIL = (
     "use_orig_params=True with a low-precision param_dtype: torch aligns each original "
     "parameter in the flat parameter to 16 bytes of the *compute* dtype (8 bf16/fp16 "
-    "elements), fsdp_wrap to 16 bytes of the storage dtype (4 fp32 elements), so the "
-    "optimizer-visible shard shapes differ (library bug, reported to the lead)"
+    "elements), fsdp_wrap still pads to 4-element (fp32) boundaries, so the optimizer-visible "
+    "shard shapes differ, e.g. Sequential(Linear(7, 7), LayerNorm(7)) on 2 ranks: torch "
+    "[(40,), ...] vs ours [(38,), ...] on rank 0 (library bug, reported to the lead)"
 )
 
 
@@ -385,30 +380,20 @@ def test_mixed_precision_matches_torch(pool2: Any, group: str) -> None:
     assert not fails, f"{len(fails)} failure(s):\n" + "\n".join(fails)
 
 
-@pytest.mark.xfail(bool(STATE_DICT_XFAIL), reason=STATE_DICT_XFAIL, strict=True)
 def test_full_state_dict_buffers_in_original_dtype(pool2: Any) -> None:
+    """FULL state dicts hold buffers in their original dtype, as torch's do."""
     fails = _failures(pool2, "state_dict")
     assert not fails, f"{len(fails)} failure(s):\n" + "\n".join(fails)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="MixedPrecision(cast_root_forward_inputs=False, cast_forward_inputs=True): torch's root "
-    "still casts its inputs (its _pre_forward applies cast_forward_inputs to every unit, the root "
-    "included); fsdp_wrap's root does not (library bug, reported to the lead)",
-)
 def test_root_casts_inputs_when_only_cast_forward_inputs_is_set(pool2: Any) -> None:
+    """torch's root casts when either flag is set (its pre-forward applies cast_forward_inputs too)."""
     fails = _failures(pool2, "cast_root_false_forward_true")
     assert not fails, f"{len(fails)} failure(s):\n" + "\n".join(fails)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="MixedPrecision(keep_low_precision_grads=True, reduce_dtype=float32): torch leaves the "
-    "grads in param_dtype (it casts them back to the compute dtype before the optimizer step); "
-    "fsdp_wrap leaves them in float32 (library bug, reported to the lead)",
-)
 def test_keep_low_precision_grads_with_fp32_reduce(pool2: Any) -> None:
+    """torch leaves the grads in param_dtype even when the reduction ran in float32."""
     fails = _failures(pool2, "keep_low_precision_grads_fp32_reduce")
     assert not fails, f"{len(fails)} failure(s):\n" + "\n".join(fails)
 
