@@ -197,7 +197,6 @@ class FlatParamHandle:
         keep_low_precision_grads: bool = False,
         offload_params: bool = False,
         replicate_group: ProcessGroup | None = None,
-        sync_from_rank0: bool = False,
     ) -> None:
         self.module = module  # the unit's wrapped module
         self.unit_fqn = unit_fqn
@@ -242,8 +241,6 @@ class FlatParamHandle:
         requires_grad = any(p.requires_grad for *_, p in params)
         with torch.no_grad():
             flat = self._flatten(dtype)
-            if sync_from_rank0:
-                C.broadcast(flat, dist.get_global_rank(process_group, 0), process_group)
             self.local_shard = self._shard(flat)
             if offload_params:
                 self.local_shard = self._to_shard_device(self.local_shard, pin=True)
@@ -269,6 +266,9 @@ class FlatParamHandle:
         self._release_original_storage()
         if not use_orig_params:
             module._parameters[FLAT_PARAM_NAME] = self.flat_param
+            self._install_stale_views(flat)
+        if flat.untyped_storage().data_ptr() != self.local_shard.untyped_storage().data_ptr():
+            flat.untyped_storage().resize_(0)
         self.use_sharded_views()
 
     # ------------------------------------------------------------------ layout
@@ -364,6 +364,21 @@ class FlatParamHandle:
                 info.module._parameters.pop(info.name, None)
             for shared in self.shared:
                 shared.module._parameters.pop(shared.name, None)
+
+    def _install_stale_views(self, flat: torch.Tensor) -> None:
+        """``module.weight`` resolves from construction on, as in torch.
+
+        With ``use_orig_params=False`` the original names are plain tensor
+        views into the unsharded flat parameter; between unshards they point at
+        freed storage (shape only), so ``repr(module)`` and attribute checks
+        work before the first forward.
+        """
+        views = flat.detach().split(self._segments)
+        tensors = [views[seg].view(info.shape) for info, seg in zip(self.infos, self._info_segment)]
+        for info, view in zip(self.infos, tensors):
+            info.module.__dict__[info.name] = view
+        for shared in self.shared:
+            shared.module.__dict__[shared.name] = tensors[shared.index]
 
     @property
     def params(self) -> list[nn.Parameter]:

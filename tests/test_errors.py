@@ -295,11 +295,7 @@ def test_every_case_has_an_expectation() -> None:
     assert set(CASES) == set(EXPECTED)
 
 
-REPR_BUG = (
-    "fsdp_wrap bug: repr() of a use_orig_params=False unit fails before lazy init "
-    "(AttributeError: 'Linear' object has no attribute 'bias'), so this error message cannot be built"
-)
-XFAIL = {"already_wrapped_child": REPR_BUG}
+XFAIL: dict[str, str] = {}
 
 
 @pytest.mark.parametrize(

@@ -415,8 +415,6 @@ XFAIL = {
     "ignored_params_order_use_orig_params": "divergence: with use_orig_params=True torch re-registers a "
     "module's managed params after its ignored ones (named_parameters/state_dict order inp.bias, "
     "inp.weight); fsdp_wrap keeps the original order",
-    "repr_before_forward": "fsdp_wrap bug: repr()/print() of a use_orig_params=False model fails "
-    "before the first forward (original parameter attributes are missing until lazy init)",
 }
 
 
