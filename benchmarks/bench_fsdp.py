@@ -138,6 +138,7 @@ def job_interleaved(rank: int, ws: int, device: torch.device, cfg: dict[str, Any
     variants = [Variant(**v) for v in cfg["variants"]]
     clock = Clock(device)
     batches = make_batches(w, rank, N_BATCHES, device)
+    _import_frameworks()
     base = make_model(w)
     models: dict[str, Any] = {}
     construct: dict[str, float] = {}
@@ -266,13 +267,8 @@ def job_memory(rank: int, ws: int, device: torch.device, cfg: dict[str, Any]) ->
     return {k: max(r[k] for r in everyone) for k in mine}
 
 
-def _warm_up_process(device: torch.device) -> None:
-    """Pay one-time costs before the memory baseline, the same for every framework.
-
-    Importing the frameworks' modules, the autograd engine's threads and the
-    allocator's first arenas would otherwise count as the first framework's
-    memory.
-    """
+def _import_frameworks() -> None:
+    """Import every framework up front, so no construction time includes an import."""
     import torch.distributed.fsdp  # noqa: F401
     import torch.nn.parallel  # noqa: F401
     from torch.distributed.device_mesh import init_device_mesh  # noqa: F401
@@ -280,6 +276,15 @@ def _warm_up_process(device: torch.device) -> None:
     import fsdp_wrap  # noqa: F401
     import fsdp_wrap.wrap  # noqa: F401
 
+
+def _warm_up_process(device: torch.device) -> None:
+    """Pay one-time costs before the memory baseline, the same for every framework.
+
+    Importing the frameworks' modules, the autograd engine's threads and the
+    allocator's first arenas would otherwise count as the first framework's
+    memory.
+    """
+    _import_frameworks()
     m = torch.nn.Linear(8, 8, device=device)
     opt = torch.optim.AdamW(m.parameters(), foreach=True)
     m(torch.randn(4, 8, device=device)).sum().backward()
@@ -441,11 +446,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--orig", default="false,true", help="use_orig_params values")
     p.add_argument("--steps", type=int, default=None, help="timed rounds per workload")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--mem-steps", type=int, default=3)
+    p.add_argument("--mem-steps", type=int, default=None)
+    p.add_argument("--mem-frameworks", default="",
+                   help="frameworks for the memory runs (default: --frameworks)")
     p.add_argument("--no-memory", action="store_true", help="skip the ~100M peak-memory runs")
     p.add_argument("--no-meta", action="store_true", help="skip the 1B meta-device row")
     p.add_argument("--quick", action="store_true",
-                   help="fewer steps, use_orig_params=False only for memory, no 1B row")
+                   help="fewer steps; memory: first strategy, use_orig_params=False only; no 1B row")
     p.add_argument("--tiny", action="store_true", help="toy model sizes (smoke test)")
     p.add_argument("--profile", action="store_true",
                    help="print torch.profiler tables for torch_fsdp1 and fsdp_wrap")
@@ -454,8 +461,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-DEFAULT_STEPS = {"compute": 15, "small": 40, "large": 3}
-QUICK_STEPS = {"compute": 5, "small": 10, "large": 2}
+DEFAULT_STEPS = {"compute": 10, "small": 20, "large": 2}
+QUICK_STEPS = {"compute": 3, "small": 6, "large": 1}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -493,7 +500,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.no_memory:
         mem_origs = (False,) if args.quick else origs
-        mem_variants = variants_for(nproc, frameworks, strategies, mem_origs)
+        mem_strategies = strategies[:1] if args.quick else strategies
+        mem_frameworks = tuple(f for f in args.mem_frameworks.split(",") if f) or frameworks
+        mem_variants = variants_for(nproc, mem_frameworks, mem_strategies, mem_origs)
         for v in mem_variants:
             job = dict(cfg, variant=v.__dict__, mem_steps=args.mem_steps or steps_for["large"])
             raw["memory"][v.key] = launch("memory", job)

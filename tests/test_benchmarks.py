@@ -1,0 +1,52 @@
+"""Smoke test of ``benchmarks/bench_fsdp.py``: it runs and prints its tables.
+
+Toy sizes, few steps, a subset of the configurations.  Nothing here looks at a
+timing: the benchmark's numbers are for ``docs/performance.rst``, not for CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "bench_fsdp.py")
+
+
+def test_benchmark_runs_and_prints_tables(tmp_path):
+    out_json = tmp_path / "raw.json"
+    cmd = [
+        sys.executable, SCRIPT, "--tiny", "--quick", "--workloads", "small",
+        "--frameworks", "torch_fsdp1,fsdp_wrap,fsdp2,ddp", "--strategies", "FULL_SHARD,NO_SHARD",
+        "--orig", "false", "--mem-frameworks", "torch_fsdp1,fsdp_wrap", "--steps", "2", "--warmup", "1", "--mem-steps", "1",
+        "--json", str(out_json),
+    ]
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    # Step-time table: its columns and one row per framework.
+    for column in ("strategy", "orig", "framework", "median ms", "/fsdp1", "/ddp", "MiB/step",
+                   "x params / limit", "colls", "build ms"):
+        assert column in out, column
+    for row in ("torch_fsdp1", "fsdp_wrap", "fsdp2", "ddp"):
+        assert f" {row} " in out, row
+    # Memory table and the targets summary.
+    for column in ("step peak MiB", "fwd+bwd MiB", "build peak MiB", "resident MiB"):
+        assert column in out, column
+    assert "targets" in out and "step vs torch FSDP1" in out
+    # Collective bytes are counted at the c10d ops: FULL_SHARD moves about 3x
+    # the parameter bytes (a little less: the root stays gathered after
+    # forward) and NO_SHARD all-reduces exactly 1x.
+    raw = json.loads(out_json.read_text())
+    res = raw["interleaved"]["small"]
+    param_bytes = res["params"] * 4
+    fs = sum(res["colls"]["fsdp_wrap/FULL_SHARD/F"]["bytes"].values()) / param_bytes
+    ns = sum(res["colls"]["fsdp_wrap/NO_SHARD/F"]["bytes"].values()) / param_bytes
+    assert 2.5 < fs <= 3.1, fs
+    assert abs(ns - 1.0) < 0.01, ns
+    # Same weights and data: every framework's first loss is the same.
+    losses = list(res["first_loss"].values())
+    assert max(losses) - min(losses) < 1e-5, res["first_loss"]
