@@ -35,7 +35,6 @@ from enum import Enum, auto
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
@@ -222,7 +221,9 @@ class FlatParamHandle:
         self.reduce_dtype = reduce_dtype or param_dtype or dtype
         self.keep_low_precision_grads = keep_low_precision_grads
         self.shard_device = torch.device("cpu") if offload_params else device
-        align = 16 // dtype.itemsize if use_orig_params else 0
+        # Original parameters start on 16-byte boundaries of the dtype they are
+        # computed in (torch's rule), so their unsharded views stay aligned.
+        align = 16 // (param_dtype or dtype).itemsize if use_orig_params else 0
         self.infos, self._segments, self._info_segment = self._layout(params, align)
         self.shared = [SharedParamInfo(fqn, mod, name, idx) for fqn, mod, name, idx in shared]
         self.unpadded_numel = sum(self._segments)

@@ -25,18 +25,19 @@ if TYPE_CHECKING:
 def check_options(
     states: Sequence[FSDP], writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
 ) -> None:
-    """torch's rules for invalid option combinations, checked before any collective."""
-    if writeback and rank0_only:
-        raise NotImplementedError("writeback=True and rank0_only=True is not supported yet")
-    if offload_to_cpu and any(
-        st._handle is not None and not st._handle.uses_sharded_strategy for st in states
-    ):
-        raise NotImplementedError("offload_to_cpu=True and NO_SHARD is not supported yet")
-    if with_grads and (offload_to_cpu or any(not st._use_orig_params for st in states)):
-        raise NotImplementedError(
-            "with_grads=True, use_orig_params=False, offload_to_cpu=False is not supported yet: "
-            "with_grads needs use_orig_params=True and offload_to_cpu=False"
-        )
+    """torch's rules for invalid option combinations (same order and text),
+    checked on every unit before any collective."""
+    for st in states:
+        uop = st._use_orig_params
+        if with_grads and (offload_to_cpu or not uop):
+            raise NotImplementedError(
+                f"with_grads={with_grads}, use_orig_params={uop}, offload_to_cpu={offload_to_cpu} "
+                "is not supported yet"
+            )
+        if offload_to_cpu and st._handle is not None and not st._handle.uses_sharded_strategy:
+            raise NotImplementedError("offload_to_cpu=True and NO_SHARD is not supported yet")
+        if writeback and rank0_only:
+            raise NotImplementedError("writeback=True and rank0_only=True is not supported yet")
     if offload_to_cpu and not rank0_only:
         warnings.warn(
             "offload_to_cpu=True and rank0_only=False may result in the unsharded parameters "

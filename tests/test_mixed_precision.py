@@ -355,13 +355,6 @@ GROUPS = ["param_dtype", "reduce_dtype", "buffer_dtype", "keep_low_precision_gra
 
 EXTRA_GROUPS = ["state_dict", "layout", "cast_root_false_forward_true", "keep_low_precision_grads_fp32_reduce"]
 
-LAYOUT_XFAIL = (
-    "use_orig_params=True with a low-precision param_dtype: torch aligns each original "
-    "parameter in the flat parameter to 16 bytes of the *compute* dtype (8 bf16/fp16 "
-    "elements), fsdp_wrap still pads to 4-element (fp32) boundaries, so the optimizer-visible "
-    "shard shapes differ, e.g. Sequential(Linear(7, 7), LayerNorm(7)) on 2 ranks: torch "
-    "[(40,), ...] vs ours [(38,), ...] on rank 0 (library bug, reported to the lead)"
-)
 
 
 def _results(pool2: Any) -> list[Any]:
@@ -398,7 +391,6 @@ def test_keep_low_precision_grads_with_fp32_reduce(pool2: Any) -> None:
     assert not fails, f"{len(fails)} failure(s):\n" + "\n".join(fails)
 
 
-@pytest.mark.xfail(bool(LAYOUT_XFAIL), reason=LAYOUT_XFAIL, strict=True)
 def test_use_orig_params_shard_shapes_match_torch(pool2: Any) -> None:
     fails = _failures(pool2, "layout")
     assert not fails, f"{len(fails)} failure(s):\n" + "\n".join(fails)

@@ -17,7 +17,6 @@ import itertools
 import warnings
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -212,14 +211,6 @@ def test_summon_options_match_torch(pool2: Any) -> None:
     assert not fails, f"{len(fails)} failure(s):\n" + "\n".join(fails)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="invalid summon_full_params combinations raise torch's exception types, but the "
-    "with_grads message does not interpolate the actual values as torch's does "
-    "('with_grads=True, use_orig_params=True, offload_to_cpu=True is not supported yet'), and "
-    "offload_to_cpu+NO_SHARD is checked before with_grads (torch checks with_grads first); "
-    "library, reported to the lead",
-)
 def test_summon_invalid_combination_messages_match_torch(pool2: Any) -> None:
     fails = [f for f in _results(pool2) if f.startswith("MSG ")]
     assert not fails, f"{len(fails)} failure(s):\n" + "\n".join(fails)
