@@ -11,6 +11,7 @@ from enum import Enum
 from typing import Any, Callable, TypeVar
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from packaging.version import Version
 
@@ -20,6 +21,16 @@ TORCH_VERSION = Version(torch.__version__.split("+")[0])
 #: before that only the private ``_register_state_dict_hook`` exists.  Both call
 #: ``hook(module, state_dict, prefix, local_metadata)``.
 _HAS_PUBLIC_SD_POST_HOOK = hasattr(nn.Module, "register_state_dict_post_hook")
+
+#: torch 2.13 deprecates ``all_gather_into_tensor``/``reduce_scatter_tensor``
+#: (each call then goes through a warning wrapper) in favour of the
+#: ``*_single`` names, which older versions lack.
+all_gather_single: Callable[..., Any] = getattr(
+    dist, "all_gather_single", dist.all_gather_into_tensor
+)
+reduce_scatter_single: Callable[..., Any] = getattr(
+    dist, "reduce_scatter_single", dist.reduce_scatter_tensor
+)
 
 E = TypeVar("E", bound=Enum)
 D = TypeVar("D")

@@ -431,8 +431,16 @@ class FlatParamHandle:
             nbytes = self.padded_numel * slot.buffer.element_size()
             if storage.size() != nbytes:
                 storage.resize_(nbytes)
+        # On accelerators the gather is asynchronous (it overlaps compute on the
+        # communication stream).  Gloo stages an async gather through a
+        # full-unit temporary that lives until wait(), so on CPU a pending
+        # prefetch would cost one extra unit of memory: gather synchronously.
         slot.source = src  # keep the input alive until the gather finishes
-        slot.pending = C.all_gather_into(slot.buffer, src, self.process_group, async_op=True)
+        slot.pending = C.all_gather_into(
+            slot.buffer, src, self.process_group, async_op=self.device.type != "cpu"
+        )
+        if slot.pending is None:  # completed synchronously
+            slot.source, slot.valid = None, True
 
     def finish_unshard(self, full_precision: bool = True) -> None:
         """Wait for the gather and point ``flat_param`` at the unsharded data."""
