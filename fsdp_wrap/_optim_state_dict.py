@@ -169,6 +169,7 @@ def _gather_optim(
     rank0_only: bool,
     offload_to_cpu: bool,
     use_dtensor: bool,
+    group: Any = None,
 ) -> dict[str, Any]:
     index = _index(model)
     groups = _optim_params(optim)
@@ -186,7 +187,7 @@ def _gather_optim(
     ]
     everyone = _all_gather_objects(mine, root)
 
-    keep = not (rank0_only and root.rank != 0)
+    keep = not (rank0_only and dist.get_rank(_rank0_group(root, group)) != 0)
     values: dict[str, dict[str, Any]] = {}  # fqn -> state name -> value
     for i, unit in enumerate(index.units):
         h = unit.handle
@@ -221,6 +222,22 @@ def _gather_optim(
     if not keep:
         return {}
     return _assemble(index, groups, osd, local_state, values, offload_to_cpu)
+
+
+def _rank0_group(root: FSDP, group: Any) -> Any:
+    """The group whose rank 0 ``rank0_only`` means, and that broadcasts on load.
+
+    As torch: the ``group`` argument, by default the default group.  Under
+    hybrid sharding that is every replica (only global rank 0 keeps a
+    rank0-only optimizer state dict); otherwise fsdp_wrap uses the model's
+    own group, which is the default group unless the model was wrapped on a
+    subgroup (where torch's default would involve ranks outside the model).
+    """
+    if group is not None:
+        return group
+    if root._inter_node_pg is not None:
+        return dist.group.WORLD
+    return root.process_group
 
 
 def _all_gather_objects(obj: Any, root: FSDP) -> list[Any]:
@@ -264,6 +281,7 @@ def _assemble(
     state: dict[str, Any] = {}
     param_groups = []
     pid = 0
+    orig_params = bool(index.units) and index.units[0].handle.use_orig_params
     for gi, params in enumerate(groups):
         names: list[str] = []
         for p in params:
@@ -279,12 +297,35 @@ def _assemble(
                 }
             for fqn in fqns:
                 if fqn in values:
-                    state[fqn] = dict(sorted(values[fqn].items()))
+                    state[fqn] = _ordered_entries(values[fqn], orig_params)
             pid += 1
         group = {k: copy.deepcopy(v) for k, v in osd["param_groups"][gi].items() if k != "params"}
         group["params"] = names
         param_groups.append(group)
+    if orig_params:  # torch gathers (and so orders) use_orig_params keys sorted by FQN
+        state = dict(sorted(state.items()))
     return {"state": state, "param_groups": param_groups}
+
+
+def _ordered_entries(entries: dict[str, Any], orig_params: bool) -> dict[str, Any]:
+    """One parameter's states in torch's order.
+
+    Flat parameters: sorted by name.  use_orig_params: non-tensor values and
+    0-dim tensors first (as found), then the sharded states sorted by name.
+    """
+    if not orig_params:
+        return dict(sorted(entries.items()))
+
+    def rank(item: tuple[str, Any]) -> int:
+        v = item[1]
+        if SD.is_chunked(v) or (isinstance(v, torch.Tensor) and v.dim() > 0):
+            return 2
+        return 1 if isinstance(v, torch.Tensor) else 0
+
+    items = list(entries.items())
+    scalars = [it for it in items if rank(it) < 2]
+    scalars.sort(key=rank)
+    return dict(scalars + sorted((it for it in items if rank(it) == 2), key=lambda it: it[0]))
 
 
 # ------------------------------------------------------------------- load
@@ -436,11 +477,13 @@ def _flat_shard_state(h: FlatParamHandle, unit: _Unit, full: list[dict[str, Any]
     return st
 
 
-def _broadcast_osd(osd: dict[str, Any] | None, model: nn.Module) -> dict[str, Any]:
+def _broadcast_osd(osd: dict[str, Any] | None, model: nn.Module, group: Any = None) -> dict[str, Any]:
     """Rank 0's optimizer state dict on every rank (structure, then tensor by tensor)."""
     index = _index(model)
     root = index.units[0].state
-    src = dist.get_global_rank(root.process_group, 0)
+    pg = _rank0_group(root, group)
+    src = dist.get_global_rank(pg, 0)
+    me = dist.get_rank(pg)
     tensors: list[torch.Tensor] = []
 
     def strip(v: Any) -> Any:
@@ -451,14 +494,14 @@ def _broadcast_osd(osd: dict[str, Any] | None, model: nn.Module) -> dict[str, An
             return {k: strip(x) for k, x in v.items()}
         return v
 
-    skeleton = [strip(osd) if root.rank == 0 else None]
-    dist.broadcast_object_list(skeleton, src=src, group=root.process_group)
-    device = SD._group_device(root.process_group)
+    skeleton = [strip(osd) if me == 0 else None]
+    dist.broadcast_object_list(skeleton, src=src, group=pg)
+    device = SD._group_device(pg)
 
     def fill(v: Any) -> Any:
         if isinstance(v, tuple) and len(v) == 3 and v[0] == "__fsdp_wrap_tensor__":
-            t = tensors.pop(0).to(device) if root.rank == 0 else torch.empty(v[1], dtype=v[2], device=device)
-            dist.broadcast(t, src=src, group=root.process_group)
+            t = tensors.pop(0).to(device) if me == 0 else torch.empty(v[1], dtype=v[2], device=device)
+            dist.broadcast(t, src=src, group=pg)
             return t
         if isinstance(v, dict):
             return {k: fill(x) for k, x in v.items()}
@@ -491,6 +534,7 @@ def optim_state_dict(
         offload_to_cpu=cfg.offload_to_cpu,
         use_dtensor=bool(getattr(cfg, "_use_dtensor", False))
         or any(m._device_mesh is not None for m in units),
+        group=group,
     )
 
 
@@ -516,7 +560,7 @@ def optim_state_dict_to_load(
     check: str | None = "optim_state_dict_to_load"
     if sd_type is StateDictType.FULL_STATE_DICT:
         if isinstance(cfg, FullOptimStateDictConfig) and cfg.rank0_only:
-            optim_state_dict = _broadcast_osd(optim_state_dict, model)
+            optim_state_dict = _broadcast_osd(optim_state_dict, model, group)
         check = None  # full values on every rank: no collective
     result = _flatten_optim(model, _optim_params(optim), optim_state_dict, collective_check=check)
     if load_directly:
@@ -533,7 +577,7 @@ def full_optim_state_dict(
 ) -> dict[str, Any]:
     return _gather_optim(
         model, optim, None, full=True, rank0_only=rank0_only, offload_to_cpu=True,
-        use_dtensor=False,
+        use_dtensor=False, group=group,
     )
 
 
@@ -573,7 +617,7 @@ def scatter_full_optim_state_dict(
     optim: torch.optim.Optimizer | None = None,
     group: Any = None,
 ) -> dict[str, Any]:
-    osd = _broadcast_osd(full_optim_state_dict, model)
+    osd = _broadcast_osd(full_optim_state_dict, model, group)
     return shard_full_optim_state_dict(osd, model, optim_input, optim)
 
 

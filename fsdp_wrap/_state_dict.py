@@ -200,10 +200,14 @@ def chunk_tensor(full: torch.Tensor, layout: ChunkLayout, offload_to_cpu: bool) 
     if offload_to_cpu:
         local = local.cpu()
     if layout.mesh is not None:
+        from torch.distributed.tensor import Replicate
         from torch.distributed.tensor import Shard as DShard
 
+        # 1-D mesh: Shard(0).  Hybrid 2-D mesh (replicate, shard): every replica
+        # holds the same chunks, so (Replicate(), Shard(0)), as torch gives them.
+        placements = [Replicate()] * (layout.mesh.ndim - 1) + [DShard(0)]
         return DTensor.from_local(
-            local, layout.mesh, [DShard(0)], run_check=False, shape=full.shape,
+            local, layout.mesh, placements, run_check=False, shape=full.shape,
             stride=full.stride(),
         )
     device = local.device
