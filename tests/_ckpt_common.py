@@ -95,7 +95,9 @@ def describe(v: Any) -> Any:
         loc = [(list(s.metadata.shard_offsets), s.tensor.tolist()) for s in v.local_shards()]
         return ("ST", tuple(v.size()), str(v.dtype), md, loc)
     if isinstance(v, DTensor):
-        return ("DT", tuple(v.shape), str(v.placements), v.to_local().tolist())
+        mesh = v.device_mesh
+        return ("DT", tuple(v.shape), str(v.placements), tuple(mesh.shape), mesh.mesh_dim_names,
+                v.to_local().tolist())
     if isinstance(v, torch.Tensor):
         return ("T", tuple(v.shape), str(v.dtype), v.tolist())
     return ("obj", v)
@@ -103,6 +105,21 @@ def describe(v: Any) -> Any:
 
 def describe_sd(sd: dict[str, Any]) -> dict[str, Any]:
     return {k: describe(v) for k, v in sd.items()}
+
+
+def describe_ordered(sd: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Like :func:`describe_sd` but order-sensitive (DCP file layout follows key order)."""
+    return [(k, describe(v)) for k, v in sd.items()]
+
+
+def describe_osd(osd: dict[str, Any]) -> Any:
+    """An order-sensitive description of an optimizer state dict (``{}`` stays ``{}``)."""
+    if not osd:
+        return osd
+    return (
+        [(k, describe_ordered(st)) for k, st in osd["state"].items()],
+        [{k: v for k, v in g.items()} for g in osd["param_groups"]],
+    )
 
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -71,7 +71,9 @@ def _formats_match_torch() -> list[str]:
             for sd_type in TYPES:
                 # torch aliases exp_avg/exp_avg_sq with offload_to_cpu on CPU: compare without
                 kw = {"offload_to_cpu": False} if sd_type == "FULL_STATE_DICT" else {}
-                a, b = _desc_osd(_osd(ours, oopt, sd_type, **kw)), _desc_osd(_osd(ref, ropt, sd_type, **kw))
+                # order-sensitive: key and entry order decide DCP's file layout
+                a = C.describe_osd(_osd(ours, oopt, sd_type, **kw))
+                b = C.describe_osd(_osd(ref, ropt, sd_type, **kw))
                 if a != b:
                     problems.append(f"{kind} uop={uop} {sd_type}: {a} vs {b}")
             full = _osd(ours, oopt, "FULL_STATE_DICT")  # default offload_to_cpu=True

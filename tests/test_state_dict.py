@@ -1,7 +1,7 @@
 """Model state dicts: SHARDED / LOCAL formats against torch's FSDP1, round trips,
 DCP save/load both ways between torch's FSDP1 and fsdp_wrap, resharding, errors.
 
-Hybrid strategies are not implemented in fsdp_wrap yet, so no hybrid case here.
+Hybrid strategies (4 ranks): tests/test_state_dict_hybrid.py.
 """
 
 from __future__ import annotations
