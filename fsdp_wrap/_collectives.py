@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from ._compat import all_gather_single, reduce_scatter_single
+from ._compat import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE
 
 Work = dist.Work
 
@@ -41,14 +41,14 @@ def all_gather_into(
     output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool = False
 ) -> Work | None:
     """Gather every rank's equally sized ``shard`` into ``output`` (rank order)."""
-    return all_gather_single(output, shard, group=group, async_op=async_op)
+    return getattr(dist, ALL_GATHER_SINGLE)(output, shard, group=group, async_op=async_op)
 
 
 def reduce_scatter_sum(
     output: torch.Tensor, padded_input: torch.Tensor, group: ProcessGroup
 ) -> None:
     """Sum ``padded_input`` over ranks and keep this rank's chunk in ``output``."""
-    reduce_scatter_single(output, padded_input, op=dist.ReduceOp.SUM, group=group)
+    getattr(dist, REDUCE_SCATTER_SINGLE)(output, padded_input, op=dist.ReduceOp.SUM, group=group)
 
 
 def all_reduce(

@@ -24,12 +24,13 @@ _HAS_PUBLIC_SD_POST_HOOK = hasattr(nn.Module, "register_state_dict_post_hook")
 
 #: torch 2.13 deprecates ``all_gather_into_tensor``/``reduce_scatter_tensor``
 #: (each call then goes through a warning wrapper) in favour of the
-#: ``*_single`` names, which older versions lack.
-all_gather_single: Callable[..., Any] = getattr(
-    dist, "all_gather_single", dist.all_gather_into_tensor
+#: ``*_single`` names, which older versions lack.  Names, not functions, so a
+#: test that patches ``torch.distributed`` still sees every call.
+ALL_GATHER_SINGLE = (
+    "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 )
-reduce_scatter_single: Callable[..., Any] = getattr(
-    dist, "reduce_scatter_single", dist.reduce_scatter_tensor
+REDUCE_SCATTER_SINGLE = (
+    "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 )
 
 E = TypeVar("E", bound=Enum)

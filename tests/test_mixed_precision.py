@@ -162,7 +162,7 @@ def _describe(cfg: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------
 
 _COLLECTIVES = {
-    "all_gather": "AG", "all_gather_into_tensor": "AG",
+    "all_gather": "AG", "all_gather_into_tensor": "AG", "all_gather_single": "AG",
     "reduce_scatter_tensor": "RS", "reduce_scatter_single": "RS", "reduce_scatter": "RS",
     "all_reduce": "AR",
 }
