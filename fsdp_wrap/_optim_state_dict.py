@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import _collectives
 from . import _state_dict as SD
 from .api import (
     FullOptimStateDictConfig,
@@ -266,7 +267,7 @@ def _gather_flat_state(
     if not h.uses_sharded_strategy:
         return shard
     out = torch.empty(h.padded_numel, dtype=dtype, device=h.device)
-    dist.all_gather_into_tensor(out, shard, group=h.process_group)
+    _collectives.all_gather_into(out, shard, h.process_group)
     return out
 
 

@@ -43,7 +43,7 @@ from torch.distributed._shard.sharded_tensor import (
 )
 from torch.distributed.tensor import DTensor
 
-from . import _compat
+from . import _collectives, _compat
 from ._flat_param import walk_unit_modules
 from ._runtime import TrainingState
 from .api import (
@@ -306,7 +306,7 @@ def gather_chunks(items: Sequence[tuple[str, Any]], layout: ChunkLayout) -> list
             buf[pos : pos + local.numel()].copy_(local)
             pos += size
         gathered = torch.empty(total * ws, dtype=dtype, device=layout.device)
-        dist.all_gather_into_tensor(gathered, buf, group=layout.group)
+        _collectives.all_gather_into(gathered, buf, layout.group)
         table = gathered.view(ws, total)
         pos = 0
         for i, size in zip(idxs, sizes):
@@ -350,7 +350,7 @@ def check_same_call(group: ProcessGroup, rank: int, call: str) -> None:
     device = _group_device(group)
     mine = mine.to(device)
     everyone = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(everyone, mine, group=group)
+    _collectives.all_gather_into(everyone, mine, group)
     codes = everyone.tolist()
     if any(c != code for c in codes):
         seen = {r: (_CALLS[c - 1] if 0 < c <= len(_CALLS) else f"<unknown {c}>") for r, c in enumerate(codes)}
