@@ -124,7 +124,7 @@ def describe_osd(osd: dict[str, Any]) -> Any:
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """Clean-FQN full parameters of an FSDP model (ours or torch's)."""
-    cls = type(model)
+    cls: Any = type(model)
     with cls.summon_full_params(model):
         return {
             k.replace("_fsdp_wrapped_module.", ""): p.detach().clone()
