@@ -415,9 +415,12 @@ def _flatten_optim(
                 continue
             st: dict[str, Any] = {}
             for name, v in full[k].items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    if h.uses_sharded_strategy:
+                if isinstance(v, torch.Tensor):
+                    if v.dim() > 0 and h.uses_sharded_strategy:
                         v = v.reshape(-1)[piece[0] : piece[1]]
+                    # Copies, 0-dim ``step`` included: a checkpoint may share one
+                    # tensor between parameters (torch saves one ``step`` object per
+                    # flat parameter), and the optimizer increments it in place.
                     v = v.clone()
                 st[name] = v
             out[pid] = st
@@ -426,7 +429,8 @@ def _flatten_optim(
             u, _, fqns = index.where[id(p)]
             if u < 0 and fqns[0] in state_in:
                 out[pid_of[id(p)]] = {
-                    n: v.full_tensor() if SD.is_chunked(v) else v  # type: ignore[union-attr]
+                    n: v.full_tensor() if SD.is_chunked(v)  # type: ignore[union-attr]
+                    else v.clone() if isinstance(v, torch.Tensor) else v
                     for n, v in state_in[fqns[0]].items()
                 }
     param_groups = []

@@ -89,12 +89,12 @@ def _interop(root: str, k: int = 2, more: int = 3) -> list[str]:
                     _save(src, sopt, fmt, path)
                     # the original job continues without a break (the reference)
                     want = C.train(src, sopt, kind, range(k, k + more))
-                    # Resume with the other use_orig_params mode, except tied weights from
-                    # FULL checkpoints: there torch's own FSDP1 resuming its checkpoint
-                    # with the other mode diverges from step 2 too (open question, see
-                    # the report), so that cell is not an fsdp_wrap oracle.
-                    load_uop = uop if (kind == "tied" and fmt == "full") else not uop
-                    dst, dopt = _resume(loader, kind, load_uop, fmt, path)
+                    # Resume with the other use_orig_params mode.  (torch's FULL optimizer
+                    # state from use_orig_params=False shares one ``step`` tensor between the
+                    # parameters of a flat parameter; torch.save keeps the sharing, and
+                    # torch's own use_orig_params=True load then steps it once per
+                    # parameter: torch -> torch diverges there, fsdp_wrap copies.)
+                    dst, dopt = _resume(loader, kind, not uop, fmt, path)
                     got = C.train(dst, dopt, kind, range(k, k + more))
                     if max(abs(a - b) for a, b in zip(got, want)) > 1e-5:
                         problems.append(f"{kind} uop={uop} {fmt} {saver}->{loader}: {got} vs {want}")
