@@ -260,6 +260,10 @@ class FlatParamHandle:
         # one accumulates, and whether .grad holds an unreduced (no_sync) grad.
         self._saved_grad_shard: torch.Tensor | None = None
         self.has_unreduced_grad = False
+        # Forward graphs whose parameter-view gradients are still to come, and
+        # what to do once the last arrives (set by the runtime).
+        self._open_graphs = 0
+        self.on_view_grads_ready: Callable[[], None] | None = None
         # ``(state, hook)`` from register_comm_hook: replaces the reduction.
         self.comm_hook: tuple[object, Callable[..., Any]] | None = None
         self._shard_slices = self._compute_shard_slices()
@@ -483,7 +487,10 @@ class FlatParamHandle:
     # ------------------------------------------------------------------- views
 
     def use_unsharded_views(
-        self, as_params: bool = False, source: torch.Tensor | None = None
+        self,
+        as_params: bool = False,
+        source: torch.Tensor | None = None,
+        track_graph: bool = False,
     ) -> None:
         """Expose each original parameter as a view into the unsharded data.
 
@@ -510,6 +517,8 @@ class FlatParamHandle:
             self._params_registered = True
             return
         views = self.flat_param.split(self._segments)
+        if track_graph:
+            self._track_graph(views[0].grad_fn)
         tensors: list[torch.Tensor] = []
         for info, seg in zip(self.infos, self._info_segment):
             view = views[seg].view(info.shape)
@@ -519,6 +528,35 @@ class FlatParamHandle:
             self._set_tensor(info.module, info.name, view)
         for shared in self.shared:
             self._set_tensor(shared.module, shared.name, tensors[shared.index])
+
+    def _track_graph(self, split_node: Any) -> None:
+        """Watch the node that splits ``flat_param`` into this forward's views.
+
+        Autograd runs it once every view's gradient is ready, i.e. after the
+        last backward op that used the unsharded parameters.  From then on the
+        gathered storage is dead, although the post-backward hook (after the
+        gradient concat and AccumulateGrad) is still to come: freeing it here
+        lowers the backward peak by one unit.
+        """
+        if split_node is None or self.on_view_grads_ready is None:
+            return
+        self._open_graphs += 1
+        split_node.register_prehook(self._view_grads_ready)
+
+    def _view_grads_ready(self, grad_outputs: Any) -> None:
+        self._open_graphs -= 1
+        if self._open_graphs == 0 and self.on_view_grads_ready is not None:
+            self.on_view_grads_ready()
+
+    def free_unsharded_storage(self) -> None:
+        """Free the compute copy's memory now; ``reshard`` finishes the job later."""
+        slot = self._gathered[False]
+        slot.wait()
+        slot.free(self.uses_sharded_strategy)
+
+    def forget_graphs(self) -> None:
+        """Graphs of this iteration are done (or were dropped without backward)."""
+        self._open_graphs = 0
 
     def _set_tensor(self, module: nn.Module, name: str, tensor: torch.Tensor) -> None:
         # Plain dict writes: nn.Module.__setattr__ would reject a non-Parameter

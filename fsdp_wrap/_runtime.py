@@ -119,7 +119,7 @@ def pre_forward(state: FSDP, handle: FlatParamHandle | None) -> None:
         nxt = root._exec_order.next_in_forward(handle)
         if nxt is not None:
             nxt.start_unshard(full_precision=False)
-    handle.use_unsharded_views()
+    handle.use_unsharded_views(track_graph=True)
 
 
 def post_forward(state: FSDP, handle: FlatParamHandle | None, output: Any) -> Any:
@@ -197,6 +197,17 @@ def make_post_backward_hook(state: FSDP, handle: FlatParamHandle) -> Callable[[t
     return post_backward
 
 
+def make_early_free_hook(state: FSDP, handle: FlatParamHandle) -> Callable[[], None]:
+    def free_early() -> None:
+        """All of this unit's parameter gradients are computed: its gathered
+        parameters are no longer needed (unless SHARD_GRAD_OP keeps them under
+        ``no_sync``)."""
+        if handle.uses_sharded_strategy and (state._sync_gradients or handle.reshard_after_forward):
+            handle.free_unsharded_storage()
+
+    return free_early
+
+
 def _prefetch_backward(state: FSDP, handle: FlatParamHandle) -> None:
     """Start gathering the unit whose backward comes next, if it has not begun."""
     root = state._root
@@ -230,6 +241,11 @@ def finalize_units(root: FSDP, free_all: bool) -> None:
             if handle.is_unsharded or handle.holds_unsharded_storage:
                 handle.reshard(free=not keep)
             handle.restore_parked_grad()
+            if not free_all:
+                # End of a backward: every graph of the iteration is done.  A
+                # forward still awaiting its backward (several forwards before
+                # one backward) keeps its count, so nothing is freed early.
+                handle.forget_graphs()
         state._ran_pre_backward = False
         state.training_state = TrainingState.IDLE
     root._final_callback_queued = False
