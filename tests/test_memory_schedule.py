@@ -1,0 +1,161 @@
+"""When a unit's gathered parameters are freed in backward.
+
+fsdp_wrap frees a unit's unsharded parameters as soon as autograd has produced
+the gradients of all its parameter views (before the gradient concat and the
+post-backward reduction), which is what puts its backward peak one unit below
+torch FSDP1's.  These tests pin that schedule, and the cases where freeing
+early would be wrong: SHARD_GRAD_OP under ``no_sync`` keeps its parameters,
+and with several forwards before one backward nothing is freed until the last
+forward's views are done.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+import fsdp_wrap as fw
+from fsdp_wrap._flat_param import FlatParamHandle
+from fsdp_wrap.wrap import ModuleWrapPolicy
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, d: int = 6) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, d)
+        self.blocks = nn.Sequential(Block(d), Block(d), Block(d))
+        self.out = nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.blocks(self.inp(x)))
+
+
+def _trace_one_backward(strategy: str, no_sync: bool, forwards: int) -> list[tuple[str, int, int]]:
+    """Events ``(kind, unit index, storage bytes of its gathered copy)`` in one backward."""
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    model = fw.FullyShardedDataParallel(
+        Net(),
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        sharding_strategy=fw.ShardingStrategy[strategy],
+    )
+    handles = [m._handle for m in fw.FullyShardedDataParallel.fsdp_modules(model)]
+    index = {id(h): i for i, h in enumerate(handles)}
+    events: list[tuple[str, int, int]] = []
+
+    def storage_bytes(h: FlatParamHandle) -> int:
+        buf = h._gathered[False].buffer
+        return 0 if buf is None else buf.untyped_storage().size()
+
+    real_free = FlatParamHandle.free_unsharded_storage
+    real_reduce = FlatParamHandle.reduce_gradient
+
+    def free(self: FlatParamHandle) -> None:
+        events.append(("free_early", index[id(self)], storage_bytes(self)))
+        real_free(self)
+
+    def reduce(self: FlatParamHandle, sync: bool) -> None:
+        events.append(("reduce", index[id(self)], storage_bytes(self)))
+        real_reduce(self, sync)
+
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
+    FlatParamHandle.free_unsharded_storage = free  # type: ignore[method-assign]
+    FlatParamHandle.reduce_gradient = reduce  # type: ignore[method-assign]
+    try:
+        ctx = model.no_sync() if no_sync else torch.enable_grad()
+        with ctx:
+            loss = sum(model(x * (i + 1)).pow(2).sum() for i in range(forwards))
+            loss.backward()
+    finally:
+        FlatParamHandle.free_unsharded_storage = real_free  # type: ignore[method-assign]
+        FlatParamHandle.reduce_gradient = real_reduce  # type: ignore[method-assign]
+    return events
+
+
+def _check_schedule() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        for no_sync in (False, True):
+            for forwards in (1, 2):
+                out[f"{strategy}/no_sync={no_sync}/forwards={forwards}"] = _trace_one_backward(
+                    strategy, no_sync, forwards
+                )
+    return out
+
+
+def test_backward_frees_each_unit_before_its_reduction(pool2: Any) -> None:
+    for rank_result in pool2.run(_check_schedule):
+        for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+            events = rank_result[f"{strategy}/no_sync=False/forwards=1"]
+            reduced = [u for kind, u, _ in events if kind == "reduce"]
+            freed = [u for kind, u, _ in events if kind == "free_early"]
+            assert sorted(reduced) == [0, 1, 2, 3], events
+            assert sorted(freed) == [0, 1, 2, 3], events
+            for unit in reduced:
+                kinds = [(k, b) for k, u, b in events if u == unit]
+                # freed (while still holding its gathered bytes) before being reduced
+                assert kinds[0][0] == "free_early" and kinds[0][1] > 0, (strategy, unit, kinds)
+                assert kinds[1] == ("reduce", 0), (strategy, unit, kinds)
+
+
+def test_shard_grad_op_keeps_parameters_under_no_sync(pool2: Any) -> None:
+    for rank_result in pool2.run(_check_schedule):
+        for forwards in (1, 2):
+            events = rank_result[f"SHARD_GRAD_OP/no_sync=True/forwards={forwards}"]
+            assert events and all(kind == "reduce" for kind, _, _ in events), events
+            full_shard = rank_result[f"FULL_SHARD/no_sync=True/forwards={forwards}"]
+            assert {u for k, u, _ in full_shard if k == "free_early"} == {0, 1, 2, 3}
+
+
+def test_several_forwards_free_only_after_the_last_graph(pool2: Any) -> None:
+    for rank_result in pool2.run(_check_schedule):
+        for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+            events = rank_result[f"{strategy}/no_sync=False/forwards=2"]
+            # one early free per unit (after the second graph), never two
+            freed = [u for kind, u, _ in events if kind == "free_early"]
+            assert sorted(freed) == [0, 1, 2, 3], events
+
+
+def _two_forward_parity() -> list[str]:
+    """Values stay right when storage is freed early (vs a plain replicated model)."""
+    warnings.simplefilter("ignore")
+    fails = []
+    torch.manual_seed(0)
+    base = Net()
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        ref = copy.deepcopy(base)
+        model = fw.FullyShardedDataParallel(
+            copy.deepcopy(base),
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            sharding_strategy=fw.ShardingStrategy[strategy],
+            use_orig_params=True,
+        )
+        world = torch.distributed.get_world_size()
+        xs = [torch.randn(5, 4, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+        mine = xs[torch.distributed.get_rank()]
+        (model(mine).pow(2).sum() + model(2 * mine).pow(2).sum()).backward()
+        for x in xs:
+            ((ref(x).pow(2).sum() + ref(2 * x).pow(2).sum()) / world).backward()
+        with fw.FullyShardedDataParallel.summon_full_params(model, with_grads=True):
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                if not torch.allclose(p.grad, q.grad, atol=1e-5):
+                    fails.append(f"{strategy} {name}")
+    return fails
+
+
+def test_early_free_keeps_gradients_exact(pool2: Any) -> None:
+    assert pool2.run(_two_forward_parity) == [[], []]
