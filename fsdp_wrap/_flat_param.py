@@ -619,7 +619,7 @@ class FlatParamHandle:
         local gradient to it and the next synced reduction takes both.
         """
         if self.use_orig_params:
-            self._sync_flat_grad_from_orig()
+            self.sync_flat_grad_from_orig()
         grad = self.flat_param.grad
         if grad is not None and not self.has_unreduced_grad:
             self._saved_grad_shard = grad.detach()
@@ -633,8 +633,13 @@ class FlatParamHandle:
             if self.use_orig_params:
                 self._set_grad_views()
 
-    def _sync_flat_grad_from_orig(self) -> None:
-        """Honour ``zero_grad(set_to_none=True)`` done on the original params."""
+    def sync_flat_grad_from_orig(self) -> None:
+        """Honour ``zero_grad(set_to_none=True)`` done on the original params.
+
+        Their gradients are views of the flat gradient, which stays alive until
+        dropped here; the root calls this before every forward so the memory is
+        free for the forward (as torch does).
+        """
         if self.has_unreduced_grad or self.flat_param.grad is None:
             return
         if all(info.param.grad is None for info in self.infos):

@@ -97,6 +97,9 @@ def root_pre_forward(state: FSDP, args: tuple[Any, ...], kwargs: dict[str, Any])
     state._lazy_init()
     if not state._is_root:
         return args, kwargs
+    for handle in state._all_handles:
+        if handle.use_orig_params:
+            handle.sync_flat_grad_from_orig()
     if state._forward_pending_backward:
         # The previous forward was never followed by a backward (e.g. an
         # evaluation forward with grad enabled).  Free what it kept: the shards
