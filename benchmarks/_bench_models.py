@@ -9,6 +9,7 @@ per FSDP unit plus the root, so all of them shard the same units.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import torch
@@ -159,6 +160,8 @@ def build(v: Variant, model: nn.Module, device: torch.device) -> nn.Module:
             auto_wrap_policy=ModuleWrapPolicy({Block}),
             device_id=device,
             use_orig_params=bool(v.orig),
+            # Set by bench_fsdp.py --no-limit-all-gathers (both FSDP1s get it).
+            limit_all_gathers=os.environ.get("FSDP_BENCH_LIMIT_ALL_GATHERS", "1") == "1",
         )
     if v.framework == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh

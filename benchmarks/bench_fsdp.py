@@ -442,6 +442,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workloads", default="compute,small",
                    help="interleaved step-time workloads (compute, small, large)")
     p.add_argument("--frameworks", default=",".join(FRAMEWORKS))
+    p.add_argument(
+        "--no-limit-all-gathers",
+        action="store_true",
+        help="build both FSDP1s with limit_all_gathers=False (fsdp_wrap then overlaps "
+        "CPU all-gathers with compute, at one unit of extra memory)",
+    )
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--orig", default="false,true", help="use_orig_params values")
     p.add_argument("--steps", type=int, default=None, help="timed rounds per workload")
@@ -467,6 +473,8 @@ QUICK_STEPS = {"compute": 3, "small": 6, "large": 1}
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.no_limit_all_gathers:
+        os.environ["FSDP_BENCH_LIMIT_ALL_GATHERS"] = "0"  # inherited by the rank processes
     mp.set_forkserver_preload(["torch", "torch.distributed", "_bench_models", "_bench_measure"])
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: CUDA is not available on this machine; nothing to run.")

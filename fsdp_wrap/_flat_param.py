@@ -196,6 +196,7 @@ class FlatParamHandle:
         keep_low_precision_grads: bool = False,
         offload_params: bool = False,
         replicate_group: ProcessGroup | None = None,
+        limit_all_gathers: bool = True,
     ) -> None:
         self.module = module  # the unit's wrapped module
         self.unit_fqn = unit_fqn
@@ -210,6 +211,12 @@ class FlatParamHandle:
         self.reshard_after_forward = strategy in RESHARD_AFTER_FORWARD
         self.replicate_group = replicate_group
         self.offload_params = offload_params
+        # Accelerators gather asynchronously (overlapping compute on the
+        # communication stream).  Gloo stages an asynchronous gather through a
+        # full-unit buffer that lives until wait(), so on CPU an in-flight
+        # prefetch costs one extra unit: ``limit_all_gathers`` (torch's
+        # memory-vs-overlap switch) keeps CPU gathers synchronous.
+        self.async_gathers = device.type != "cpu" or not limit_all_gathers
 
         self._validate(params)
         dtype = params[0][3].dtype
@@ -435,13 +442,9 @@ class FlatParamHandle:
             nbytes = self.padded_numel * slot.buffer.element_size()
             if storage.size() != nbytes:
                 storage.resize_(nbytes)
-        # On accelerators the gather is asynchronous (it overlaps compute on the
-        # communication stream).  Gloo stages an async gather through a
-        # full-unit temporary that lives until wait(), so on CPU a pending
-        # prefetch would cost one extra unit of memory: gather synchronously.
         slot.source = src  # keep the input alive until the gather finishes
         slot.pending = C.all_gather_into(
-            slot.buffer, src, self.process_group, async_op=self.device.type != "cpu"
+            slot.buffer, src, self.process_group, async_op=self.async_gathers
         )
         if slot.pending is None:  # completed synchronously
             slot.source, slot.valid = None, True

@@ -198,6 +198,7 @@ class FullyShardedDataParallel(nn.Module):
                 keep_low_precision_grads=self.mixed_precision.keep_low_precision_grads,
                 offload_params=self.cpu_offload.offload_params,
                 replicate_group=self._inter_node_pg if pg_state.replicate_size > 1 else None,
+                limit_all_gathers=limit_all_gathers,
             )
             if self._handle.flat_param.requires_grad:
                 # A fully frozen unit gets no gradient; the end-of-backward
