@@ -1,0 +1,82 @@
+"""Peak live tensor bytes of one forward+backward, in units of one block.
+
+Samples glibc's live-byte count (``_live_bytes.live_bytes``) after every
+dispatched op of the second step of the ``large`` workload cut to 3 blocks,
+on 2 gloo ranks, and prints rank 0's peak over the step's starting point::
+
+    python benchmarks/live_peak.py fsdp_wrap FULL_SHARD false
+    python benchmarks/live_peak.py torch_fsdp1 SHARD_GRAD_OP true
+
+Unlike RSS this ignores memory the allocator keeps after a free, so it shows
+what each library's schedule holds at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _bench_models import (  # noqa: E402
+    WORKLOADS,
+    Block,
+    Variant,
+    build,
+    loss_fn,
+    make_batches,
+    make_model,
+)
+from _live_bytes import live_bytes  # noqa: E402
+
+
+class _Sampler(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, live_bytes())
+        return out
+
+
+def _worker(rank: int, port: int, framework: str, strategy: str, orig: bool) -> None:
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    workload = dataclasses.replace(WORKLOADS["large"], layers=3)
+    plain = make_model(workload)
+    block = next(m for m in plain.modules() if isinstance(m, Block))
+    unit = 4 * sum(p.numel() for p in block.parameters())  # fp32 bytes of one block unit
+    model = build(Variant(framework, strategy, orig), plain, torch.device("cpu"))
+    batches = make_batches(workload, rank, 2, torch.device("cpu"))
+    loss_fn(model(batches[0])).backward()
+    model.zero_grad(set_to_none=True)
+    base = live_bytes()
+    sampler = _Sampler()
+    with sampler:
+        loss_fn(model(batches[1])).backward()
+    if rank == 0:
+        print(f"{framework} {strategy} orig={orig}: peak {(sampler.peak - base) / unit:.2f} units")
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    framework, strategy, orig = sys.argv[1], sys.argv[2], sys.argv[3].lower() == "true"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(port, framework, strategy, orig), nprocs=2)
+
+
+if __name__ == "__main__":
+    main()
