@@ -1,6 +1,6 @@
 """fsdp_wrap: a legacy-compatible FullyShardedDataParallel (FSDP1) on torch.distributed.
 
-Change ``import torch.distributed.fsdp as fsdp`` to ``import fsdp_wrap as fsdp``;
+Change the import of torch's FSDP package to ``import fsdp_wrap as fsdp``;
 every public FSDP1 name below keeps torch's meaning and defaults.
 """
 

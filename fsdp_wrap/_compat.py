@@ -52,7 +52,7 @@ def coerce_enum(value: Any, enum_cls: type[E], arg_name: str) -> E | None:
     """Accept our enum member, or torch's member of the same-named enum.
 
     A script that swapped only the wrapper import may still pass
-    ``torch.distributed.fsdp.ShardingStrategy.FULL_SHARD``; members are matched
+    torch's own ``ShardingStrategy.FULL_SHARD`` (from torch's FSDP package); members are matched
     by class name and member name, never by importing torch's FSDP.
     """
     if value is None or isinstance(value, enum_cls):
@@ -64,7 +64,7 @@ def coerce_enum(value: Any, enum_cls: type[E], arg_name: str) -> E | None:
             pass
     raise TypeError(
         f"{arg_name} expects a {enum_cls.__name__} member (from fsdp_wrap or "
-        f"torch.distributed.fsdp) but got {value!r} of type {type(value).__name__}"
+        f"torch's FSDP) but got {value!r} of type {type(value).__name__}"
     )
 
 

@@ -1,7 +1,7 @@
 """Public configuration of fsdp_wrap: enums and config dataclasses.
 
 Every name, field, default and enum value here matches
-``torch.distributed.fsdp.api`` so that a script written for torch's FSDP1
+the ``api`` module of torch's FSDP package, so that a script written for torch's FSDP1
 runs unchanged.  This module imports nothing from the rest of the package.
 
 Each docstring states what the option gathers or frees, and when, because that
