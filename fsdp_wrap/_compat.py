@@ -78,10 +78,3 @@ def coerce_dataclass(value: Any, cls: type[D], arg_name: str) -> D | None:
     raise TypeError(
         f"{arg_name} expects a {cls.__name__} but got {value!r} of type {type(value).__name__}"
     )
-
-
-def current_accelerator() -> torch.device | None:
-    """The accelerator torch would pick, or ``None`` on a CPU-only host."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return None

@@ -238,10 +238,6 @@ class FullyShardedDataParallel(nn.Module):
     def _flat_param(self) -> nn.Parameter | None:
         return self._handle.flat_param if self._handle is not None else None
 
-    @property
-    def _use_orig_params_flag(self) -> bool:
-        return self._use_orig_params
-
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
