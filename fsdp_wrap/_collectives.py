@@ -44,6 +44,19 @@ def all_gather_into(
     return getattr(dist, ALL_GATHER_SINGLE)(output, shard, group=group, async_op=async_op)
 
 
+def gather_into(
+    output: torch.Tensor | None, shard: torch.Tensor, dst_group_rank: int, group: ProcessGroup
+) -> None:
+    """Gather every rank's ``shard`` into ``output`` on group rank ``dst_group_rank`` only.
+
+    ``output`` (``world_size * shard.numel()`` elements) is given on the
+    destination and ``None`` elsewhere; other ranks never hold the whole.
+    """
+    dst = dist.get_global_rank(group, dst_group_rank)
+    chunks = list(output.chunk(dist.get_world_size(group))) if output is not None else None
+    dist.gather(shard, chunks, dst=dst, group=group)
+
+
 def reduce_scatter_sum(
     output: torch.Tensor, padded_input: torch.Tensor, group: ProcessGroup
 ) -> None:

@@ -386,7 +386,12 @@ class FlatParamHandle:
         work before the first forward.
         """
         views = flat.detach().split(self._segments)
-        tensors = [views[seg].view(info.shape) for info, seg in zip(self.infos, self._info_segment)]
+        self._stale_views = [
+            views[seg].view(info.shape) for info, seg in zip(self.infos, self._info_segment)
+        ]
+        self._install_views(self._stale_views)
+
+    def _install_views(self, tensors: Sequence[torch.Tensor]) -> None:
         for info, view in zip(self.infos, tensors):
             info.module.__dict__[info.name] = view
         for shared in self.shared:
@@ -585,6 +590,7 @@ class FlatParamHandle:
                 for shared in self.shared:
                     shared.module._parameters.pop(shared.name, None)
                 self.module._parameters[FLAT_PARAM_NAME] = self.flat_param
+                self._install_views(self._stale_views)
                 self._params_registered = False
             return
         self._params_registered = False
@@ -782,6 +788,59 @@ class FlatParamHandle:
             self._set_unsharded_grad_views(self.flat_param.grad)
         else:
             self._set_grad_views()
+
+    def full_param_copies(self, to_rank0_only: bool, to_cpu: bool) -> list[torch.Tensor] | None:
+        """Full-precision copies of the original parameters, one tensor each (a collective).
+
+        The unit is gathered, copied parameter by parameter and freed again
+        before returning, so a caller walking the units never holds more than
+        one unit unsharded.  With ``to_rank0_only`` the shards are gathered to
+        rank 0 alone (other ranks get ``None`` and never hold the whole).
+        """
+        if to_rank0_only:
+            src = self._gather_source(self.orig_dtype)
+            full: torch.Tensor | None = None
+            if not self.uses_sharded_strategy:
+                full = src if self.rank == 0 else None
+            else:
+                out = src.new_empty(self.padded_numel) if self.rank == 0 else None
+                C.gather_into(out, src, 0, self.process_group)
+                full = out
+            if full is None:
+                return None
+            fresh = full is not self.local_shard
+        else:
+            self.finish_unshard(full_precision=True)
+            full = self.flat_param.detach()
+            fresh = False
+        views = full[: self.unpadded_numel].split(self._segments)
+        copies = []
+        for info, seg in zip(self.infos, self._info_segment):
+            view = views[seg].view(info.shape)
+            if to_cpu and view.device.type != "cpu":
+                copies.append(view.to("cpu"))
+            elif fresh and len(self.infos) == 1 and len(self._segments) == 1:
+                copies.append(view)
+            else:
+                copies.append(view.clone())
+        if not to_rank0_only:
+            self.reshard(free=True)
+        return copies
+
+    def register_params(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Register the original parameters with ``tensors`` as their data.
+
+        Undone by :meth:`use_sharded_views`.
+        """
+        for info, t in zip(self.infos, tensors):
+            info.param.data = t
+            info.module.__dict__.pop(info.name, None)
+            info.module._parameters[info.name] = info.param
+        for shared in self.shared:
+            shared.module.__dict__.pop(shared.name, None)
+            shared.module._parameters[shared.name] = self.infos[shared.index].param
+        self.module._parameters.pop(FLAT_PARAM_NAME, None)
+        self._params_registered = True
 
     def write_back_from(self, unsharded: torch.Tensor) -> None:
         """Write ``unsharded`` (a full flat copy, e.g. on CPU) into the local shard."""

@@ -430,9 +430,21 @@ def _pre_state_dict_hook(state: FSDP, prefix: str, keep_vars: bool) -> None:
         return
     if state._is_root:
         check_same_call(state.process_group, state.rank, f"state_dict({sd_type.name})")
-    if state._handle is not None:
-        state._handle.finish_unshard()
-        state._handle.use_unsharded_views(as_params=True)
+    handle = state._handle
+    if handle is None:
+        return
+    if sd_type is StateDictType.FULL_STATE_DICT:
+        # Stream: copy this unit's parameters and free it again before any
+        # nested unit is gathered, so at most one unit is unsharded at a time
+        # (with rank0_only the other ranks never hold a whole unit).
+        cfg = state._state_dict_config
+        rank0_only = isinstance(cfg, FullStateDictConfig) and cfg.rank0_only
+        copies = handle.full_param_copies(to_rank0_only=rank0_only, to_cpu=cfg.offload_to_cpu)
+        if copies is not None:
+            handle.register_params(copies)
+        return
+    handle.finish_unshard()
+    handle.use_unsharded_views(as_params=True)
 
 
 def _unit_keys(state: FSDP) -> list[str]:
@@ -471,7 +483,9 @@ def _post_state_dict_hook(
         for key in [k for k in state_dict if k.startswith(old)]:
             state_dict[prefix + key[len(old) :]] = state_dict.pop(key)
     finally:
-        if state._handle is not None and sd_type is not StateDictType.LOCAL_STATE_DICT:
+        if state._handle is not None and sd_type is StateDictType.FULL_STATE_DICT:
+            state._handle.use_sharded_views()  # the unit was freed in the pre-hook
+        elif state._handle is not None and sd_type is not StateDictType.LOCAL_STATE_DICT:
             state._handle.reshard(free=True)
 
 
@@ -488,6 +502,7 @@ def _full_post_state_dict(state: FSDP, state_dict: dict[str, Any], prefix: str) 
     cfg = state._state_dict_config
     rank0_only = isinstance(cfg, FullStateDictConfig) and cfg.rank0_only
     drop = rank0_only and state.rank != 0
+    fresh = set(_param_rels(state))  # copied by the pre-hook already
     for rel in _unit_keys(state):
         key = prefix + WRAPPED + rel
         if key not in state_dict:
@@ -495,7 +510,7 @@ def _full_post_state_dict(state: FSDP, state_dict: dict[str, Any], prefix: str) 
         value = state_dict[key]
         if drop:
             del state_dict[key]
-        elif isinstance(value, torch.Tensor):
+        elif isinstance(value, torch.Tensor) and rel not in fresh:
             state_dict[key] = _copy(value, cfg.offload_to_cpu)
 
 

@@ -12,6 +12,7 @@ forward's views are done.
 from __future__ import annotations
 
 import copy
+import itertools
 import warnings
 from typing import Any
 
@@ -159,3 +160,67 @@ def _two_forward_parity() -> list[str]:
 
 def test_early_free_keeps_gradients_exact(pool2: Any) -> None:
     assert pool2.run(_two_forward_parity) == [[], []]
+
+
+def _full_save_once(uop: bool, rank0_only: bool, offload: bool) -> dict[str, Any]:
+    """How many other units are gathered while each unit is copied in a FULL save."""
+    torch.manual_seed(0)
+    model = fw.FullyShardedDataParallel(
+        Net(), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=uop
+    )
+    model(torch.randn(2, 4)).sum().backward()
+    handles = [m._handle for m in fw.FullyShardedDataParallel.fsdp_modules(model) if m._handle]
+    others_gathered: list[int] = []
+    full_gathers = [0]
+    real_copies = FlatParamHandle.full_param_copies
+    real_finish = FlatParamHandle.finish_unshard
+
+    def copies(self: FlatParamHandle, *a: Any, **k: Any) -> Any:
+        others_gathered.append(
+            sum(h.is_unsharded or h.holds_unsharded_storage for h in handles if h is not self)
+        )
+        return real_copies(self, *a, **k)
+
+    def finish(self: FlatParamHandle, *a: Any, **k: Any) -> None:
+        full_gathers[0] += 1
+        real_finish(self, *a, **k)
+
+    cfg = fw.FullStateDictConfig(offload_to_cpu=offload, rank0_only=rank0_only)
+    FlatParamHandle.full_param_copies = copies  # type: ignore[method-assign]
+    FlatParamHandle.finish_unshard = finish  # type: ignore[method-assign]
+    try:
+        with fw.FullyShardedDataParallel.state_dict_type(
+            model, fw.StateDictType.FULL_STATE_DICT, cfg
+        ):
+            sd = model.state_dict()
+    finally:
+        FlatParamHandle.full_param_copies = real_copies  # type: ignore[method-assign]
+        FlatParamHandle.finish_unshard = real_finish  # type: ignore[method-assign]
+    return {
+        "others_gathered": others_gathered,
+        "full_gathers": full_gathers[0],
+        "keys": sorted(sd),
+        "printable": "Linear" in repr(model) and model.module.blocks[0].fc1.weight is not None,
+    }
+
+
+def _full_save_streams() -> dict[str, Any]:
+    warnings.simplefilter("ignore")
+    return {
+        f"uop={uop}/rank0_only={r0}/offload={off}": _full_save_once(uop, r0, off)
+        for uop, r0, off in itertools.product([False, True], [False, True], [False, True])
+    }
+
+
+def test_full_state_dict_streams_one_unit_at_a_time(pool2: Any) -> None:
+    plain_keys = sorted(Net().state_dict())
+    for rank, res in enumerate(pool2.run(_full_save_streams)):
+        for mode, r in res.items():
+            assert r["others_gathered"] == [0, 0, 0, 0], (rank, mode, r)
+            assert r["printable"], (rank, mode)
+            if "rank0_only=True" in mode:
+                # gathered to rank 0 only: no rank runs an all-gather of a whole unit
+                assert r["full_gathers"] == 0, (rank, mode, r)
+                assert r["keys"] == (plain_keys if rank == 0 else []), (rank, mode, r)
+            else:
+                assert r["keys"] == plain_keys, (rank, mode, r)
