@@ -44,7 +44,7 @@ from torch.distributed._shard.sharded_tensor import (
 from torch.distributed.tensor import DTensor
 
 from . import _collectives, _compat
-from ._flat_param import walk_unit_modules
+from ._flat_param import FLAT_PARAM_NAME, walk_unit_modules
 from ._runtime import TrainingState
 from .api import (
     FullOptimStateDictConfig,
@@ -593,11 +593,79 @@ def _pre_load_state_dict_hook(
         return
     if state._is_root:
         check_same_call(state.process_group, state.rank, f"load_state_dict({sd_type.name})")
+    if sd_type is StateDictType.FULL_STATE_DICT:
+        if state._handle is not None:
+            _full_pre_load(
+                state,
+                state_dict,
+                wrapped,
+                missing_keys if missing_keys is not None else [],
+                error_msgs if error_msgs is not None else [],
+            )
+        return
     if sd_type is StateDictType.SHARDED_STATE_DICT:
         _sharded_pre_load(state, state_dict, wrapped)
     if state._handle is not None:
         state._handle.finish_unshard()
         state._handle.use_unsharded_views(as_params=True)
+
+
+def _full_pre_load(
+    state: FSDP,
+    state_dict: dict[str, Any],
+    wrapped: str,
+    missing_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """Load a full state dict without gathering anything.
+
+    Every rank holds every full tensor, so each copies just its own slice of
+    each parameter into its local shard: no collective, and no unit is ever
+    unsharded.  The parameter keys are then claimed so that ``nn.Module``'s
+    own loading neither reports them as unexpected nor copies them again:
+    with ``use_orig_params=True`` they point at the (registered) parameters
+    themselves, otherwise they are removed and ``_flat_param`` points at
+    itself.  Missing and mis-shaped parameters are reported here, by name.
+    """
+    h = state._handle
+    if h is None:
+        return
+    h.invalidate_unsharded()  # any gathered copy is stale from here on
+    with torch.no_grad():
+        for i, info in enumerate(h.infos):
+            key = wrapped + _rel(info.fqn)
+            value = state_dict.get(key)
+            if value is None:
+                if not h.use_orig_params:  # not registered: nn.Module cannot see it
+                    missing_keys.append(key)
+                continue
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(info.shape):
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
+                error_msgs.append(
+                    f"size mismatch for {key}: copying a param with shape {shape} from "
+                    f"checkpoint, the shape in current model is {tuple(info.shape)}."
+                )
+            else:
+                sl = h.param_shard_slice(i)
+                if sl is not None:
+                    start = sl[0] + h.shard_offset - info.offset
+                    h.local_shard[sl[0] : sl[1]].copy_(
+                        value.detach().reshape(-1)[start : start + sl[1] - sl[0]]
+                    )
+            _claim(state_dict, key, info.param, h.use_orig_params)
+        for shared in h.shared:
+            key = wrapped + _rel(shared.fqn)
+            if key in state_dict:
+                _claim(state_dict, key, h.infos[shared.index].param, h.use_orig_params)
+        if not h.use_orig_params:
+            state_dict[wrapped + FLAT_PARAM_NAME] = h.flat_param
+
+
+def _claim(state_dict: dict[str, Any], key: str, param: torch.Tensor, registered: bool) -> None:
+    if registered:
+        state_dict[key] = param  # nn.Module copies the parameter onto itself: a no-op
+    else:
+        del state_dict[key]
 
 
 def _sharded_pre_load(state: FSDP, state_dict: dict[str, Any], wrapped: str) -> None:
@@ -679,6 +747,8 @@ def _post_load_state_dict_hook(state: FSDP, incompatible_keys: Any) -> None:
                 incompatible_keys.missing_keys.append(missing_flat)
         if state._handle is not None:
             state._handle.invalidate_unsharded()
+    elif sd_type is StateDictType.FULL_STATE_DICT:
+        pass  # written straight into the local shard by the pre-hook
     elif state._handle is not None:
         state._handle.write_back_unsharded()
         state._handle.reshard(free=True)

@@ -224,3 +224,41 @@ def test_full_state_dict_streams_one_unit_at_a_time(pool2: Any) -> None:
                 assert r["keys"] == (plain_keys if rank == 0 else []), (rank, mode, r)
             else:
                 assert r["keys"] == plain_keys, (rank, mode, r)
+
+
+def _full_load_once(uop: bool) -> list[str]:
+    torch.manual_seed(0)
+    source = Net()
+    torch.manual_seed(1)
+    model = fw.FullyShardedDataParallel(
+        Net(), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=uop
+    )
+    gathers = [0]
+    real_finish = FlatParamHandle.finish_unshard
+
+    def finish(self: FlatParamHandle, *a: Any, **k: Any) -> None:
+        gathers[0] += 1
+        real_finish(self, *a, **k)
+
+    FlatParamHandle.finish_unshard = finish  # type: ignore[method-assign]
+    try:
+        result = model.load_state_dict(source.state_dict())
+    finally:
+        FlatParamHandle.finish_unshard = real_finish  # type: ignore[method-assign]
+    fails = []
+    if gathers[0] or result.missing_keys or result.unexpected_keys:
+        fails.append(f"uop={uop}: {gathers[0]} gathers, {result}")
+    with fw.FullyShardedDataParallel.summon_full_params(model):
+        for (name, p), q in zip(model.module.named_parameters(), source.parameters()):
+            if not torch.equal(p, q):
+                fails.append(f"uop={uop}: {name} differs after load")
+    return fails
+
+
+def _full_load_gathers_nothing() -> list[str]:
+    warnings.simplefilter("ignore")
+    return _full_load_once(False) + _full_load_once(True)
+
+
+def test_full_state_dict_load_gathers_nothing(pool2: Any) -> None:
+    assert pool2.run(_full_load_gathers_nothing) == [[], []]
