@@ -55,6 +55,25 @@ def snapshot(model: nn.Module) -> tuple[list[torch.Tensor | None], list[torch.Te
     return grads, params
 
 
+def train_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    loss: torch.Tensor,
+    before_step: Callable[[nn.Module], Any] | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor | None], list[torch.Tensor]]:
+    """Backward, (optional hook, e.g. clipping), snapshot the gradients, step.
+
+    Returns ``(loss, grads, params)``, the tuple :func:`compare_step` compares.
+    """
+    loss.backward()
+    if before_step is not None:
+        before_step(model)
+    grads, _ = snapshot(model)
+    opt.step()
+    opt.zero_grad()
+    return loss.detach(), grads, [p.detach().clone() for p in model.parameters()]
+
+
 def compare_step(tag: str, names: list[str], ref: tuple[Any, ...], ours: tuple[Any, ...],
                  tol: float = FP32_TOL, loss_tol: float | None = None) -> list[str]:
     """Compare ``(loss, grads, params)`` triples; return at most one summary line."""

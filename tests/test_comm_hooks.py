@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms._comm_hooks import default_hooks as dh
 
-from tests._options_common import compare_step, loss_of, rank_tag, run_configs, snapshot
+from tests._options_common import compare_step, loss_of, rank_tag, run_configs, train_step
 from tests.conftest import requires_cuda
 from tests.models import build, make_input, new_model
 
@@ -104,12 +104,7 @@ def _run(cfg: dict[str, Any]) -> list[str]:
         x = make_input(cfg["model"], gen)
         res = []
         for m, o in zip((ref, ours), opts):
-            loss = loss_of(m(x))
-            loss.backward()
-            grads, _ = snapshot(m)
-            o.step()
-            o.zero_grad()
-            res.append((loss.detach(), grads, [p.detach().clone() for p in m.parameters()]))
+            res.append(train_step(m, o, loss_of(m(x))))
         fails += compare_step(f"{tag} step {step}", names, res[0], res[1], tol=tol)
         if fails:
             break

@@ -34,7 +34,7 @@ from tests._options_common import (
     loss_of,
     rank_tag,
     run_configs,
-    snapshot,
+    train_step,
 )
 from tests.models import build, make_input, new_model
 
@@ -63,17 +63,17 @@ def _train_vs_torch(cfg: dict[str, Any], mesh: Any) -> list[str]:
     names = [n for n, _ in ref.named_parameters()]
     opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ref, ours)]
     gen = torch.Generator().manual_seed(1000 + 7919 * dist.get_rank() + cfg["idx"])
+    clip_norms: list[torch.Tensor] = []
+
+    def clip(model: nn.Module) -> None:
+        clip_norms.append(model.clip_grad_norm_(0.05, cfg["clip"]))
+
     for step in range(3):
         x = make_input(cfg["model"], gen)
         res, norms = [], []
         for m, o in zip((ref, ours), opts):
-            loss = loss_of(m(x))
-            loss.backward()
-            norms.append(m.clip_grad_norm_(0.05, cfg["clip"]))
-            grads, _ = snapshot(m)
-            o.step()
-            o.zero_grad()
-            res.append((loss.detach(), grads, [p.detach().clone() for p in m.parameters()]))
+            res.append(train_step(m, o, loss_of(m(x)), before_step=clip))
+            norms.append(clip_norms.pop())
         fails += compare_step(f"{tag} step {step}", names, res[0], res[1])
         err = cmp("clip norm", norms[0], norms[1])
         if err:

@@ -30,7 +30,7 @@ from tests._options_common import (
     fsdp_params_full,
     loss_of,
     rank_tag,
-    snapshot,
+    train_step,
 )
 from tests.models import build, fsdp_api, fsdp_kwargs, make_input, new_model, wrap_api
 
@@ -111,12 +111,7 @@ def _lockstep(tag: str, ref: nn.Module, ours: nn.Module, inputs: Any, steps: int
         x = inputs()
         res = []
         for m, o in zip((ref, ours), opts):
-            loss = loss_of(m(x))
-            loss.backward()
-            grads, _ = snapshot(m)
-            o.step()
-            o.zero_grad()
-            res.append((loss.detach(), grads, [p.detach().clone() for p in m.parameters()]))
+            res.append(train_step(m, o, loss_of(m(x))))
         fails = compare_step(f"{tag} step {step}", names, res[0], res[1])
         if fails:
             return fails

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from tests._options_common import compare_step, loss_of, rank_tag, run_configs, snapshot
+from tests._options_common import compare_step, loss_of, rank_tag, run_configs, train_step
 from tests.models import fsdp_api, fsdp_kwargs, wrap_api
 
 
@@ -100,12 +100,7 @@ def _run(cfg: dict[str, Any]) -> list[str]:
         xs = [torch.randn(3, 4, generator=gen) for _ in range(3)]
         res = []
         for m, o in zip((ref, ours), opts):
-            loss = _loss(m, kind, xs, step)
-            loss.backward()
-            grads, _ = snapshot(m)
-            o.step()
-            o.zero_grad()
-            res.append((loss.detach(), grads, [p.detach().clone() for p in m.parameters()]))
+            res.append(train_step(m, o, _loss(m, kind, xs, step)))
         fails += compare_step(f"{tag} step {step} ({kind})", names, res[0], res[1])
         if fails:
             break

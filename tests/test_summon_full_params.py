@@ -21,7 +21,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tests._options_common import Replicated, cmp, compare_step, loss_of, rank_tag, snapshot
+from tests._options_common import (
+    Replicated,
+    cmp,
+    compare_step,
+    loss_of,
+    rank_tag,
+    train_step,
+)
 from tests.models import build, fsdp_api, make_input, new_model
 
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
@@ -153,12 +160,7 @@ def _run(cfg: dict[str, Any]) -> list[str]:
         x = make_input(model, gen)
         res = []
         for m, o in zip((ref, ours), opts):
-            loss = loss_of(m(x))
-            loss.backward()
-            grads, _ = snapshot(m)
-            o.step()
-            o.zero_grad()
-            res.append((loss.detach(), grads, [p.detach().clone() for p in m.parameters()]))
+            res.append(train_step(m, o, loss_of(m(x))))
         fails += compare_step(f"{tag} training afterwards, step {step}", names, res[0], res[1])
     return fails
 
