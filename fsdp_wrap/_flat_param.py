@@ -808,21 +808,15 @@ class FlatParamHandle:
                 full = out
             if full is None:
                 return None
-            fresh = full is not self.local_shard
         else:
             self.finish_unshard(full_precision=True)
             full = self.flat_param.detach()
-            fresh = False
         views = full[: self.unpadded_numel].split(self._segments)
         copies = []
         for info, seg in zip(self.infos, self._info_segment):
             view = views[seg].view(info.shape)
-            if to_cpu and view.device.type != "cpu":
-                copies.append(view.to("cpu"))
-            elif fresh and len(self.infos) == 1 and len(self._segments) == 1:
-                copies.append(view)
-            else:
-                copies.append(view.clone())
+            # independent tensors, as torch returns (never views of one buffer)
+            copies.append(view.to("cpu") if to_cpu and view.device.type != "cpu" else view.clone())
         if not to_rank0_only:
             self.reshard(free=True)
         return copies
