@@ -511,18 +511,11 @@ class FlatParamHandle:
         flat parameter; ``reshard`` undoes that.
         """
         if as_params:
-            with torch.no_grad():
-                flat = self.flat_param.detach() if source is None else source
-                views = flat.split(self._segments)
-            for info, seg in zip(self.infos, self._info_segment):
-                info.param.data = views[seg].view(info.shape)
-                info.module.__dict__.pop(info.name, None)
-                info.module._parameters[info.name] = info.param
-            for shared in self.shared:
-                shared.module.__dict__.pop(shared.name, None)
-                shared.module._parameters[shared.name] = self.infos[shared.index].param
-            self.module._parameters.pop(FLAT_PARAM_NAME, None)
-            self._params_registered = True
+            flat = self.flat_param.detach() if source is None else source
+            views = flat.split(self._segments)
+            self.register_params(
+                [views[seg].view(info.shape) for info, seg in zip(self.infos, self._info_segment)]
+            )
             return
         views = self.flat_param.split(self._segments)
         if track_graph:
