@@ -166,6 +166,7 @@ def _worker_main(
     pg_timeout_s: float,
     parent_pid: int,
     preload: list[str],
+    backend: str = "gloo",
 ) -> None:
     # 1. Everything this process writes, Python or C++, goes to its log.
     sys.stdout.flush()
@@ -223,7 +224,10 @@ def _worker_main(
         pass
     timeout = timedelta(seconds=pg_timeout_s)
     store = dist.TCPStore(_HOST, store_port, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    if backend == "nccl":
+        # NCCL needs a GPU per rank: rank r drives cuda:r.
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
     def seq() -> int | None:
         if not dist.is_initialized():
@@ -327,7 +331,11 @@ def _prefix(text: str, tag: str) -> str:
 
 
 class DistPool:
-    """``world_size`` worker processes in one gloo group, reused across tasks."""
+    """``world_size`` worker processes in one process group, reused across tasks.
+
+    ``backend`` is ``"gloo"`` (CPU, and CUDA tensors too) or ``"nccl"`` (one
+    GPU per rank; rank ``r`` uses ``cuda:r``).
+    """
 
     def __init__(
         self,
@@ -335,10 +343,14 @@ class DistPool:
         timeout: float = _DEFAULT_TIMEOUT,
         failure_grace: float = 5.0,
         start_method: str | None = None,
+        backend: str = "gloo",
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         self.world_size = world_size
+        self.backend = backend
         self.timeout = float(timeout)
         self.failure_grace = float(failure_grace)
         self.generation = 0  # how many times the processes were (re)started
@@ -400,6 +412,7 @@ class DistPool:
                     pg_timeout,
                     os.getpid(),
                     list(self._recent_modules),
+                    self.backend,
                 ),
                 name=f"DistPool{self.world_size}-rank{rank}",
                 daemon=False,  # workers may start processes of their own
@@ -497,7 +510,7 @@ class DistPool:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"generation {self.generation}"
         return (
-            f"DistPool(world_size={self.world_size}, timeout={self.timeout}, "
+            f"DistPool(world_size={self.world_size}, backend={self.backend!r}, timeout={self.timeout}, "
             f"start_method={self.start_method!r}, {state})"
         )
 
@@ -668,7 +681,7 @@ class DistPool:
 # session-wide cache
 # --------------------------------------------------------------------------
 
-_POOLS: dict[int, DistPool] = {}
+_POOLS: dict[tuple[int, str], DistPool] = {}
 _POOLS_LOCK = threading.Lock()
 _LIVE_POOLS: weakref.WeakSet[DistPool] = weakref.WeakSet()
 
@@ -684,14 +697,14 @@ def _close_live_pools() -> None:
 atexit.register(_close_live_pools)
 
 
-def get_pool(world_size: int) -> DistPool:
-    """The shared pool for ``world_size`` ranks, started on first use."""
+def get_pool(world_size: int, backend: str = "gloo") -> DistPool:
+    """The shared pool for ``world_size`` ranks on ``backend``, started on first use."""
     with _POOLS_LOCK:
-        pool = _POOLS.get(world_size)
+        pool = _POOLS.get((world_size, backend))
         if pool is None or pool.closed:
             timeout = float(os.environ.get("FSDP_WRAP_TEST_TIMEOUT", _DEFAULT_TIMEOUT))
-            pool = DistPool(world_size, timeout=timeout)
-            _POOLS[world_size] = pool
+            pool = DistPool(world_size, timeout=timeout, backend=backend)
+            _POOLS[(world_size, backend)] = pool
         return pool
 
 
