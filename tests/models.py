@@ -92,7 +92,8 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
         # causal-ish mixing over the sequence dim, cheap
-        h = self.mix(h.cumsum(dim=-2) / torch.arange(1, h.shape[-2] + 1, dtype=h.dtype)[:, None])
+        steps = torch.arange(1, h.shape[-2] + 1, dtype=h.dtype, device=h.device)
+        h = self.mix(h.cumsum(dim=-2) / steps[:, None])
         x = x + h
         return x + self.mlp(x)
 

@@ -243,10 +243,10 @@ def _gpu_worker(rank: int, world_size: int, port: int, out: Any) -> None:
                 x = make_input("transformer", gen)
                 losses = []
                 for m, o in zip((off, plain), opts):
-                    out = m(x.to(dev) if m is plain else x)
-                    if out.device != dev:
-                        errs.append(f"uop={uop}: output on {out.device}, want {dev}")
-                    loss = loss_of(out)
+                    y = m(x.to(dev) if m is plain else x)
+                    if y.device != dev:
+                        errs.append(f"uop={uop}: output on {y.device}, want {dev}")
+                    loss = loss_of(y)
                     loss.backward()
                     o.step()
                     o.zero_grad()

@@ -171,7 +171,8 @@ _COLLECTIVES = {
 @contextlib.contextmanager
 def _record_collectives(log: list[tuple[str, str]]) -> Iterator[None]:
     """Log (kind, dtype) of every all-gather / reduce-scatter / all-reduce issued."""
-    saved = {name: getattr(dist, name) for name in _COLLECTIVES}
+    # Older torch lacks the ``*_single`` names (added in 2.13): spy on those it has.
+    saved = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
 
     def spy(name: str) -> Any:
         real = saved[name]
@@ -185,7 +186,7 @@ def _record_collectives(log: list[tuple[str, str]]) -> Iterator[None]:
 
         return call
 
-    for name in _COLLECTIVES:
+    for name in saved:
         setattr(dist, name, spy(name))
     try:
         yield
@@ -264,8 +265,9 @@ def _run_config(cfg: dict[str, Any]) -> list[str]:
     models = []
     for impl in ("torch", "ours"):
         mp = fsdp_api(impl).MixedPrecision(**cfg["mp"])
+        dev = {"device_id": torch.device(cfg["device"])} if cfg.get("device") else {}
         models.append(_build(name, impl, base, sharding_strategy=cfg["strategy"],
-                             use_orig_params=cfg["uop"], mixed_precision=mp))
+                             use_orig_params=cfg["uop"], mixed_precision=mp, **dev))
     ref, ours = models
     fails: list[str] = []
     names = [n for n, _ in ref.named_parameters()]
@@ -289,7 +291,9 @@ def _run_config(cfg: dict[str, Any]) -> list[str]:
             _record_inputs(m, LOCAL_MODELS[name][1], log)
     dt = cfg["mp"].get("param_dtype") or cfg["mp"].get("reduce_dtype") or FP32
     rtol = max(RTOL[dt], RTOL[cfg["mp"].get("reduce_dtype") or dt])
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, ours)]
+    # foreach=False: with keep_low_precision_grads the grads are bf16/fp16 next to
+    # fp32 params, which the foreach kernels (CUDA's default) refuse, torch's FSDP too.
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, foreach=False) for m in (ref, ours)]
     gen = torch.Generator().manual_seed(1000 + 7919 * rank + cfg["idx"])
     for step in range(3):
         x = _input(name, gen)
