@@ -618,11 +618,24 @@ class FlatParamHandle:
         The parked gradient is added back after this backward's reduction, so
         accumulation without ``zero_grad`` sums the per-iteration means.  An
         unreduced (``no_sync``) gradient is left in place: autograd adds the new
-        local gradient to it and the next synced reduction takes both.
+        local gradient to it and the next synced reduction takes both.  So is a
+        NO_SHARD gradient that needs no cast or move (the old mean is reduced
+        again with the new gradient, as torch does).
         """
         if self.use_orig_params:
             self.sync_flat_grad_from_orig()
         grad = self.flat_param.grad
+        if (
+            grad is not None
+            and not self.uses_sharded_strategy
+            and grad.device == self.device
+            and grad.dtype == self.compute_dtype == self.reduce_dtype
+        ):
+            # NO_SHARD without casts or offload: autograd adds the new gradient
+            # to the old one and the reduction takes the sum, torch's order of
+            # additions (parking the old gradient and adding it back after the
+            # reduction rounds differently, visibly at world size 1).
+            return
         if grad is not None and not self.has_unreduced_grad:
             self._saved_grad_shard = grad.detach()
             self.flat_param.grad = None
