@@ -159,14 +159,12 @@ class _Gathered:
             self.source = None
             self.valid = True
 
-    def free(self, keep_storage_object: bool) -> None:
-        """Release the memory.  Sharded strategies keep the storage *object*
-        (resized to zero bytes) because autograd holds views of it."""
+    def free(self) -> None:
+        """Release the memory but keep the storage *object* (resized to zero
+        bytes): autograd and the modules hold views of it, which become valid
+        again when the next unshard refills the same storage."""
         if self.buffer is not None:
-            if keep_storage_object:
-                self.buffer.untyped_storage().resize_(0)
-            else:
-                self.buffer = None
+            self.buffer.untyped_storage().resize_(0)
         self.valid = False
 
 
@@ -436,17 +434,22 @@ class FlatParamHandle:
         if not self._needs_copy or slot.valid or slot.pending is not None:
             return
         dtype = self.orig_dtype if full_precision else self.compute_dtype
-        src = self._gather_source(dtype)
         if not self.uses_sharded_strategy:
-            slot.buffer, slot.valid = src, True
+            # A cast and/or host-to-device copy of the whole flat parameter, made
+            # into the same storage object every time (autograd holds views of
+            # it across a free, as for the sharded strategies).
+            if slot.buffer is None or slot.buffer.dtype != dtype:
+                slot.buffer = torch.empty(self.unpadded_numel, dtype=dtype, device=self.device)
+            else:
+                _ensure_storage(slot.buffer)
+            slot.buffer.copy_(self.local_shard, non_blocking=True)
+            slot.valid = True
             return
+        src = self._gather_source(dtype)
         if slot.buffer is None or slot.buffer.dtype != dtype:
             slot.buffer = torch.empty(self.padded_numel, dtype=dtype, device=self.device)
         else:
-            storage = slot.buffer.untyped_storage()
-            nbytes = self.padded_numel * slot.buffer.element_size()
-            if storage.size() != nbytes:
-                storage.resize_(nbytes)
+            _ensure_storage(slot.buffer)
         slot.source = src  # keep the input alive until the gather finishes
         slot.pending = C.all_gather_into(
             slot.buffer, src, self.process_group, async_op=self.async_gathers
@@ -475,7 +478,7 @@ class FlatParamHandle:
         for full_precision, slot in self._gathered.items():
             slot.wait()
             if free or full_precision or not self.uses_sharded_strategy:
-                slot.free(self.uses_sharded_strategy)
+                slot.free()
         self.flat_param.data = self.local_shard
         self._current = None
         if self.state is HandleState.UNSHARDED:
@@ -485,6 +488,13 @@ class FlatParamHandle:
     def invalidate_unsharded(self) -> None:
         """The shard changed (load, writeback): drop any gathered copy."""
         self.reshard(free=True)
+
+    @property
+    def frees_copy_after_forward(self) -> bool:
+        """NO_SHARD computing on a cast or moved copy (mixed precision, offload):
+        the copy is freed after forward and made again for backward, as torch
+        does, so no unit's copy waits through the rest of the forward."""
+        return self._needs_copy and not self.uses_sharded_strategy
 
     @property
     def holds_unsharded_storage(self) -> bool:
@@ -553,7 +563,7 @@ class FlatParamHandle:
         """Free the compute copy's memory now; ``reshard`` finishes the job later."""
         slot = self._gathered[False]
         slot.wait()
-        slot.free(self.uses_sharded_strategy)
+        slot.free()
 
     def forget_graphs(self) -> None:
         """Graphs of this iteration are done (or were dropped without backward)."""
@@ -863,6 +873,14 @@ class FlatParamHandle:
                 )
             else:
                 self.local_shard.copy_(slot.buffer[: self.unpadded_numel])
+
+
+def _ensure_storage(buffer: torch.Tensor) -> None:
+    """Give a freed buffer (storage resized to zero) its bytes back, in place."""
+    storage = buffer.untyped_storage()
+    nbytes = buffer.numel() * buffer.element_size()
+    if storage.size() != nbytes:
+        storage.resize_(nbytes)
 
 
 def _assign_grad(param: torch.Tensor, grad: torch.Tensor) -> None:

@@ -130,7 +130,7 @@ def post_forward(state: FSDP, handle: FlatParamHandle | None, output: Any) -> An
     grad_enabled = torch.is_grad_enabled()
     if handle is not None:
         state._root._exec_order.record_post_forward(handle)
-        if not grad_enabled:
+        if not grad_enabled or handle.frees_copy_after_forward:
             handle.reshard(free=True)
         elif handle.reshard_after_forward and not state._is_root:
             handle.reshard(free=True)

@@ -262,3 +262,49 @@ def _full_load_gathers_nothing() -> list[str]:
 
 def test_full_state_dict_load_gathers_nothing(pool2: Any) -> None:
     assert pool2.run(_full_load_gathers_nothing) == [[], []]
+
+
+# ---------------------------------------------------------------------------
+# NO_SHARD computing on a cast copy (mixed precision): freed after forward
+# ---------------------------------------------------------------------------
+
+
+def _no_shard_cast_copies() -> list[str]:
+    """The low-precision copy of every NO_SHARD unit is freed once its forward is
+    done (torch does the same), made again for backward in the same storage, and
+    nothing (module attributes included) keeps it alive between steps."""
+    warnings.simplefilter("ignore")
+    fails: list[str] = []
+    for uop in (False, True):
+        torch.manual_seed(0)
+        base = Net()
+        mp = fw.MixedPrecision(param_dtype=torch.bfloat16)
+        model = fw.FullyShardedDataParallel(
+            copy.deepcopy(base), auto_wrap_policy=ModuleWrapPolicy({Block}),
+            sharding_strategy=fw.ShardingStrategy.NO_SHARD, mixed_precision=mp,
+            use_orig_params=uop,
+        )
+        handles = [m._handle for m in fw.FullyShardedDataParallel.fsdp_modules(model)]
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(2):
+            out = model(torch.randn(5, 4))
+            held = [h._gathered[False].buffer.untyped_storage().nbytes() for h in handles]
+            if any(held):
+                fails.append(f"uop={uop} step {step}: bytes of cast copies after forward {held}")
+            storages = [h._gathered[False].buffer.untyped_storage() for h in handles]
+            out.float().pow(2).mean().backward()
+            same = [h._gathered[False].buffer.untyped_storage()._cdata == s._cdata
+                    for h, s in zip(handles, storages)]
+            if not all(same):
+                fails.append(f"uop={uop} step {step}: backward made new storage {same}")
+            opt.step()
+            opt.zero_grad()
+            held = [h._gathered[False].buffer.untyped_storage().nbytes() for h in handles]
+            if any(held):
+                fails.append(f"uop={uop} step {step}: bytes of cast copies between steps {held}")
+    return fails
+
+
+def test_no_shard_cast_copies_freed_after_forward(pool2: Any) -> None:
+    for rank, fails in enumerate(pool2.run(_no_shard_cast_copies)):
+        assert not fails, (rank, fails)
