@@ -4,7 +4,12 @@ Run it with::
 
     python -m fsdp_wrap.demo                 # 2 local CPU ranks (gloo), spawned here
     python -m fsdp_wrap.demo --nprocs 4 --strategy SHARD_GRAD_OP --use-orig-params
+    python -m fsdp_wrap.demo --device cuda --mixed-precision bf16   # one rank per GPU (NCCL)
     torchrun --nproc-per-node 2 -m fsdp_wrap.demo   # uses torchrun's process group
+
+With ``--device cuda`` rank ``r`` computes on GPU ``r % device_count`` over
+NCCL; with more ranks than GPUs they share the GPUs over gloo (fine for a
+check, not for speed).
 
 What it does, on every rank:
 
@@ -169,6 +174,8 @@ class Settings:
     keep_checkpoint: bool
     seed: int
     quiet: bool
+    device: str = "cpu"
+    mixed_precision: str = "none"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Settings:
@@ -177,8 +184,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         description="Train a small GPT with fsdp_wrap on CPU ranks, checkpoint it, resume it "
         "and check the resumed losses equal the uninterrupted ones.",
     )
-    p.add_argument("--nprocs", "--ranks", type=int, default=2, dest="nprocs",
-                   help="local CPU ranks to spawn (ignored under torchrun) [2]")
+    p.add_argument("--nprocs", "--ranks", type=int, default=None, dest="nprocs",
+                   help="local ranks to spawn (ignored under torchrun) [2 on CPU, one per GPU]")
     p.add_argument("--steps", type=int, default=20, help="training steps N [20]")
     p.add_argument("--checkpoint-step", type=int, default=None,
                    help="step k after which the checkpoint is saved [N // 2]")
@@ -203,6 +210,11 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         "optim.state_dict(), same world size needed to resume [full]",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of model init and data [0]")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="compute device: cpu (gloo) or cuda (NCCL, one rank per GPU) [cpu]")
+    p.add_argument("--mixed-precision", choices=("none", "bf16", "fp16"), default="none",
+                   help="MixedPrecision(param_dtype, reduce_dtype) of this dtype; fp16 also "
+                   "uses a ShardedGradScaler [none]")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
     a = p.parse_args(argv)
     layers, width = MODEL_SIZES[a.model_size]
@@ -214,6 +226,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     k = a.checkpoint_step if a.checkpoint_step is not None else a.steps // 2
     if not 1 <= k < a.steps:
         p.error(f"--checkpoint-step must be in [1, {a.steps - 1}] but got {k}")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False)")
+    if a.nprocs is None:
+        a.nprocs = torch.cuda.device_count() if a.device == "cuda" else 2
     if a.nprocs < 1 or layers < 1 or width < 1:
         p.error("--nprocs, --layers and --width must be positive")
     return Settings(
@@ -222,6 +238,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         use_orig_params=a.use_orig_params, checkpoint_dir=a.checkpoint_dir,
         optim_state=a.optim_state,
         keep_checkpoint=a.checkpoint_dir is not None, seed=a.seed, quiet=a.quiet,
+        device=a.device, mixed_precision=a.mixed_precision,
     )
 
 
@@ -264,21 +281,41 @@ def peak_rss_bytes() -> int:
 # ---------------------------------------------------------------- training
 
 
-def build(s: Settings, init_seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """A fresh FSDP-wrapped model and its optimizer (the optimizer sees the shards)."""
+def build(s: Settings, init_seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    """A fresh FSDP-wrapped model, its optimizer (it sees the shards) and loss scaler."""
     import fsdp_wrap as fsdp
     from fsdp_wrap.wrap import ModuleWrapPolicy
 
     torch.manual_seed(init_seed)
+    dtype = LOW_PRECISION.get(s.mixed_precision)
     model = fsdp.FullyShardedDataParallel(
-        TinyGPT(s.vocab, s.seq_len, s.layers, s.width, s.heads),
+        TinyGPT(s.vocab, s.seq_len, s.layers, s.width, s.heads),  # built on the CPU
         auto_wrap_policy=ModuleWrapPolicy({Block}),
         sharding_strategy=fsdp.ShardingStrategy[s.strategy],
         use_orig_params=s.use_orig_params,
-        device_id=torch.device("cpu"),
+        device_id=compute_device(s),  # each unit moves to it as it is wrapped
+        mixed_precision=fsdp.MixedPrecision(param_dtype=dtype, reduce_dtype=dtype)
+        if dtype is not None else None,
     )
     optim = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.01)
-    return model, optim
+    return model, optim, make_scaler(s)
+
+
+LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_device(s: Settings) -> torch.device:
+    if s.device == "cpu":
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    return torch.device("cuda", local % torch.cuda.device_count())
+
+
+def make_scaler(s: Settings) -> Any:
+    """fp16 needs loss scaling; bf16 and fp32 do not (a disabled scaler is a no-op)."""
+    from fsdp_wrap.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler(device=s.device, enabled=s.mixed_precision == "fp16")
 
 
 def lr_at(step: int, s: Settings) -> float:
@@ -287,17 +324,22 @@ def lr_at(step: int, s: Settings) -> float:
 
 
 def train_step(
-    model: nn.Module, optim: torch.optim.Optimizer, step: int, s: Settings, rank: int, ws: int
+    model: nn.Module, optim: torch.optim.Optimizer, scaler: Any, step: int, s: Settings,
+    rank: int, ws: int,
 ) -> float:
     """One optimizer step; returns the loss averaged over all ranks."""
     x, y = make_batch(step, rank, ws, s.batch, s.seq_len, s.vocab, s.seed)
+    device = compute_device(s)
+    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
     for group in optim.param_groups:
         group["lr"] = lr_at(step, s)
     logits = model(x)
-    loss = F.cross_entropy(logits.reshape(-1, s.vocab), y.reshape(-1))
-    loss.backward()
+    loss = F.cross_entropy(logits.float().reshape(-1, s.vocab), y.reshape(-1))
+    scaler.scale(loss).backward()
+    scaler.unscale_(optim)
     model.clip_grad_norm_(1.0)  # type: ignore[operator]
-    optim.step()
+    scaler.step(optim)
+    scaler.update()
     optim.zero_grad(set_to_none=True)
     mean = loss.detach().clone()
     dist.all_reduce(mean)
@@ -305,7 +347,8 @@ def train_step(
 
 
 def run_steps(
-    model: nn.Module, optim: torch.optim.Optimizer, first: int, last: int, s: Settings,
+    model: nn.Module, optim: torch.optim.Optimizer, scaler: Any, first: int, last: int,
+    s: Settings,
     out: Printer, tag: str, on_step: Any = None,
 ) -> dict[int, float]:
     rank, ws = dist.get_rank(), dist.get_world_size()
@@ -313,7 +356,7 @@ def run_steps(
     losses: dict[int, float] = {}
     for step in range(first, last + 1):
         t0 = time.perf_counter()
-        losses[step] = train_step(model, optim, step, s, rank, ws)
+        losses[step] = train_step(model, optim, scaler, step, s, rank, ws)
         dt = time.perf_counter() - t0
         if not math.isfinite(losses[step]):
             raise FloatingPointError(f"[rank {rank}] loss is {losses[step]} at step {step}")
@@ -336,7 +379,8 @@ def memory_report(model: nn.Module, out: Printer) -> None:
         itemsize = handle.flat_param.element_size()
         sharded += handle.flat_param.numel() * itemsize  # between steps: the local shard
         full += sum(info.numel for info in handle.infos) * itemsize
-    mine = {"rank": dist.get_rank(), "sharded": sharded, "full": full, "rss": peak_rss_bytes()}
+    mine = {"rank": dist.get_rank(), "sharded": sharded, "full": full, "rss": peak_rss_bytes(),
+            "gpu": torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else None}
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     out(f"memory ({len(units)} FSDP units; parameters held between steps vs. unsharded):")
@@ -345,6 +389,7 @@ def memory_report(model: nn.Module, out: Printer) -> None:
             f"  rank {r['rank']}: params {fmt_bytes(r['sharded']):>10} sharded / "
             f"{fmt_bytes(r['full']):>10} full ({r['sharded'] / max(r['full'], 1):6.1%})   "
             f"peak RSS {fmt_bytes(r['rss'])}"
+            + ("" if r["gpu"] is None else f"   peak GPU {fmt_bytes(r['gpu'])}")
         )
 
 
@@ -352,7 +397,8 @@ def memory_report(model: nn.Module, out: Printer) -> None:
 
 
 def save_checkpoint(
-    model: nn.Module, optim: torch.optim.Optimizer, step: int, s: Settings, ckpt_dir: str
+    model: nn.Module, optim: torch.optim.Optimizer, scaler: Any, step: int, s: Settings,
+    ckpt_dir: str,
 ) -> None:
     """Full model state dict and optimizer state (rank 0 writes, or one file per rank)."""
     import fsdp_wrap as fsdp
@@ -368,6 +414,8 @@ def save_checkpoint(
         torch.save(model_sd, os.path.join(ckpt_dir, "model.pt"))
         if full_osd is not None:
             torch.save(full_osd, os.path.join(ckpt_dir, "optim.pt"))
+        if scaler.is_enabled():  # fp16: the loss scale, the same on every rank
+            torch.save(scaler.state_dict(), os.path.join(ckpt_dir, "scaler.pt"))
         meta = {"step": step, "world_size": ws, "settings": asdict(s)}
         with open(os.path.join(ckpt_dir, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)
@@ -378,7 +426,7 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    model: nn.Module, optim: torch.optim.Optimizer, s: Settings, ckpt_dir: str
+    model: nn.Module, optim: torch.optim.Optimizer, scaler: Any, s: Settings, ckpt_dir: str
 ) -> int:
     import fsdp_wrap as fsdp
 
@@ -387,7 +435,7 @@ def load_checkpoint(
     with open(os.path.join(ckpt_dir, "meta.json")) as f:
         meta = json.load(f)
     saved = meta["settings"]
-    for key in ("layers", "width", "optim_state"):
+    for key in ("layers", "width", "optim_state", "mixed_precision"):
         if saved[key] != getattr(s, key):
             raise RuntimeError(f"[rank {rank}] checkpoint has {key}={saved[key]!r}, "
                                f"this run has {getattr(s, key)!r}")
@@ -414,6 +462,8 @@ def load_checkpoint(
             full_osd = torch.load(os.path.join(ckpt_dir, "optim.pt"), weights_only=True)
             osd = FSDP.optim_state_dict_to_load(model, optim, full_osd)
     optim.load_state_dict(osd)
+    if scaler.is_enabled():
+        scaler.load_state_dict(torch.load(os.path.join(ckpt_dir, "scaler.pt"), weights_only=True))
     return int(meta["step"])
 
 
@@ -426,18 +476,19 @@ def run(s: Settings, ckpt_dir: str) -> int:
     out = Printer(rank, s.quiet)
     n, k = s.steps, s.checkpoint_step
 
-    model, optim = build(s, init_seed=s.seed)
+    model, optim, scaler = build(s, init_seed=s.seed)
     n_params = sum(p.numel() for p in TinyGPT(s.vocab, s.seq_len, s.layers, s.width,
                                               s.heads).parameters())
-    out(f"fsdp_wrap demo: {ws} rank(s), gloo on CPU, {s.strategy}, use_orig_params="
-        f"{s.use_orig_params}", always=True)
+    where = "CPU" if s.device == "cpu" else torch.cuda.get_device_name(compute_device(s))
+    out(f"fsdp_wrap demo: {ws} rank(s), {dist.get_backend()} on {where}, {s.strategy}, "
+        f"use_orig_params={s.use_orig_params}, mixed precision {s.mixed_precision}", always=True)
     out(f"model: GPT {s.layers} blocks x width {s.width}, {n_params:,} parameters "
         f"(tied embedding/head in the root unit); data: {s.batch}x{s.seq_len} tokens "
         f"per rank per step", always=True)
 
     def maybe_save(step: int) -> None:
         if step == k:
-            save_checkpoint(model, optim, step, s, ckpt_dir)
+            save_checkpoint(model, optim, scaler, step, s, ckpt_dir)
             what = (
                 "model + optimizer state dicts from rank 0"
                 if s.optim_state == "full"
@@ -446,17 +497,17 @@ def run(s: Settings, ckpt_dir: str) -> int:
             out(f"checkpoint: saved step {k} to {ckpt_dir} (full {what})")
 
     t0 = time.perf_counter()
-    baseline = run_steps(model, optim, 1, n, s, out, "train ", on_step=maybe_save)
+    baseline = run_steps(model, optim, scaler, 1, n, s, out, "train ", on_step=maybe_save)
     train_s = time.perf_counter() - t0
     memory_report(model, out)
 
     # A fresh model (different init, so only the checkpoint can make it match)
     # and a fresh optimizer, resumed from step k.
-    del model, optim
-    model, optim = build(s, init_seed=s.seed + 1)
-    start = load_checkpoint(model, optim, s, ckpt_dir) + 1
+    del model, optim, scaler
+    model, optim, scaler = build(s, init_seed=s.seed + 1)
+    start = load_checkpoint(model, optim, scaler, s, ckpt_dir) + 1
     out(f"resume: fresh model + optimizer loaded step {start - 1}; training {start}..{n}")
-    resumed = run_steps(model, optim, start, n, s, Printer(rank, quiet=True), "resume")
+    resumed = run_steps(model, optim, scaler, start, n, s, Printer(rank, quiet=True), "resume")
 
     diffs = {i: abs(resumed[i] - baseline[i]) for i in resumed}
     max_diff = max(diffs.values())
@@ -492,8 +543,9 @@ def _spawned_worker(rank: int, s: Settings, port: int, ckpt_dir: str) -> None:
         if any(name == "lo" for _, name in socket.if_nameindex()):
             os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     _init_process(s.nprocs)
+    _use_gpu(s, rank)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=s.nprocs
+        _backend(s), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=s.nprocs
     )
     try:
         code = run(s, ckpt_dir)
@@ -502,6 +554,19 @@ def _spawned_worker(rank: int, s: Settings, port: int, ckpt_dir: str) -> None:
         dist.destroy_process_group()
     if code:
         sys.exit(code)
+
+
+def _backend(s: Settings) -> str:
+    """NCCL when every rank has a GPU of its own, else gloo (CPU, or ranks sharing GPUs)."""
+    if s.device != "cuda":
+        return "gloo"
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", s.nprocs))
+    return "gloo" if ranks_here > torch.cuda.device_count() else "nccl"
+
+
+def _use_gpu(s: Settings, local_rank: int) -> None:
+    if s.device == "cuda":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
 
 
 def _free_port() -> int:
@@ -515,9 +580,10 @@ def _under_torchrun() -> bool:
 
 
 def _main_torchrun(s: Settings) -> int:
-    """torchrun set up the rendezvous: join it with gloo (CPU) and share one checkpoint dir."""
+    """torchrun set up the rendezvous: join it (gloo, or NCCL on GPUs); share one checkpoint dir."""
     _init_process(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
-    dist.init_process_group("gloo")
+    _use_gpu(s, int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(_backend(s))
     made: str | None = None
     try:
         path = [s.checkpoint_dir]
