@@ -47,6 +47,9 @@ WORKLOADS = {
     "small": Workload("small", 48, 48, 4, 4, 16, "many small units: framework overhead dominates"),
     "large": Workload("large", 8, 1024, 16, 1, 16, "about 100M parameters, for peak memory"),
     "meta1b": Workload("meta1b", 20, 2048, 16, 1, 8, "1B parameters built on the meta device"),
+    # GPU only: a few hundred million parameters, enough compute per step that
+    # the wrapper's own overhead is measured against a realistic step.
+    "gpu": Workload("gpu", 24, 1024, 16, 8, 512, "about 300M parameters, for the GPU overhead row"),
 }
 
 # ``--tiny``: the same structure at toy sizes, for the smoke test.
@@ -55,6 +58,7 @@ TINY = {
     "small": Workload("small", 6, 8, 2, 2, 4, "many small units (tiny)"),
     "large": Workload("large", 2, 64, 2, 2, 8, "memory workload (tiny)"),
     "meta1b": Workload("meta1b", 2, 64, 2, 1, 4, "meta-device construction (tiny)"),
+    "gpu": Workload("gpu", 2, 64, 2, 2, 8, "GPU overhead workload (tiny)"),
 }
 
 
@@ -145,8 +149,20 @@ def variants_for(world_size: int, frameworks: tuple[str, ...], strategies: tuple
     return out
 
 
+def low_precision() -> torch.dtype | None:
+    """``bench_fsdp.py --mixed-precision bf16`` (inherited by the ranks through the environment).
+
+    The FSDPs get ``MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)`` of
+    this dtype; DDP and the plain module run their forward under
+    ``torch.autocast`` of it instead (fp32 master weights either way).
+    """
+    name = os.environ.get("FSDP_BENCH_MIXED_PRECISION", "")
+    return {"": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
 def build(v: Variant, model: nn.Module, device: torch.device) -> nn.Module:
     """Wrap ``model`` (already on ``device``) as ``v`` says; one unit per Block + root."""
+    dtype = low_precision()
     if v.framework in ("torch_fsdp1", "fsdp_wrap"):
         if v.framework == "torch_fsdp1":
             import torch.distributed.fsdp as api
@@ -160,20 +176,22 @@ def build(v: Variant, model: nn.Module, device: torch.device) -> nn.Module:
             auto_wrap_policy=ModuleWrapPolicy({Block}),
             device_id=device,
             use_orig_params=bool(v.orig),
+            mixed_precision=api.MixedPrecision(dtype, dtype, dtype) if dtype else None,
             # Set by bench_fsdp.py --no-limit-all-gathers (both FSDP1s get it).
             limit_all_gathers=os.environ.get("FSDP_BENCH_LIMIT_ALL_GATHERS", "1") == "1",
         )
     if v.framework == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
         reshard = v.strategy == "FULL_SHARD"
+        mp = MixedPrecisionPolicy(dtype, dtype) if dtype else MixedPrecisionPolicy()
         for m in model.modules():
             if isinstance(m, Block):
-                fully_shard(m, mesh=mesh, reshard_after_forward=reshard)
+                fully_shard(m, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
         # torch's FSDP1 keeps the root unsharded after forward; so does this.
-        fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
         return model
     if v.framework == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP

@@ -5,7 +5,10 @@ One command::
 
     python benchmarks/bench_fsdp.py            # CPU, 2 gloo ranks, ~8 minutes
     python benchmarks/bench_fsdp.py --quick    # fewer steps, no 1B row, < 2 minutes
-    python benchmarks/bench_fsdp.py --device cuda [--nproc N]
+    python benchmarks/bench_fsdp.py --device cuda [--nproc N]   # NCCL, one GPU per rank
+    python benchmarks/bench_fsdp.py --device cuda --workloads gpu --mem-workload gpu \
+        --mixed-precision bf16 --frameworks torch_fsdp1,fsdp_wrap,plain --nproc 1
+    python benchmarks/bench_fsdp.py --device cuda --nproc 2 --backend gloo  # 2 ranks, 1 GPU
 
 Three measurements, each printed as a reStructuredText table:
 
@@ -64,6 +67,7 @@ from _bench_models import (  # noqa: E402
     build,
     build_meta,
     loss_fn,
+    low_precision,
     make_batches,
     make_model,
     variants_for,
@@ -100,9 +104,10 @@ def _worker(rank: int, job: str, cfg: dict[str, Any], port: int, out: str) -> No
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     ws = cfg["nproc"]
     if cfg["device"] == "cuda":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-        backend = "nccl"
+        # More ranks than GPUs (--backend gloo): ranks share the GPUs round-robin.
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = cfg["backend"]
     else:
         device = torch.device("cpu")
         backend = "gloo"
@@ -155,7 +160,8 @@ def job_interleaved(rank: int, ws: int, device: torch.device, cfg: dict[str, Any
     def step(key: str, i: int) -> torch.Tensor:
         model, opt = models[key]
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(batches[i % N_BATCHES]))
+        with _autocast(key, device):
+            loss = loss_fn(model(batches[i % N_BATCHES]))
         loss.backward()
         opt.step()
         return loss
@@ -202,6 +208,13 @@ def job_interleaved(rank: int, ws: int, device: torch.device, cfg: dict[str, Any
     }
 
 
+def _autocast(key: str, device: torch.device) -> Any:
+    """``--mixed-precision`` for the wrappers without a MixedPrecision option."""
+    dtype = low_precision()
+    plain = key.split("/")[0] in ("ddp", "plain")
+    return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=bool(dtype) and plain)
+
+
 def _profile(keys: list[str], step: Any, n: int, rank: int) -> dict[str, str]:
     """torch.profiler tables of ``n`` steps per configuration (rank 0's)."""
     from torch.profiler import ProfilerActivity, profile
@@ -225,7 +238,7 @@ def _profile(keys: list[str], step: Any, n: int, rank: int) -> dict[str, str]:
 
 
 def job_memory(rank: int, ws: int, device: torch.device, cfg: dict[str, Any]) -> Any:
-    w = _workload(cfg, "large")
+    w = _workload(cfg, cfg.get("mem_workload", "large"))
     v = Variant(**cfg["variant"])
     mem = PeakMemory(device)
     clock = Clock(device)
@@ -248,7 +261,9 @@ def job_memory(rank: int, ws: int, device: torch.device, cfg: dict[str, Any]) ->
         mem.start_window()
         t0 = clock.now()
         opt.zero_grad(set_to_none=True)
-        loss_fn(wrapped(batches[i % N_BATCHES])).backward()
+        with _autocast(v.key, device):
+            loss = loss_fn(wrapped(batches[i % N_BATCHES]))
+        loss.backward()
         fwd_bwd_peak = max(fwd_bwd_peak, mem.peak() - base)
         opt.step()
         step_times.append(clock.now() - t0)
@@ -378,7 +393,8 @@ def report_interleaved(res: dict[str, Any], targets: list[tuple[str, float, floa
 
 
 def report_memory(mem: dict[str, Any], params: int,
-                  targets: list[tuple[str, float, float, str]]) -> str:
+                  targets: list[tuple[str, float, float, str]], name: str = "large",
+                  device: str = "cpu") -> str:
     rows = []
     mib = 2**20
     for key, r in mem.items():
@@ -398,12 +414,13 @@ def report_memory(mem: dict[str, Any], params: int,
             f"{r['step_s'] * 1e3:.0f}",
         ])
         if fw == "fsdp_wrap" and ratio is not None:
-            targets.append((f"large {strategy}/orig={orig}: peak memory vs torch FSDP1",
+            targets.append((f"{name} {strategy}/orig={orig}: peak memory vs torch FSDP1",
                             ratio, 0.95, "x"))
     header = ["strategy", "orig", "framework", "step peak MiB", "/fsdp1", "fwd+bwd MiB", "/fsdp1",
               "build peak MiB", "resident MiB", "step ms"]
-    title = (f"large: {params / 1e6:.1f}M params ({params * 4 / mib:.0f} MiB fp32); peak growth per "
-             "rank over the RSS before the model was built, each row in fresh processes")
+    what = "max_memory_allocated" if device == "cuda" else "the RSS"
+    title = (f"{name}: {params / 1e6:.1f}M params ({params * 4 / mib:.0f} MiB fp32); peak growth per "
+             f"rank over {what} before the model was built, each row in fresh processes")
     return title + "\n\n" + _rst_table(header, rows)
 
 
@@ -439,6 +456,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=None,
                    help="ranks (default: 2 on CPU, every visible GPU on CUDA)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per CPU rank")
+    p.add_argument("--backend", choices=("nccl", "gloo"), default=None,
+                   help="CUDA only: nccl (default; one GPU per rank) or gloo (ranks may share a GPU)")
+    p.add_argument("--mixed-precision", choices=("none", "bf16", "fp16"), default="none",
+                   help="FSDPs: MixedPrecision(param, reduce, buffer dtype); DDP/plain: autocast")
+    p.add_argument("--mem-workload", default="large", help="workload of the peak-memory runs")
     p.add_argument("--workloads", default="compute,small",
                    help="interleaved step-time workloads (compute, small, large)")
     p.add_argument("--frameworks", default=",".join(FRAMEWORKS))
@@ -467,28 +489,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-DEFAULT_STEPS = {"compute": 10, "small": 20, "large": 2}
-QUICK_STEPS = {"compute": 3, "small": 6, "large": 1}
+DEFAULT_STEPS = {"compute": 10, "small": 20, "large": 2, "gpu": 10}
+QUICK_STEPS = {"compute": 3, "small": 6, "large": 1, "gpu": 3}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.no_limit_all_gathers:
         os.environ["FSDP_BENCH_LIMIT_ALL_GATHERS"] = "0"  # inherited by the rank processes
+    if args.mixed_precision != "none":
+        os.environ["FSDP_BENCH_MIXED_PRECISION"] = args.mixed_precision
     mp.set_forkserver_preload(["torch", "torch.distributed", "_bench_models", "_bench_measure"])
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: CUDA is not available on this machine; nothing to run.")
         return 0
     nproc = args.nproc or (torch.cuda.device_count() if args.device == "cuda" else 2)
+    backend = args.backend or "nccl"
+    if args.device == "cuda" and backend == "nccl" and nproc > torch.cuda.device_count():
+        print(f"--nproc {nproc} > {torch.cuda.device_count()} GPU(s): NCCL needs one GPU per rank; "
+              "pass --backend gloo to share GPUs between ranks.")
+        return 2
     frameworks = tuple(f for f in args.frameworks.split(",") if f)
     strategies = tuple(s for s in args.strategies.split(",") if s)
     origs = tuple(o.strip().lower() in ("1", "true", "t") for o in args.orig.split(","))
     cfg: dict[str, Any] = {
         "device": args.device, "nproc": nproc, "threads": args.threads, "tiny": args.tiny,
+        "backend": backend, "mem_workload": args.mem_workload,
         "warmup": max(1, args.warmup), "mem_steps": args.mem_steps,
         "profile": args.profile, "profile_steps": args.profile_steps,
     }
-    print(f"# torch {torch.__version__}, {args.device}, {nproc} ranks, "
+    print(f"# torch {torch.__version__}, {args.device}"
+          f"{f' ({backend}, {torch.cuda.get_device_name()})' if args.device == 'cuda' else ''}, "
+          f"mixed precision {args.mixed_precision}, {nproc} ranks, "
           f"{args.threads} thread(s) per rank, {os.cpu_count()} CPUs; "
           f"python {' '.join(sys.argv)}", flush=True)
     targets: list[tuple[str, float, float, str]] = []
@@ -514,8 +546,8 @@ def main(argv: list[str] | None = None) -> int:
         for v in mem_variants:
             job = dict(cfg, variant=v.__dict__, mem_steps=args.mem_steps or steps_for["large"])
             raw["memory"][v.key] = launch("memory", job)
-        w = _workload(cfg, "large")
-        print("\n" + report_memory(raw["memory"], w.params(), targets), flush=True)
+        w = _workload(cfg, args.mem_workload)
+        print("\n" + report_memory(raw["memory"], w.params(), targets, w.name, args.device), flush=True)
 
     if not (args.no_meta or args.quick):
         for fw in ("torch_fsdp1", "fsdp_wrap"):
