@@ -8,8 +8,12 @@ strategy          after forward      after unit's backward   end of backward
 ================  =================  ======================  =====================
 FULL_SHARD        freed (root kept)  freed, grad reduced     every unit freed
 SHARD_GRAD_OP     kept unsharded     freed, grad reduced     every unit freed
-NO_SHARD          (never gathered)   grad all-reduced        -
+NO_SHARD          copy freed (*)     grad all-reduced        -
 ================  =================  ======================  =====================
+
+(*) NO_SHARD is never gathered; with mixed precision or offload it computes on
+a cast/moved copy, which is freed after each unit's forward and made again in
+backward (torch does the same).
 
 Under ``no_sync`` gradients are not reduced and SHARD_GRAD_OP units stay
 unsharded.  A forward run without grad (evaluation) frees every unit, the root

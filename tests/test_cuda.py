@@ -421,8 +421,10 @@ def _scaler_matches_torch() -> list[str]:
     return fails
 
 
-def test_sharded_grad_scaler_finds_infs_on_cuda(pool2: DistPool) -> None:
-    fails = [f for r in pool2.run(_scaler_matches_torch) for f in r]
+@pytest.mark.parametrize("where", ["gloo2", "nccl1"])
+def test_sharded_grad_scaler_finds_infs_on_cuda(request: pytest.FixtureRequest, where: str) -> None:
+    pool = request.getfixturevalue("pool2" if where == "gloo2" else "nccl1")
+    fails = [f for r in pool.run(_scaler_matches_torch) for f in r]
     assert not fails, "\n".join(fails)
 
 
