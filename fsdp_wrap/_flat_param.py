@@ -14,22 +14,13 @@ that buffer in forward; because the storage object survives a free, gathering
 into it again before backward makes those saved views valid again.  This is the
 trick the whole FULL_SHARD schedule rests on.
 
-Layout (matching torch's FSDP1 so optimizer-visible shapes are identical):
-
-* parameters in ``named_modules`` pre-order of the unit, each once (tied
-  parameters are flattened at their first occurrence);
-* ``use_orig_params=False``: plain concatenation;
-* ``use_orig_params=True``: each parameter starts at a multiple of
-  ``16 // itemsize`` elements and the total is padded to a multiple of the
-  world size; padding holds ``42`` as torch's does;
-* shard ``r`` is ``chunk(world_size)[r]`` right-padded with zeros to
-  ``ceil(N / world_size)`` elements.
+The layout (order, alignment, padding, shards) is torch's FSDP1's and lives
+in :mod:`fsdp_wrap._layout`; padding holds ``42`` as torch's does.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Any, Callable
@@ -39,7 +30,27 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from . import _collectives as C
+from . import _reduce as R
+from ._layout import (
+    FlatLayout,
+    ParamInfo,
+    SharedParamInfo,
+    alignment,
+    collect_unit_params,
+    walk_unit_modules,
+)
 from .api import ShardingStrategy
+
+__all__ = [
+    "FLAT_PARAM_NAME",
+    "PADDING_VALUE",
+    "FlatParamHandle",
+    "FlatParameter",
+    "ParamInfo",
+    "SharedParamInfo",
+    "collect_unit_params",
+    "walk_unit_modules",
+]
 
 FLAT_PARAM_NAME = "_flat_param"
 PADDING_VALUE = 42.0
@@ -81,66 +92,9 @@ class FlatParameter(nn.Parameter, metaclass=_FlatParameterMeta):
         return param
 
 
-@dataclass(frozen=True)
-class ParamInfo:
-    """Where one original parameter lives in the flat parameter."""
-
-    fqn: str  # clean name relative to the unit's wrapped module
-    module: nn.Module
-    name: str
-    param: nn.Parameter  # the user's Parameter object
-    shape: torch.Size
-    offset: int  # start in the unsharded flat parameter
-    numel: int
-
-
-@dataclass(frozen=True)
-class SharedParamInfo:
-    """A later reference to a parameter already flattened at ``infos[index]``."""
-
-    fqn: str
-    module: nn.Module
-    name: str
-    index: int
-
-
 class HandleState(Enum):
     SHARDED = auto()
     UNSHARDED = auto()
-
-
-def walk_unit_modules(
-    module: nn.Module, stop: Callable[[nn.Module], bool], prefix: str = ""
-) -> Iterator[tuple[str, nn.Module]]:
-    """Pre-order ``(fqn, module)`` over a unit, not entering modules where ``stop``.
-
-    Like ``named_modules(remove_duplicate=False)``: a shared submodule is
-    visited at each place it appears.
-    """
-    yield prefix.rstrip("."), module
-    for name, child in module._modules.items():
-        if child is not None and not stop(child):
-            yield from walk_unit_modules(child, stop, f"{prefix}{name}.")
-
-
-def collect_unit_params(
-    module: nn.Module, stop: Callable[[nn.Module], bool], ignored: set[nn.Parameter]
-) -> tuple[list[tuple[str, nn.Module, str, nn.Parameter]], list[tuple[str, nn.Module, str, int]]]:
-    """The unit's parameters in flattening order, and later references to them."""
-    unique: list[tuple[str, nn.Module, str, nn.Parameter]] = []
-    shared: list[tuple[str, nn.Module, str, int]] = []
-    index_of: dict[int, int] = {}
-    for mod_fqn, mod in walk_unit_modules(module, stop):
-        for name, param in mod._parameters.items():
-            if param is None or param in ignored:
-                continue
-            fqn = f"{mod_fqn}.{name}" if mod_fqn else name
-            if id(param) in index_of:
-                shared.append((fqn, mod, name, index_of[id(param)]))
-            else:
-                index_of[id(param)] = len(unique)
-                unique.append((fqn, mod, name, param))
-    return unique, shared
 
 
 @dataclass
@@ -226,23 +180,35 @@ class FlatParamHandle:
         self.reduce_dtype = reduce_dtype or param_dtype or dtype
         self.keep_low_precision_grads = keep_low_precision_grads
         self.shard_device = torch.device("cpu") if offload_params else device
-        # Original parameters start on 16-byte boundaries of the dtype they are
-        # computed in (torch's rule), so their unsharded views stay aligned.
-        align = 16 // (param_dtype or dtype).itemsize if use_orig_params else 0
-        self.infos, self._segments, self._info_segment = self._layout(params, align)
+        self.layout = FlatLayout.build(
+            [p.numel() for *_, p in params],
+            align=alignment(param_dtype or dtype, use_orig_params),
+            world_size=world_size,
+            sharded=self.uses_sharded_strategy,
+        )
+        self.infos = [
+            ParamInfo(fqn, mod, name, p, p.shape, offset, p.numel())
+            for (fqn, mod, name, p), offset in zip(params, self.layout.offsets)
+        ]
+        self._segments = list(self.layout.segments)
+        self._info_segment = list(self.layout.info_segment)
         self.shared = [SharedParamInfo(fqn, mod, name, idx) for fqn, mod, name, idx in shared]
-        self.unpadded_numel = sum(self._segments)
-        self.shard_numel = (
-            math.ceil(self.unpadded_numel / world_size)
-            if self.uses_sharded_strategy
-            else self.unpadded_numel
+        self.unpadded_numel = self.layout.unpadded_numel
+        self.shard_numel = self.layout.shard_numel
+        self.padded_numel = self.layout.padded_numel
+        self.shard_offset = self.layout.shard_offset(rank)
+        self._reduce_spec = R.ReduceSpec(
+            sharded=self.uses_sharded_strategy,
+            padded_numel=self.padded_numel,
+            shard_numel=self.shard_numel,
+            world_size=world_size,
+            divide=divide,
+            reduce_dtype=self.reduce_dtype,
+            group=process_group,
+            replicate_group=replicate_group,
         )
-        self.padded_numel = self.shard_numel * (world_size if self.uses_sharded_strategy else 1)
-        self.shard_offset = self.rank * self.shard_numel if self.uses_sharded_strategy else 0
         # Elements of the local shard that hold data (the rest is right padding).
-        self.shard_valid_numel = max(
-            0, min(self.shard_numel, self.unpadded_numel - self.shard_offset)
-        )
+        self.shard_valid_numel = self.layout.shard_valid_numel(rank)
 
         requires_grad = any(p.requires_grad for *_, p in params)
         with torch.no_grad():
@@ -271,7 +237,7 @@ class FlatParamHandle:
         self.on_view_grads_ready: Callable[[], None] | None = None
         # ``(state, hook)`` from register_comm_hook: replaces the reduction.
         self.comm_hook: tuple[object, Callable[..., Any]] | None = None
-        self._shard_slices = self._compute_shard_slices()
+        self._shard_slices = self.layout.shard_slices(rank)
         self._params_registered = False
         self._release_original_storage()
         if not use_orig_params:
@@ -317,30 +283,9 @@ class FlatParamHandle:
                 "parameters in their own FSDP unit or pass use_orig_params=True."
             )
 
-    def _layout(
-        self, params: Sequence[tuple[str, nn.Module, str, nn.Parameter]], align: int
-    ) -> tuple[list[ParamInfo], list[int], list[int]]:
-        """Place each parameter; return infos, segment numels and each info's segment."""
-        infos: list[ParamInfo] = []
-        segments: list[int] = []
-        info_segment: list[int] = []
-        total = 0
-        for fqn, mod, name, p in params:
-            if align and total % align:
-                pad = align - total % align
-                segments.append(pad)
-                total += pad
-            info_segment.append(len(segments))
-            segments.append(p.numel())
-            infos.append(ParamInfo(fqn, mod, name, p, p.shape, total, p.numel()))
-            total += p.numel()
-        if align and total % self.world_size:
-            segments.append(self.world_size - total % self.world_size)
-        return infos, segments, info_segment
-
     def _flatten(self, dtype: torch.dtype) -> torch.Tensor:
         flat = torch.empty(self.unpadded_numel, dtype=dtype, device=self.device)
-        if len(self.infos) != len(self._segments):
+        if self.layout.has_padding:
             flat.fill_(PADDING_VALUE)
         for info in self.infos:
             flat[info.offset : info.offset + info.numel].copy_(info.param.detach().reshape(-1))
@@ -354,15 +299,6 @@ class FlatParamHandle:
             flat[self.shard_offset : self.shard_offset + self.shard_valid_numel]
         )
         return shard
-
-    def _compute_shard_slices(self) -> list[tuple[int, int] | None]:
-        """Per info, the ``[start, end)`` of its elements within the local shard."""
-        slices: list[tuple[int, int] | None] = []
-        lo, hi = self.shard_offset, self.shard_offset + self.shard_valid_numel
-        for info in self.infos:
-            start, end = max(lo, info.offset), min(hi, info.offset + info.numel)
-            slices.append((start - lo, end - lo) if start < end else None)
-        return slices
 
     def _release_original_storage(self) -> None:
         """The flat parameter now holds the data; drop the originals' storage."""
@@ -694,9 +630,9 @@ class FlatParamHandle:
         self.has_unreduced_grad = False
         self.flat_param.grad = None
         if self.comm_hook is not None:
-            reduced = self._reduce_with_hook(grad)
+            reduced = R.reduce_with_hook(grad, self._reduce_spec, *self.comm_hook)
         else:
-            reduced = self._reduce_default(grad)
+            reduced = R.reduce_default(grad, self._reduce_spec)
         # The sharded gradient matches the master parameter's dtype, or stays in
         # the compute dtype with keep_low_precision_grads (as torch leaves it).
         grad_dtype = self.compute_dtype if self.keep_low_precision_grads else self.orig_dtype
@@ -714,49 +650,6 @@ class FlatParamHandle:
         _assign_grad(self.flat_param, reduced)
         if self.use_orig_params:
             self._set_grad_views()
-
-    def _pad(self, grad: torch.Tensor) -> torch.Tensor:
-        if grad.numel() == self.padded_numel:
-            return grad
-        padded = grad.new_zeros(self.padded_numel)
-        padded[: grad.numel()].copy_(grad)
-        return padded
-
-    def _reduce_with_hook(self, grad: torch.Tensor) -> torch.Tensor:
-        if self.comm_hook is None:
-            raise RuntimeError("no communication hook registered")
-        hook_state, hook = self.comm_hook
-        if not _is_low_precision_hook(hook) and grad.dtype != self.reduce_dtype:
-            grad = grad.to(self.reduce_dtype)
-        if not self.uses_sharded_strategy:
-            hook(hook_state, grad)
-            return grad
-        padded = self._pad(grad)
-        reduced = padded.new_empty(self.shard_numel)
-        hook(hook_state, padded, reduced)
-        return reduced
-
-    def _reduce_default(self, grad: torch.Tensor) -> torch.Tensor:
-        pre, post = self.divide
-        if grad.dtype != self.reduce_dtype:
-            grad = grad.to(self.reduce_dtype)
-        if self.uses_sharded_strategy:
-            padded = self._pad(grad)
-            if pre > 1:
-                padded.div_(pre)
-            reduced = grad.new_empty(self.shard_numel)
-            C.reduce_scatter_sum(reduced, padded, self.process_group)
-        else:
-            reduced = grad
-            if pre > 1:
-                reduced.div_(pre)
-            if self.world_size > 1:
-                C.all_reduce(reduced, self.process_group)
-        if self.replicate_group is not None:
-            C.all_reduce(reduced, self.replicate_group)
-        if post > 1:
-            reduced.div_(post)
-        return reduced
 
     def _set_unsharded_grad_views(self, grad: torch.Tensor) -> None:
         """Under ``no_sync`` the original params carry full-shape local gradients."""
@@ -902,9 +795,3 @@ def _assign_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad = torch.empty_like(param)
     param.grad.data = grad
 
-
-def _is_low_precision_hook(hook: Callable[..., Any]) -> bool:
-    """torch's fp16/bf16 compress hooks cast the gradient themselves."""
-    return getattr(hook, "__name__", "") in {"fp16_compress_hook", "bf16_compress_hook"} and (
-        getattr(hook, "__module__", "") == "torch.distributed.algorithms._comm_hooks.default_hooks"
-    )

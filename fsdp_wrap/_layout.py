@@ -1,0 +1,165 @@
+"""Which parameters a unit flattens, in what order, and where each rank's piece lies.
+
+Pure bookkeeping: module walks and integer arithmetic, no tensors allocated and
+no process group, so the same rules serve the :class:`FlatParamHandle` that
+builds a unit and anything that only needs to know its sizes.
+
+The layout matches torch's FSDP1 so optimizer-visible shapes are identical:
+
+* parameters in ``named_modules`` pre-order of the unit, each once (tied
+  parameters are flattened at their first occurrence);
+* ``use_orig_params=False``: plain concatenation;
+* ``use_orig_params=True``: each parameter starts at a multiple of
+  ``16 // itemsize`` elements (of the dtype it is computed in) and the total is
+  padded to a multiple of the world size;
+* shard ``r`` is ``chunk(world_size)[r]`` right-padded with zeros to
+  ``ceil(N / world_size)`` elements.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """Where one original parameter lives in the flat parameter."""
+
+    fqn: str  # clean name relative to the unit's wrapped module
+    module: nn.Module
+    name: str
+    param: nn.Parameter  # the user's Parameter object
+    shape: torch.Size
+    offset: int  # start in the unsharded flat parameter
+    numel: int
+
+
+@dataclass(frozen=True)
+class SharedParamInfo:
+    """A later reference to a parameter already flattened at ``infos[index]``."""
+
+    fqn: str
+    module: nn.Module
+    name: str
+    index: int
+
+
+def walk_unit_modules(
+    module: nn.Module, stop: Callable[[nn.Module], bool], prefix: str = ""
+) -> Iterator[tuple[str, nn.Module]]:
+    """Pre-order ``(fqn, module)`` over a unit, not entering modules where ``stop``.
+
+    Like ``named_modules(remove_duplicate=False)``: a shared submodule is
+    visited at each place it appears.
+    """
+    yield prefix.rstrip("."), module
+    for name, child in module._modules.items():
+        if child is not None and not stop(child):
+            yield from walk_unit_modules(child, stop, f"{prefix}{name}.")
+
+
+def collect_unit_params(
+    module: nn.Module, stop: Callable[[nn.Module], bool], ignored: set[nn.Parameter]
+) -> tuple[list[tuple[str, nn.Module, str, nn.Parameter]], list[tuple[str, nn.Module, str, int]]]:
+    """The unit's parameters in flattening order, and later references to them."""
+    unique: list[tuple[str, nn.Module, str, nn.Parameter]] = []
+    shared: list[tuple[str, nn.Module, str, int]] = []
+    index_of: dict[int, int] = {}
+    for mod_fqn, mod in walk_unit_modules(module, stop):
+        for name, param in mod._parameters.items():
+            if param is None or param in ignored:
+                continue
+            fqn = f"{mod_fqn}.{name}" if mod_fqn else name
+            if id(param) in index_of:
+                shared.append((fqn, mod, name, index_of[id(param)]))
+            else:
+                index_of[id(param)] = len(unique)
+                unique.append((fqn, mod, name, param))
+    return unique, shared
+
+
+def alignment(compute_dtype: torch.dtype, use_orig_params: bool) -> int:
+    """Elements each parameter's start is rounded up to (0: none).
+
+    With ``use_orig_params=True`` original parameters start on 16-byte
+    boundaries of the dtype they are computed in (torch's rule), so their
+    unsharded views stay aligned.
+    """
+    return 16 // compute_dtype.itemsize if use_orig_params else 0
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Offsets, padding and shard sizes of one flat parameter."""
+
+    offsets: tuple[int, ...]  # each parameter's start in the unsharded flat parameter
+    numels: tuple[int, ...]
+    segments: tuple[int, ...]  # split sizes: parameters and padding, in order
+    info_segment: tuple[int, ...]  # the segment holding each parameter
+    unpadded_numel: int  # parameters plus alignment padding
+    shard_numel: int  # elements every rank stores (right zero-padded)
+    padded_numel: int  # shard_numel * world size (sharded), else unpadded_numel
+    world_size: int
+    sharded: bool
+
+    @classmethod
+    def build(
+        cls, numels: Sequence[int], *, align: int, world_size: int, sharded: bool
+    ) -> FlatLayout:
+        offsets: list[int] = []
+        segments: list[int] = []
+        info_segment: list[int] = []
+        total = 0
+        for n in numels:
+            if align and total % align:
+                pad = align - total % align
+                segments.append(pad)
+                total += pad
+            info_segment.append(len(segments))
+            segments.append(n)
+            offsets.append(total)
+            total += n
+        if align and total % world_size:
+            segments.append(world_size - total % world_size)
+        unpadded = sum(segments)
+        shard = math.ceil(unpadded / world_size) if sharded else unpadded
+        return cls(
+            offsets=tuple(offsets),
+            numels=tuple(numels),
+            segments=tuple(segments),
+            info_segment=tuple(info_segment),
+            unpadded_numel=unpadded,
+            shard_numel=shard,
+            padded_numel=shard * (world_size if sharded else 1),
+            world_size=world_size,
+            sharded=sharded,
+        )
+
+    @property
+    def has_padding(self) -> bool:
+        """Alignment or world-size padding between or after the parameters."""
+        return len(self.segments) != len(self.numels)
+
+    def shard_offset(self, rank: int) -> int:
+        """Where ``rank``'s shard starts in the unsharded flat parameter."""
+        return rank * self.shard_numel if self.sharded else 0
+
+    def shard_valid_numel(self, rank: int) -> int:
+        """Elements of ``rank``'s shard that hold data (the rest is right padding)."""
+        return max(0, min(self.shard_numel, self.unpadded_numel - self.shard_offset(rank)))
+
+    def shard_slices(self, rank: int) -> list[tuple[int, int] | None]:
+        """Per parameter, the ``[start, end)`` of its elements within ``rank``'s shard."""
+        lo = self.shard_offset(rank)
+        hi = lo + self.shard_valid_numel(rank)
+        slices: list[tuple[int, int] | None] = []
+        for offset, numel in zip(self.offsets, self.numels):
+            start, end = max(lo, offset), min(hi, offset + numel)
+            slices.append((start - lo, end - lo) if start < end else None)
+        return slices
