@@ -22,6 +22,7 @@ from .api import (
     StateDictType,
 )
 from .fully_sharded_data_parallel import FullyShardedDataParallel, OptimStateKeyType
+from .planning import Plan, plan
 
 __version__ = "0.1.0"
 
@@ -37,10 +38,12 @@ __all__ = [
     "MixedPrecision",
     "OptimStateDictConfig",
     "OptimStateKeyType",
+    "Plan",
     "ShardedOptimStateDictConfig",
     "ShardedStateDictConfig",
     "ShardingStrategy",
     "StateDictConfig",
     "StateDictSettings",
     "StateDictType",
+    "plan",
 ]

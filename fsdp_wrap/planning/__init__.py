@@ -1,0 +1,215 @@
+"""Know before you launch: the units FSDP will build and what each rank will hold.
+
+::
+
+    import fsdp_wrap
+    from fsdp_wrap.wrap import ModuleWrapPolicy
+
+    with torch.device("meta"):
+        model = MyTransformer(config)          # nothing is allocated
+    p = fsdp_wrap.plan(model, world_size=64, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                       mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+    p.memory.peak_device                     # bytes per GPU, activations excluded
+
+The plan runs the library's own wrap pass and flat-parameter layout on a meta
+copy of the model, so the units, their padding and their shards are exactly
+what ``FullyShardedDataParallel(model, ...)`` would build on ``world_size``
+ranks; no process group, GPU or parameter memory is needed.  The memory model
+is described in :mod:`fsdp_wrap.planning._memory`; ``docs/plan.rst`` shows how
+close it is to what training holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import torch.nn as nn
+
+from .._compat import coerce_dataclass, coerce_enum
+from .._init import HYBRID_STRATEGIES
+from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from ._memory import NCCL, OPTIMIZERS, RankMemory, estimate, gloo
+from ._report import find_warnings, render
+from ._units import ParamEntry, UnitPlan, discover_units
+
+__all__ = ["OPTIMIZERS", "ParamEntry", "Plan", "RankMemory", "UnitPlan", "plan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What ``FullyShardedDataParallel(model, ...)`` would build, and the memory it needs."""
+
+    units: tuple[UnitPlan, ...]  # root first, then in module order
+    world_size: int
+    shard_size: int  # ranks one flat parameter is sharded over
+    replicate_size: int  # hybrid strategies: shard groups holding replicas
+    optimizer: str
+    settings: dict[str, Any]
+    memory: RankMemory  # the rank needing the most device memory
+    per_rank: tuple[RankMemory, ...]  # every rank of one shard group (they differ only
+    # in optimizer state with use_orig_params=True); rank 0 alone otherwise
+    warnings: tuple[str, ...]
+
+    @property
+    def total_params(self) -> int:
+        return sum(u.numel for u in self.units)
+
+    def table(self) -> str:
+        return render(self)
+
+    def __str__(self) -> str:
+        return render(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (for ``json.dumps``): settings, units, per-rank bytes, warnings."""
+        m = self.memory
+        return {
+            "world_size": self.world_size,
+            "shard_size": self.shard_size,
+            "replicate_size": self.replicate_size,
+            "optimizer": self.optimizer,
+            "settings": self.settings,
+            "total_params": self.total_params,
+            "units": [
+                {
+                    "fqn": u.fqn,
+                    "module": u.module_type,
+                    "params": u.numel,
+                    "strategy": u.strategy.name,
+                    "dtype": str(u.dtype).replace("torch.", ""),
+                    "flat_numel": u.layout.unpadded_numel,
+                    "padded_numel": u.layout.padded_numel,
+                    "shard_numel": u.layout.shard_numel,
+                    "unsharded_bytes": u.layout.padded_numel * u.dtype.itemsize,
+                    "shard_bytes": u.layout.shard_numel * u.dtype.itemsize,
+                }
+                for u in self.units
+            ],
+            "memory": {
+                **{f.name: getattr(m, f.name) for f in dataclasses.fields(m)},
+                "persistent_device": m.persistent_device,
+                "persistent_cpu": m.persistent_cpu,
+                "unsharded_peak": m.unsharded_peak,
+                "peak_device": m.peak_device,
+            },
+            "warnings": list(self.warnings),
+        }
+
+
+def plan(
+    module: nn.Module,
+    world_size: int,
+    *,
+    sharding_strategy: ShardingStrategy | None = None,
+    auto_wrap_policy: Any = None,
+    cpu_offload: CPUOffload | None = None,
+    mixed_precision: MixedPrecision | None = None,
+    ignored_modules: Iterable[nn.Module] | None = None,
+    ignored_states: Iterable[Any] | None = None,
+    use_orig_params: bool = False,
+    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+    forward_prefetch: bool = False,
+    limit_all_gathers: bool = True,
+    device: str = "cuda",
+    shard_group_size: int | None = None,
+    optimizer: str = "adam",
+    verbose: bool = False,
+) -> Plan:
+    """Plan ``FullyShardedDataParallel(module, ...)`` on ``world_size`` ranks.
+
+    The keyword arguments are the constructor's (same names, defaults and
+    accepted types, torch's enums and configs included).  ``module`` is not
+    modified and may live on the meta device.
+
+    Args:
+        world_size: ranks in the job.
+        shard_group_size: with ``HYBRID_SHARD`` / ``_HYBRID_SHARD_ZERO2``, the
+            ranks one parameter is sharded over (a node; default
+            ``min(8, world_size)``); other strategies shard over every rank.
+        optimizer: ``"adam"``/``"adamw"`` (two states per parameter and a step
+            counter), ``"sgd-momentum"`` (one), ``"sgd"`` or ``"none"``.
+        device: what the ranks compute on: ``"cuda"`` (NCCL: no staging
+            buffers) or ``"cpu"`` (gloo: its measured staging buffers, and
+            ``limit_all_gathers`` decides whether gathers overlap compute).
+        verbose: print the plan's table.
+
+    Raises:
+        ValueError: for a world size the shard group does not divide, an
+            unknown optimizer kind, or a model FSDP could not wrap (the
+            constructor's own checks: e.g. a unit mixing dtypes, or frozen and
+            trainable parameters with ``use_orig_params=False``).
+    """
+    strategy = coerce_enum(sharding_strategy, ShardingStrategy, "sharding_strategy")
+    strategy = strategy or ShardingStrategy.FULL_SHARD
+    backward_prefetch = coerce_enum(backward_prefetch, BackwardPrefetch, "backward_prefetch")
+    offload = coerce_dataclass(cpu_offload, CPUOffload, "cpu_offload") or CPUOffload()
+    mp = coerce_dataclass(mixed_precision, MixedPrecision, "mixed_precision") or MixedPrecision()
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    backend = NCCL if device == "cuda" else gloo(limit_all_gathers)
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if strategy in HYBRID_STRATEGIES:
+        shard = shard_group_size or min(8, world_size)
+    else:
+        if shard_group_size not in (None, world_size):
+            raise ValueError(
+                f"shard_group_size={shard_group_size} only applies to hybrid strategies; "
+                f"{strategy.name} shards over all {world_size} ranks"
+            )
+        shard = world_size
+    if shard < 1 or world_size % shard:
+        raise ValueError(
+            f"world_size {world_size} is not a multiple of the shard group size {shard}"
+        )
+    units, ignored = discover_units(
+        module,
+        shard_size=shard,
+        sharding_strategy=strategy,
+        auto_wrap_policy=auto_wrap_policy,
+        cpu_offload=offload,
+        mixed_precision=mp,
+        ignored_modules=ignored_modules,
+        ignored_states=ignored_states,
+        use_orig_params=use_orig_params,
+    )
+    ranks = range(shard) if any(u.use_orig_params for u in units) else range(1)
+    per_rank = tuple(
+        estimate(units, r, optimizer=optimizer, backward_prefetch=backward_prefetch,
+                 forward_prefetch=forward_prefetch, ignored=ignored, backend=backend)
+        for r in ranks
+    )
+    worst = max(per_rank, key=lambda m: (m.peak_device, m.persistent_cpu))
+    settings = {
+        "sharding_strategy": strategy.name,
+        "use_orig_params": use_orig_params,
+        "offload_params": offload.offload_params,
+        "param_dtype": _dtype_name(mp.param_dtype),
+        "reduce_dtype": _dtype_name(mp.reduce_dtype or mp.param_dtype),
+        "backward_prefetch": backward_prefetch.name if backward_prefetch else None,
+        "forward_prefetch": forward_prefetch,
+        "limit_all_gathers": limit_all_gathers,
+        "device": device,
+    }
+    result = Plan(
+        units=tuple(units),
+        world_size=world_size,
+        shard_size=shard,
+        replicate_size=world_size // shard,
+        optimizer=optimizer,
+        settings=settings,
+        memory=worst,
+        per_rank=per_rank,
+        warnings=tuple(find_warnings(units, shard)),
+    )
+    if verbose:
+        print(result)
+    return result
+
+
+def _dtype_name(dtype: Any) -> str:
+    return "param" if dtype is None else str(dtype).replace("torch.", "")

@@ -1,0 +1,283 @@
+"""Per-rank memory of a plan: what is held between steps and what one step adds.
+
+The model follows the runtime schedule (``fsdp_wrap/_runtime.py``) unit by
+unit; everything is in bytes.
+
+Held between steps (exact, given the layout):
+
+* **parameters**: every unit's local shard in the parameters' dtype (on the
+  CPU under ``CPUOffload``);
+* **gradients**: the sharded gradient of every trainable unit, in the
+  parameters' dtype (the compute dtype with ``keep_low_precision_grads``);
+* **optimizer state**: ``states`` tensors the size of what the optimizer sees
+  (the flat shard, or with ``use_orig_params=True`` each parameter's piece),
+  plus a 4-byte CPU ``step`` counter per tensor for Adam-like optimizers.
+
+Added during a step on the compute device (an estimate):
+
+* **unsharded parameters in flight** in the compute dtype: the root unit (kept
+  gathered from its forward to its backward), the unit computing, the one
+  being prefetched, and under SHARD_GRAD_OP every unit from its forward to its
+  backward; plus the cast shard a low-precision gather starts from;
+* **gradient transients** of the unit in backward: its parameters' gradients
+  and their concatenation into one flat gradient (compute dtype), then the
+  copy cast to the reduce dtype and padded to a world-size multiple, and the
+  reduce-scatter's output.
+
+Activations are the model's business and not counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from ..api import BackwardPrefetch
+from ._units import UnitPlan
+
+#: Optimizer kinds: (state tensors per parameter, ``step`` counter per parameter,
+#: the dtype the states take: the parameter's (Adam's ``zeros_like(param)``) or the
+#: gradient's (SGD clones its first gradient into the momentum buffer)).
+OPTIMIZERS: dict[str, tuple[int, bool, str]] = {
+    "adam": (2, True, "param"),
+    "adamw": (2, True, "param"),
+    "sgd": (0, False, "param"),
+    "sgd-momentum": (1, False, "grad"),
+    "none": (0, False, "param"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank holds; ``device`` is the compute device, ``cpu`` the host."""
+
+    rank: int
+    params_device: int
+    params_cpu: int
+    grads_device: int
+    grads_cpu: int
+    optimizer_device: int
+    optimizer_cpu: int
+    unsharded_forward: int  # peak of unsharded parameters in forward
+    unsharded_backward: int  # peak of unsharded parameters + gradient transients in backward
+    step_device: int  # peak a step adds over params and optimizer state: the above plus
+    # the sharded gradients of the units already done
+    ignored_device: int = 0  # ignored parameters, their gradients and optimizer state (whole)
+
+    @property
+    def persistent_device(self) -> int:
+        return self.params_device + self.grads_device + self.optimizer_device + self.ignored_device
+
+    @property
+    def persistent_cpu(self) -> int:
+        return self.params_cpu + self.grads_cpu + self.optimizer_cpu
+
+    @property
+    def unsharded_peak(self) -> int:
+        return max(self.unsharded_forward, self.unsharded_backward)
+
+    @property
+    def peak_device(self) -> int:
+        """The most the device holds during a step (activations not included): parameters,
+        optimizer state and ignored tensors, plus the step's peak (``step_device``)."""
+        return self.params_device + self.optimizer_device + self.ignored_device + self.step_device
+
+
+def _itemsize(unit: UnitPlan, which: str) -> int:
+    dtype = {"param": unit.dtype, "compute": unit.compute_dtype, "reduce": unit.reduce_dtype,
+             "grad": unit.grad_dtype}[which]
+    return dtype.itemsize
+
+
+def gathered_bytes(unit: UnitPlan) -> int:
+    """Device bytes of the unit's unsharded compute copy (0 when it computes on its shard)."""
+    lay = unit.layout
+    if unit.sharded:
+        return lay.padded_numel * _itemsize(unit, "compute")
+    needs_copy = unit.compute_dtype != unit.dtype or unit.offload_params
+    return lay.unpadded_numel * _itemsize(unit, "compute") if needs_copy else 0
+
+
+def gather_source_bytes(unit: UnitPlan) -> int:
+    """The shard copy a gather starts from: moved to the device and/or cast."""
+    if not unit.sharded:
+        return 0
+    lay, out = unit.layout, 0
+    if unit.offload_params:
+        out += lay.shard_numel * _itemsize(unit, "param")
+    if unit.compute_dtype != unit.dtype:
+        out += lay.shard_numel * _itemsize(unit, "compute")
+    return out
+
+
+def gradient_stages(unit: UnitPlan) -> tuple[int, int, int]:
+    """Extra device bytes of the unit's gradient in its three backward stages.
+
+    1. *compute*: the parameters' gradients, up to the flat size (a tied
+       parameter gets one gradient per use before they are summed), while the
+       unit's parameters are still gathered;
+    2. *concatenate*: those gradients and the flat gradient made of them (a
+       sharded unit's gathered parameters are freed just before this);
+    3. *reduce* (after the unit is resharded): the flat gradient, its copy in
+       the reduce dtype and/or padded to a world-size multiple, the
+       reduce-scatter's output and its cast back to the gradient dtype.
+    """
+    if not unit.trainable:
+        return 0, 0, 0
+    lay = unit.layout
+    c, r, gd = (_itemsize(unit, k) for k in ("compute", "reduce", "grad"))
+    flat = lay.unpadded_numel * c
+    reduce = flat
+    if unit.reduce_dtype != unit.compute_dtype:
+        reduce += lay.unpadded_numel * r
+    if unit.sharded:
+        if lay.padded_numel != lay.unpadded_numel:
+            reduce += lay.padded_numel * r
+        reduce += lay.shard_numel * r
+        if unit.reduce_dtype != unit.grad_dtype:
+            reduce += lay.shard_numel * gd
+    elif unit.reduce_dtype != unit.grad_dtype and not unit.offload_params:
+        reduce += lay.unpadded_numel * gd
+    return flat + unit.shared_numel * c, 2 * flat, reduce
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """What the collective backend adds to the schedule's memory.
+
+    ``async_gathers``: a prefetched all-gather is in flight while the current
+    unit computes (its source shard copy lives until it is waited for).
+    ``*_staging``: extra bytes a collective holds while it runs, as a multiple
+    of its tensor, by element size.
+    """
+
+    name: str
+    async_gathers: bool
+    gather_staging: float
+    reduce_scatter_staging: dict[int, float]
+    all_reduce_staging: dict[int, float]
+
+
+#: NCCL writes into the caller's buffers: no staging.
+NCCL = Backend("nccl", True, 0.0, {}, {})
+
+
+def gloo(limit_all_gathers: bool) -> Backend:
+    """gloo on CPU, as measured inside training steps with torch 2.13 (``docs/plan.rst``):
+    a reduce-scatter keeps about 1.25x its input in fp32 and 1x in 16-bit types, a 16-bit
+    all-reduce 0.5x, an asynchronous all-gather (``limit_all_gathers=False``) 1x its
+    output until it is waited for."""
+    return Backend("gloo", not limit_all_gathers, 1.0, {4: 1.25, 2: 1.0}, {2: 0.5})
+
+
+def estimate(
+    units: Sequence[UnitPlan],
+    rank: int,
+    *,
+    optimizer: str,
+    backward_prefetch: BackwardPrefetch | None,
+    forward_prefetch: bool,
+    ignored: Sequence[tuple[str, int, torch.dtype, bool]] = (),
+    backend: Backend = NCCL,
+) -> RankMemory:
+    states, counters, state_dtype = OPTIMIZERS[optimizer]
+    ignored_bytes = sum(
+        n * dt.itemsize * (1 + (1 + states if trainable else 0)) for _, n, dt, trainable in ignored
+    )
+    mem = dict(params_device=0, params_cpu=0, grads_device=0, grads_cpu=0,
+               optimizer_device=0, optimizer_cpu=0)
+    for u in units:
+        where = "cpu" if u.offload_params else "device"
+        mem[f"params_{where}"] += u.layout.shard_numel * _itemsize(u, "param")
+        if u.trainable:
+            mem[f"grads_{where}"] += u.layout.shard_numel * _itemsize(u, "grad")
+        numel, tensors = u.optimizer_numel(rank)
+        mem[f"optimizer_{where}"] += states * numel * _itemsize(u, state_dtype)
+        if counters:
+            mem["optimizer_cpu"] += 4 * tensors
+    fwd, bwd, step = _unsharded_peaks(units, backward_prefetch, forward_prefetch, backend)
+    return RankMemory(rank=rank, unsharded_forward=fwd, unsharded_backward=bwd,
+                      step_device=step, ignored_device=ignored_bytes, **mem)
+
+
+def _unsharded_peaks(
+    units: Sequence[UnitPlan],
+    backward_prefetch: BackwardPrefetch | None,
+    forward_prefetch: bool,
+    backend: Backend,
+) -> tuple[int, int, int]:
+    """Walk one step's schedule; return three device peaks in bytes.
+
+    ``(forward, backward, step)``: unsharded parameters in flight in forward;
+    in flight plus gradient transients in backward; and that plus the sharded
+    gradients the units already finished hold (gradients start from ``None``,
+    as after ``zero_grad(set_to_none=True)``).  Units run in the order given
+    (root first); backward visits them in reverse.
+    """
+    g = [gathered_bytes(u) for u in units]
+    src = [gather_source_bytes(u) for u in units]
+    # A unit being gathered holds its output and source (and staging if async).
+    gathering = [
+        g[i] + src[i] + (int(backend.gather_staging * g[i]) if backend.async_gathers else 0)
+        for i in range(len(units))
+    ]
+    # A prefetched unit while the current one computes: still in flight if async.
+    ahead_of = [gathering[i] if backend.async_gathers else g[i] for i in range(len(units))]
+    kept = [u.sharded and (i == 0 or not u.reshard_after_forward) for i, u in enumerate(units)]
+    fwd = held = 0
+    for i in range(len(units)):
+        ahead = ahead_of[i + 1] if forward_prefetch and i + 1 < len(units) else 0
+        fwd = max(fwd, held + gathering[i], held + g[i] + ahead)
+        if kept[i]:
+            held += g[i]
+    bwd = step = 0
+    done = 0  # sharded gradients of the units whose backward finished (device)
+    # The root's parameters used after the nested units in forward (an output
+    # head, a final norm, a tied embedding's second use) get their gradients
+    # first in backward, and those wait until the root's own backward ends.
+    # Each root parameter gives at most one such early gradient of its size,
+    # so they are bounded by (and counted as) the root's flat gradient.
+    root = units[0] if units and units[0].fqn == "" and units[0].trainable else None
+    root_early = root.layout.unpadded_numel * _itemsize(root, "compute") if root else 0
+    order = list(range(len(units)))[::-1]
+    for k, i in enumerate(order):
+        u = units[i]
+        if kept[i]:
+            held -= g[i]  # counted as this unit's own from here on
+            regather = 0
+        else:
+            regather = gathering[i]
+        nxt = order[k + 1] if k + 1 < len(order) else None
+        ahead = ahead_of[nxt] if nxt is not None and not kept[nxt] else 0
+        pre = ahead if backward_prefetch is BackwardPrefetch.BACKWARD_PRE else 0
+        post = ahead if backward_prefetch is not None else 0
+        compute, concat, reduce = gradient_stages(u)
+        reduce += _collective_staging(u, backend)
+        # Sharded units free their parameters once all their gradients exist;
+        # NO_SHARD copies go at the reshard before the reduction.
+        during_concat = concat + (0 if u.sharded else g[i])
+        early = 0 if i == 0 else root_early
+        here = early + max(
+            held + regather,
+            held + g[i] + pre + compute,
+            held + pre + during_concat,
+            held + post + reduce,
+        )
+        bwd = max(bwd, here)
+        step = max(step, here + done)
+        if u.trainable and not u.offload_params:
+            done += u.layout.shard_numel * _itemsize(u, "grad")
+    return fwd, bwd, max(step, fwd, done)
+
+
+def _collective_staging(u: UnitPlan, backend: Backend) -> int:
+    if not u.trainable:
+        return 0
+    r = _itemsize(u, "reduce")
+    if u.sharded:
+        return int(backend.reduce_scatter_staging.get(r, 0.0) * u.layout.padded_numel * r)
+    if u.layout.world_size > 1:
+        return int(backend.all_reduce_staging.get(r, 0.0) * u.layout.unpadded_numel * r)
+    return 0

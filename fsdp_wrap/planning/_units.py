@@ -1,0 +1,245 @@
+"""The units FSDP would build, found with the library's own wrap pass and layout.
+
+Nothing is allocated and no process group is needed: the model is copied with
+every parameter and buffer on the meta device (a model already on meta costs
+nothing to copy), the copy is auto-wrapped by :func:`fsdp_wrap.wrap._auto_wrap`
+with a stand-in for the FSDP class that only records its arguments, and each
+unit's parameters are collected and laid out by the same functions the
+:class:`~fsdp_wrap._flat_param.FlatParamHandle` uses.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .._compat import coerce_dataclass, coerce_enum
+from .._init import resolve_ignored
+from .._layout import FlatLayout, alignment, collect_unit_params
+from ..api import CPUOffload, MixedPrecision, ShardingStrategy
+from ..wrap import _auto_wrap
+
+SHARDED = frozenset(
+    {
+        ShardingStrategy.FULL_SHARD,
+        ShardingStrategy.SHARD_GRAD_OP,
+        ShardingStrategy.HYBRID_SHARD,
+        ShardingStrategy._HYBRID_SHARD_ZERO2,
+    }
+)
+RESHARD_AFTER_FORWARD = frozenset({ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD})
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamEntry:
+    """One original parameter of a unit, as the flat parameter holds it."""
+
+    fqn: str  # clean FQN from the model root
+    numel: int
+    requires_grad: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitPlan:
+    """One FSDP unit: what it owns, how it is laid out, how it runs."""
+
+    fqn: str  # clean FQN of the wrapped module ("" for the root)
+    module_type: str
+    params: tuple[ParamEntry, ...]
+    layout: FlatLayout
+    dtype: torch.dtype  # the parameters' dtype (the sharded master copy)
+    strategy: ShardingStrategy
+    mixed_precision: MixedPrecision
+    offload_params: bool
+    use_orig_params: bool
+    shared_numel: int = 0  # elements of tied parameters' later uses (extra gradients)
+
+    @property
+    def numel(self) -> int:
+        """Parameters this unit owns (without padding)."""
+        return sum(p.numel for p in self.params)
+
+    @property
+    def trainable(self) -> bool:
+        return any(p.requires_grad for p in self.params)
+
+    @property
+    def sharded(self) -> bool:
+        return self.strategy in SHARDED
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return self.strategy in RESHARD_AFTER_FORWARD
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.mixed_precision.param_dtype or self.dtype
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        mp = self.mixed_precision
+        return mp.reduce_dtype or mp.param_dtype or self.dtype
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The sharded gradient's dtype (the compute dtype with keep_low_precision_grads)."""
+        return self.compute_dtype if self.mixed_precision.keep_low_precision_grads else self.dtype
+
+    def optimizer_numel(self, rank: int) -> tuple[int, int]:
+        """``(elements, tensors)`` the optimizer sees on ``rank`` for this unit.
+
+        ``use_orig_params=False``: the whole flat shard, as one tensor (if
+        trainable).  ``True``: each trainable parameter's piece of the shard,
+        without the padding (parameters with no piece on this rank get no
+        gradient, hence no optimizer state).
+        """
+        if not self.use_orig_params:
+            return (self.layout.shard_numel, 1) if self.trainable else (0, 0)
+        numel = tensors = 0
+        for entry, sl in zip(self.params, self.layout.shard_slices(rank)):
+            if sl is not None and entry.requires_grad:
+                numel += sl[1] - sl[0]
+                tensors += 1
+        return numel, tensors
+
+
+class _RecordedUnit(nn.Module):
+    """Takes the place of the FSDP class in the wrap pass: keeps the module and kwargs."""
+
+    def __init__(self, module: nn.Module, **kwargs: Any) -> None:
+        super().__init__()
+        self.wrapped = module
+        self.kwargs = kwargs
+
+
+def meta_copy(model: nn.Module) -> tuple[nn.Module, dict[int, Any]]:
+    """A deep copy of ``model`` with every parameter and buffer on the meta device.
+
+    Ties survive (one meta tensor per original tensor).  Returns the copy and
+    the memo mapping ``id(original)`` to its copy (modules included).
+    """
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(
+            torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad
+        )
+    for b in model.buffers():
+        memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+    shadow = copy.deepcopy(model, memo)
+    return shadow, memo
+
+
+def discover_units(
+    model: nn.Module,
+    *,
+    shard_size: int,
+    sharding_strategy: Any = None,
+    auto_wrap_policy: Any = None,
+    cpu_offload: Any = None,
+    mixed_precision: Any = None,
+    ignored_modules: Iterable[nn.Module] | None = None,
+    ignored_states: Iterable[Any] | None = None,
+    use_orig_params: bool = False,
+) -> tuple[list[UnitPlan], list[tuple[str, int, torch.dtype, bool]]]:
+    """Every unit FSDP(model, ...) would build over a shard group of ``shard_size`` ranks,
+    and the ignored parameters ``(fqn, numel, dtype, requires_grad)`` (held in full).
+
+    Root first, then the auto-wrapped units in module order, parents before
+    their nested units (the order a forward usually runs them in).
+    """
+    strategy = coerce_enum(sharding_strategy, ShardingStrategy, "sharding_strategy")
+    root_kwargs: dict[str, Any] = dict(
+        sharding_strategy=strategy or ShardingStrategy.FULL_SHARD,
+        cpu_offload=coerce_dataclass(cpu_offload, CPUOffload, "cpu_offload"),
+        mixed_precision=coerce_dataclass(mixed_precision, MixedPrecision, "mixed_precision"),
+        use_orig_params=use_orig_params,
+        auto_wrap_policy=auto_wrap_policy,
+    )
+    shadow, memo = meta_copy(model)
+    ignored_mods = [memo.get(id(m), m) for m in ignored_modules] if ignored_modules else None
+    ignored_sts = [memo.get(id(s), s) for s in ignored_states] if ignored_states else None
+    mods, ignored_params = resolve_ignored(shadow, ignored_mods, ignored_sts)
+    if auto_wrap_policy is not None:
+        _auto_wrap(shadow, auto_wrap_policy, mods, ignored_params, dict(root_kwargs),
+                   _RecordedUnit)
+
+    def stop(m: nn.Module) -> bool:
+        return isinstance(m, _RecordedUnit) or m in mods
+
+    units: list[UnitPlan] = []
+    found: list[tuple[str, nn.Module, dict[str, Any]]] = [("", shadow, root_kwargs)]
+    found += _recorded(shadow)
+    for fqn, module, kwargs in found:
+        plan = _unit_plan(fqn, module, kwargs, stop, ignored_params, shard_size)
+        if plan is not None:
+            units.append(plan)
+    ignored = [(n, p.numel(), p.dtype, p.requires_grad)
+               for n, p in shadow.named_parameters() if p in ignored_params]
+    return units, ignored
+
+
+def _recorded(root: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module, dict[str, Any]]]:
+    """``(clean fqn, wrapped module, kwargs)`` of every recorded unit under ``root``."""
+    out: list[tuple[str, nn.Module, dict[str, Any]]] = []
+    for name, child in root.named_children():
+        fqn = f"{prefix}{name}"
+        if isinstance(child, _RecordedUnit):
+            out.append((fqn, child.wrapped, child.kwargs))
+            out += _recorded(child.wrapped, f"{fqn}.")
+        else:
+            out += _recorded(child, f"{fqn}.")
+    return out
+
+
+def _unit_plan(
+    fqn: str,
+    module: nn.Module,
+    kwargs: dict[str, Any],
+    stop: Any,
+    ignored_params: set[nn.Parameter],
+    shard_size: int,
+) -> UnitPlan | None:
+    params, shared = collect_unit_params(module, stop, ignored_params)
+    if not params:
+        return None
+    strategy = coerce_enum(kwargs.get("sharding_strategy"), ShardingStrategy, "sharding_strategy")
+    strategy = strategy or ShardingStrategy.FULL_SHARD
+    if shard_size == 1:
+        strategy = ShardingStrategy.NO_SHARD  # what the constructor switches to
+    mp = coerce_dataclass(kwargs.get("mixed_precision"), MixedPrecision, "mixed_precision")
+    mp = mp or MixedPrecision()
+    offload = coerce_dataclass(kwargs.get("cpu_offload"), CPUOffload, "cpu_offload")
+    uop = bool(kwargs.get("use_orig_params", False))
+    dtype = params[0][3].dtype
+    mixed = sorted({str(p.dtype) for *_, p in params})
+    if len(mixed) > 1:
+        raise ValueError(
+            f"FSDP unit '{fqn or '<root>'}' ({type(module).__name__}) would flatten parameters "
+            f"of different dtypes {mixed}; one flat parameter has one dtype. Give the module "
+            "one dtype (model.to(dtype)) or wrap the differing parameters in units of their own."
+        )
+    layout = FlatLayout.build(
+        [p.numel() for *_, p in params],
+        align=alignment(mp.param_dtype or dtype, uop),
+        world_size=shard_size,
+        sharded=strategy in SHARDED,
+    )
+    prefix = f"{fqn}." if fqn else ""
+    entries = tuple(ParamEntry(prefix + name, p.numel(), p.requires_grad) for name, *_, p in params)
+    return UnitPlan(
+        fqn=fqn,
+        module_type=type(module).__name__,
+        params=entries,
+        layout=layout,
+        dtype=dtype,
+        strategy=strategy,
+        mixed_precision=mp,
+        offload_params=bool(offload and offload.offload_params),
+        use_orig_params=uop,
+        shared_numel=sum(params[index][3].numel() for *_, index in shared),
+    )
