@@ -45,8 +45,16 @@ setup(
     # it and pip will not replace it.  Install the torch you want first.
     install_requires=["torch>=2.4", "numpy", "packaging"],
     extras_require={
-        "test": ["pytest"],
-        "dev": ["pytest", "ruff", "mypy"],
+        # transformers: `fsdp-wrap plan --hf-config` builds Hugging Face models
+        # from their configs on the meta device; the tests plan and train GPT-2.
+        "hf": ["transformers"],
+        "test": ["pytest", "transformers"],
+        "dev": ["pytest", "ruff", "mypy", "transformers"],
     },
-    entry_points={"console_scripts": ["fsdp-wrap-demo = fsdp_wrap.demo:main"]},
+    entry_points={
+        "console_scripts": [
+            "fsdp-wrap-demo = fsdp_wrap.demo:main",
+            "fsdp-wrap = fsdp_wrap.cli:main",
+        ]
+    },
 )

@@ -1,0 +1,193 @@
+"""``fsdp-wrap plan``: the plan of a model from the command line.
+
+::
+
+    fsdp-wrap plan mypkg.models:build_model --world-size 64 --policy transformer:Block
+    fsdp-wrap plan --hf-config llama7b.json --world-size 8 --mixed-precision bf16
+    fsdp-wrap plan --hf-config config.json --world-size 64 --compare --gpu-memory 80
+    fsdp-wrap plan ... --json
+
+The model is built on the meta device (nothing is allocated): ``MODULE:FACTORY``
+names a function returning an ``nn.Module`` (called with ``--factory-kwargs``),
+or ``--hf-config`` a transformers config (a JSON file, a JSON string, or a name
+``AutoConfig.from_pretrained`` can resolve) for ``AutoModelForCausalLM``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import itertools
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from ..wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
+from . import Plan, plan
+from ._report import fmt_bytes, table
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("plan", help="the FSDP units and per-rank memory of a model, before launch",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", help="MODULE:FACTORY returning the model")
+    p.add_argument("--factory-kwargs", default="{}", help="JSON keyword arguments for FACTORY")
+    p.add_argument("--hf-config", help="transformers config: JSON file, JSON string or name")
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--shard-group-size", type=int, default=None,
+                   help="hybrid strategies: ranks per shard group (default min(8, world size))")
+    p.add_argument("--strategy", default="FULL_SHARD", choices=[s.name for s in ShardingStrategy])
+    p.add_argument("--policy", default="auto",
+                   help="transformer:CLASS[,CLASS], size:MIN_PARAMS, none, or auto (the "
+                   "model's _no_split_modules for transformers models, else none)")
+    p.add_argument("--offload", action="store_true", help="CPUOffload(offload_params=True)")
+    p.add_argument("--mixed-precision", choices=("none", "bf16", "fp16"), default="none",
+                   help="MixedPrecision(param_dtype=...)")
+    p.add_argument("--reduce-dtype", choices=tuple(DTYPES), default=None)
+    p.add_argument("--use-orig-params", action="store_true")
+    p.add_argument("--backward-prefetch", default="BACKWARD_PRE",
+                   choices=("BACKWARD_PRE", "BACKWARD_POST", "none"))
+    p.add_argument("--forward-prefetch", action="store_true")
+    p.add_argument("--optimizer", default="adam",
+                   choices=("adam", "adamw", "sgd", "sgd-momentum", "none"))
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--compare", action="store_true",
+                   help="every strategy x offload x precision side by side")
+    p.add_argument("--gpu-memory", type=float, default=None,
+                   help="GiB per device: say which configurations fit (activations not counted)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
+
+
+def build_model(args: argparse.Namespace) -> nn.Module:
+    if bool(args.model) == bool(args.hf_config):
+        raise SystemExit("fsdp-wrap plan: give either MODULE:FACTORY or --hf-config")
+    with torch.device("meta"):
+        if args.hf_config:
+            return _hf_model(args.hf_config)
+        module_name, _, attr = args.model.partition(":")
+        if not attr:
+            raise SystemExit(f"fsdp-wrap plan: expected MODULE:FACTORY, got {args.model!r}")
+        sys.path.insert(0, os.getcwd())
+        factory = getattr(importlib.import_module(module_name), attr)
+        model = factory(**json.loads(args.factory_kwargs))
+    if not isinstance(model, nn.Module):
+        raise SystemExit(f"fsdp-wrap plan: {args.model} returned {type(model).__name__}, "
+                         "not an nn.Module")
+    return model
+
+
+def _hf_model(spec: str) -> nn.Module:
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise SystemExit("fsdp-wrap plan: --hf-config needs transformers "
+                         "(pip install transformers)") from None
+    if os.path.exists(spec):
+        with open(spec) as f:
+            data = json.load(f)
+    elif spec.lstrip().startswith("{"):
+        data = json.loads(spec)
+    else:
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec))
+    model_type = data.pop("model_type", None)
+    if model_type is None:
+        raise SystemExit("fsdp-wrap plan: the config needs a \"model_type\" (e.g. \"llama\")")
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **data))
+
+
+def resolve_policy(spec: str, model: nn.Module) -> Any:
+    kind, _, arg = spec.partition(":")
+    if kind == "none":
+        return None
+    if kind == "size":
+        return functools.partial(size_based_auto_wrap_policy, min_num_params=int(float(arg)))
+    if kind == "auto":
+        names = getattr(model, "_no_split_modules", None) or []
+        return _class_policy(list(names), model) if names else None
+    if kind == "transformer":
+        return _class_policy(arg.split(","), model)
+    raise SystemExit(f"fsdp-wrap plan: unknown policy {spec!r} "
+                     "(transformer:CLASS, size:N, none or auto)")
+
+
+def _class_policy(names: list[str], model: nn.Module) -> ModuleWrapPolicy:
+    by_name = {type(m).__name__: type(m) for m in model.modules()}
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise SystemExit(f"fsdp-wrap plan: no module class named {missing} in the model "
+                         f"(classes: {sorted(by_name)})")
+    return ModuleWrapPolicy({by_name[n] for n in names})
+
+
+def _kwargs(args: argparse.Namespace, policy: Any, strategy: str, offload: bool,
+            precision: str) -> dict[str, Any]:
+    dtype = DTYPES.get(precision) if precision != "none" else None
+    reduce = DTYPES[args.reduce_dtype] if args.reduce_dtype else None
+    return dict(
+        sharding_strategy=ShardingStrategy[strategy],
+        auto_wrap_policy=policy,
+        cpu_offload=CPUOffload(offload_params=offload),
+        mixed_precision=MixedPrecision(param_dtype=dtype, reduce_dtype=reduce),
+        use_orig_params=args.use_orig_params,
+        backward_prefetch=None if args.backward_prefetch == "none"
+        else BackwardPrefetch[args.backward_prefetch],
+        forward_prefetch=args.forward_prefetch,
+        shard_group_size=args.shard_group_size if "HYBRID" in strategy else None,
+        optimizer=args.optimizer,
+        device=args.device,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    model = build_model(args)
+    policy = resolve_policy(args.policy, model)
+    if not args.compare:
+        p = plan(model, args.world_size,
+                 **_kwargs(args, policy, args.strategy, args.offload, args.mixed_precision))
+        if args.json:
+            print(json.dumps(p.to_dict(), indent=1))
+        else:
+            print(p)
+            if args.gpu_memory is not None:
+                print(f"\nfits in {args.gpu_memory:g} GiB per device (before activations): "
+                      f"{'yes' if _fits(p, args.gpu_memory) else 'no'}")
+        return 0
+    strategies = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
+    if args.shard_group_size:
+        strategies.append("HYBRID_SHARD")
+    precisions = ["none", "bf16"]
+    rows, data = [], []
+    for strategy, offload, precision in itertools.product(strategies, (False, True), precisions):
+        p = plan(model, args.world_size, **_kwargs(args, policy, strategy, offload, precision))
+        m = p.memory
+        data.append({"strategy": strategy, "offload": offload, "precision": precision,
+                     **p.to_dict()["memory"]})
+        rows.append([strategy, "yes" if offload else "no", "fp32" if precision == "none"
+                     else precision, fmt_bytes(m.params_device + m.params_cpu),
+                     fmt_bytes(m.optimizer_device + m.optimizer_cpu),
+                     fmt_bytes(m.unsharded_peak), fmt_bytes(m.peak_device),
+                     fmt_bytes(m.persistent_cpu)]
+                    + ([("yes" if _fits(p, args.gpu_memory) else "no")]
+                       if args.gpu_memory is not None else []))
+    if args.json:
+        print(json.dumps(data, indent=1))
+        return 0
+    header = ["strategy", "offload", "precision", "params", "optimizer", "in flight",
+              "device peak", "cpu"] + (["fits"] if args.gpu_memory is not None else [])
+    print(f"{p.total_params:,} parameters, {len(p.units)} units, world size {args.world_size}, "
+          f"optimizer {args.optimizer}; bytes per rank, activations not counted")
+    print(table(rows, header))
+    return 0
+
+
+def _fits(p: Plan, gib: float) -> bool:
+    return p.memory.peak_device <= gib * 2**30

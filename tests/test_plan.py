@@ -1,0 +1,455 @@
+"""``fsdp_wrap.plan``: the units and per-rank bytes, against what FSDP really builds.
+
+Every configuration is wrapped for real on the pool's ranks and planned for the
+same world size without a process group.  The plan must name the same units
+with the same flat, padded and shard sizes and strategies, and after a few
+training steps every rank must hold exactly the planned bytes of sharded
+parameters, gradients and optimizer state (measured as distinct storages).
+Single-process tests cover the meta-device path, warnings, errors and the
+table.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import fsdp_wrap as fw
+from fsdp_wrap.planning import _memory
+from fsdp_wrap.wrap import (
+    CustomPolicy,
+    ModuleWrapPolicy,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+)
+from tests.models import Block, FrozenModel, Mlp, TinyTransformer
+from tests.test_mixed_precision import BNBlock, BNNet
+
+# ---------------------------------------------------------------------------
+# configurations: (model, policy, FSDP kwargs, optimizer)
+# ---------------------------------------------------------------------------
+
+
+class Stack(nn.Module):
+    """Blocks of odd sizes plus an untied head: padding on every world size."""
+
+    def __init__(self, n: int = 4, d: int = 13) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, d)
+        self.blocks = nn.Sequential(*(Block(d, 2 * d + 1) for _ in range(n)))
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.inp(x).unsqueeze(1))).squeeze(1)
+
+
+MODELS: dict[str, Any] = {
+    "stack": (Stack, lambda g: torch.randn(3, 5, generator=g)),
+    "transformer": (TinyTransformer, lambda g: torch.randint(0, 11, (2, 5), generator=g)),
+    "frozen_mixed": (lambda: FrozenModel(mixed=True), lambda g: torch.randn(2, 4, 5, generator=g)),
+    "bn": (BNNet, lambda g: torch.randn(4, 5, generator=g)),
+}
+
+
+def _policy(name: str) -> Any:
+    if name == "blocks":
+        return ModuleWrapPolicy({Block})
+    if name == "nested":
+        return ModuleWrapPolicy({Block, Mlp})
+    if name == "transformer_fn":
+        import functools
+
+        return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    if name == "size":
+        import functools
+
+        return functools.partial(size_based_auto_wrap_policy, min_num_params=200)
+    if name == "custom":
+        # Blocks are units; the first one keeps its parameters after forward.
+        def decide(m: nn.Module) -> Any:
+            if not isinstance(m, Block):
+                return False
+            return {"sharding_strategy": fw.ShardingStrategy.SHARD_GRAD_OP} if m.first else True
+
+        return CustomPolicy(decide)
+    if name == "bn":
+        return ModuleWrapPolicy({BNBlock})
+    if name == "none":
+        return None
+    raise ValueError(name)
+
+
+def _configs() -> list[dict[str, Any]]:
+    out = []
+
+    def add(model: str, policy: str, opt: str = "adam", **kw: Any) -> None:
+        out.append(dict(model=model, policy=policy, opt=opt, kw=kw, idx=len(out)))
+
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+        for uop in (False, True):
+            add("stack", "blocks", "adam", sharding_strategy=strategy, use_orig_params=uop)
+    add("stack", "nested", "sgd-momentum", use_orig_params=True)
+    add("stack", "transformer_fn", "sgd")
+    add("stack", "size", "adam", sharding_strategy="SHARD_GRAD_OP")
+    add("stack", "custom", "adam", use_orig_params=True)
+    add("stack", "none", "adam")
+    add("transformer", "blocks", "adam", use_orig_params=True)  # tied weights, a buffer
+    add("transformer", "blocks", "adam", ignored_modules="blocks.1")
+    add("frozen_mixed", "nested", "adam", use_orig_params=True)  # frozen params: no state
+    add("stack", "blocks", "adam", mixed_precision=dict(param_dtype=torch.bfloat16))
+    # fp16 gradients next to fp32 parameters: Adam refuses them, SGD takes them.
+    add("stack", "blocks", "sgd-momentum", use_orig_params=True,
+        mixed_precision=dict(param_dtype=torch.float16, keep_low_precision_grads=True))
+    add("bn", "bn", "adam", mixed_precision=dict(param_dtype=torch.bfloat16))  # BN units added
+    add("stack", "blocks", "adam", cpu_offload=True, use_orig_params=True)
+    return out
+
+
+def _kwargs(cfg: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    kw = dict(cfg["kw"])
+    if "sharding_strategy" in kw:
+        kw["sharding_strategy"] = fw.ShardingStrategy[kw["sharding_strategy"]]
+    if "mixed_precision" in kw:
+        kw["mixed_precision"] = fw.MixedPrecision(**kw["mixed_precision"])
+    if kw.pop("cpu_offload", False):
+        kw["cpu_offload"] = fw.CPUOffload(offload_params=True)
+    if "ignored_modules" in kw:
+        kw["ignored_modules"] = [model.get_submodule(kw["ignored_modules"])]
+    kw["auto_wrap_policy"] = _policy(cfg["policy"])
+    return kw
+
+
+def _new_model(cfg: dict[str, Any]) -> nn.Module:
+    torch.manual_seed(cfg["idx"])
+    model = MODELS[cfg["model"]][0]()
+    for i, m in enumerate(x for x in model.modules() if isinstance(x, Block)):
+        m.first = i == 0  # type: ignore[assignment]
+    return model
+
+
+def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
+    if kind in ("adam", "adamw"):
+        return torch.optim.Adam(params, lr=1e-3)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9 if kind == "sgd-momentum" else 0.0)
+
+
+# ---------------------------------------------------------------------------
+# measuring what a rank holds
+# ---------------------------------------------------------------------------
+
+
+def _bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views counted once)."""
+    seen: dict[tuple[int, str], int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        st = t.untyped_storage()
+        key = (st.data_ptr(), str(t.device)) if st.nbytes() else (id(st), str(t.device))
+        seen[key] = st.nbytes()
+    return sum(seen.values())
+
+
+def held(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
+    """Sharded parameters, gradients and optimizer state this rank holds for FSDP's units."""
+    handles = [u._handle for u in fw.FullyShardedDataParallel.fsdp_modules(model)
+               if u._handle is not None]
+    params = [h.flat_param for h in handles] + [i.param for h in handles for i in h.infos]
+    managed = set(params)
+    state = [v for p, st in opt.state.items() if p in managed for v in st.values()
+             if torch.is_tensor(v)]
+    return {
+        "params": _bytes(p.data for p in params),
+        "grads": _bytes(p.grad for p in params),
+        "optimizer": _bytes(state),
+    }
+
+
+def _real_units(model: nn.Module) -> dict[str, tuple[Any, ...]]:
+    out = {}
+    for st in fw.FullyShardedDataParallel.fsdp_modules(model):
+        h = st._handle
+        if h is not None:
+            out[h.unit_fqn] = (h.unpadded_numel, h.padded_numel, h.shard_numel,
+                               st.sharding_strategy.name, str(h.orig_dtype))
+    return out
+
+
+def _planned_units(p: fw.Plan) -> dict[str, tuple[Any, ...]]:
+    return {u.fqn: (u.layout.unpadded_numel, u.layout.padded_numel, u.layout.shard_numel,
+                    u.strategy.name, str(u.dtype)) for u in p.units}
+
+
+# ---------------------------------------------------------------------------
+# worker: plan vs real, every config
+# ---------------------------------------------------------------------------
+
+
+def _plan_vs_real(configs: list[dict[str, Any]]) -> list[str]:
+    warnings.simplefilter("ignore")
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    fails: list[str] = []
+    for cfg in configs:
+        tag = f"[rank {rank}] {cfg['model']}/{cfg['policy']}/{cfg['opt']} {cfg['kw']}"
+        model = _new_model(cfg)
+        planned = fw.plan(model, ws, optimizer=cfg["opt"], **_kwargs(cfg, model))
+        # The plan leaves the model untouched: it can still be wrapped for real.
+        real = fw.FullyShardedDataParallel(model, **_kwargs(cfg, model))
+        opt = _optimizer(cfg["opt"], real.parameters())
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(2):
+            opt.zero_grad()
+            real(MODELS[cfg["model"]][1](gen)).float().pow(2).mean().backward()
+            opt.step()
+        want, got = _planned_units(planned), _real_units(real)
+        if want != got:
+            fails.append(f"{tag}: units planned {want} vs built {got}")
+            continue
+        m = planned.per_rank[rank] if len(planned.per_rank) > 1 else planned.per_rank[0]
+        planned_bytes = {
+            "params": m.params_device + m.params_cpu,
+            "grads": m.grads_device + m.grads_cpu,
+            "optimizer": m.optimizer_device + m.optimizer_cpu,
+        }
+        measured = held(real, opt)
+        if planned_bytes != measured:
+            fails.append(f"{tag}: bytes planned {planned_bytes} vs held {measured}")
+    return fails
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_plan_matches_what_fsdp_builds_and_holds(request: pytest.FixtureRequest, ws: int) -> None:
+    configs = _configs()
+    fails = [f for r in request.getfixturevalue(f"pool{ws}").run(_plan_vs_real, configs) for f in r]
+    assert not fails, f"{len(fails)} failure(s):\n" + "\n".join(fails)
+
+
+def _hybrid_plan_vs_real() -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    warnings.simplefilter("ignore")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    fails = []
+    for strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
+        for uop in (False, True):
+            cfg = dict(model="stack", policy="blocks", opt="adam", idx=0,
+                       kw=dict(sharding_strategy=strategy, use_orig_params=uop))
+            model = _new_model(cfg)
+            kw = _kwargs(cfg, model)
+            planned = fw.plan(model, 4, shard_group_size=2, **kw)
+            real = fw.FullyShardedDataParallel(copy.deepcopy(model), device_mesh=mesh, **kw)
+            opt = _optimizer("adam", real.parameters())
+            real(torch.randn(3, 5)).pow(2).mean().backward()
+            opt.step()
+            if _planned_units(planned) != _real_units(real):
+                fails.append(f"{strategy} uop={uop}: {_planned_units(planned)} vs "
+                             f"{_real_units(real)}")
+                continue
+            m = planned.per_rank[mesh.get_local_rank("shard")] if uop else planned.per_rank[0]
+            got = held(real, opt)
+            want = {"params": m.params_device, "grads": m.grads_device,
+                    "optimizer": m.optimizer_device + m.optimizer_cpu}
+            if got != want:
+                fails.append(f"[rank {dist.get_rank()}] {strategy} uop={uop}: {want} vs {got}")
+    return fails
+
+
+def test_plan_hybrid_shard_group(pool4: Any) -> None:
+    fails = [f for r in pool4.run(_hybrid_plan_vs_real) for f in r]
+    assert not fails, "\n".join(fails)
+
+
+# ---------------------------------------------------------------------------
+# single process: meta models, warnings, errors, output
+# ---------------------------------------------------------------------------
+
+
+def test_meta_model_is_planned_without_allocating_or_changing_it() -> None:
+    with torch.device("meta"):
+        model = Stack(n=6, d=64)
+    before = [(n, type(m)) for n, m in model.named_modules()]
+    p = fw.plan(model, 8, auto_wrap_policy=ModuleWrapPolicy({Block}))
+    assert [(n, type(m)) for n, m in model.named_modules()] == before
+    assert all(t.is_meta for t in model.parameters())
+    assert [u.fqn for u in p.units] == [""] + [f"blocks.{i}" for i in range(6)]
+    total = sum(t.numel() for t in model.parameters())
+    assert p.total_params == total
+    # FULL_SHARD over 8 ranks: each rank holds an eighth (rounded up) of every unit.
+    block = p.units[1]
+    assert block.layout.shard_numel == -(-block.numel // 8)
+    assert p.memory.params_device == sum(u.layout.shard_numel * 4 for u in p.units)
+    assert p.memory.optimizer_device == 2 * p.memory.params_device  # Adam, fp32
+    assert p.memory.optimizer_cpu == 4 * len(p.units)  # one step counter per flat param
+
+
+def test_unsharded_peaks_follow_the_strategy() -> None:
+    with torch.device("meta"):
+        model = Stack(n=6, d=64)
+    policy = ModuleWrapPolicy({Block})
+    full = fw.plan(model, 4, auto_wrap_policy=policy).memory
+    zero2 = fw.plan(model, 4, auto_wrap_policy=policy,
+                    sharding_strategy=fw.ShardingStrategy.SHARD_GRAD_OP).memory
+    prefetch_none = fw.plan(model, 4, auto_wrap_policy=policy, backward_prefetch=None).memory
+    bf16 = fw.plan(model, 4, auto_wrap_policy=policy,
+                   mixed_precision=fw.MixedPrecision(param_dtype=torch.bfloat16)).memory
+    offload = fw.plan(model, 4, auto_wrap_policy=policy, cpu_offload=fw.CPUOffload(True)).memory
+    # SHARD_GRAD_OP keeps every unit gathered from its forward to its backward.
+    assert zero2.unsharded_forward > 5 * full.unsharded_forward / 2
+    assert prefetch_none.unsharded_backward < full.unsharded_backward
+    assert bf16.unsharded_peak < full.unsharded_peak
+    assert offload.params_device == offload.grads_device == offload.optimizer_device == 0
+    assert offload.params_cpu == full.params_device and offload.unsharded_peak > 0
+
+
+def test_warnings_a_person_can_act_on() -> None:
+    with torch.device("meta"):
+        model = Stack(n=8, d=16)
+    nothing = fw.plan(model, 8)
+    assert any("one unit holds every parameter" in w for w in nothing.warnings)
+    single = fw.plan(model, 1, auto_wrap_policy=ModuleWrapPolicy({Block}))
+    assert any("nothing is sharded" in w for w in single.warnings)
+    small = fw.plan(model, 8, auto_wrap_policy=ModuleWrapPolicy({Block, nn.Linear}))
+    assert any("smaller than 1 MiB" in w for w in small.warnings)
+    with torch.device("meta"):
+        lopsided = nn.Sequential(nn.Linear(512, 512), nn.Linear(8, 8), nn.Linear(8, 8))
+    big = fw.plan(lopsided, 8, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    assert any("more than all other units together" in w for w in big.warnings)
+    with torch.device("meta"):
+        root_heavy = Stack(n=2, d=8)
+        root_heavy.head = nn.Linear(8, 4096)
+    assert any("root unit holds" in w for w in
+               fw.plan(root_heavy, 8, auto_wrap_policy=ModuleWrapPolicy({Block})).warnings)
+    good = fw.plan(Stack(n=4, d=512), 8, auto_wrap_policy=ModuleWrapPolicy({Block}))
+    assert good.warnings == ()
+
+
+def test_errors_name_the_problem() -> None:
+    with torch.device("meta"):
+        model = Stack()
+    with pytest.raises(ValueError, match="not a multiple of the shard group size 3"):
+        fw.plan(model, 8, sharding_strategy=fw.ShardingStrategy.HYBRID_SHARD, shard_group_size=3,
+                auto_wrap_policy=ModuleWrapPolicy({Block}))
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        fw.plan(model, 8, optimizer="lion")
+    model.blocks[0].mix.weight.data = model.blocks[0].mix.weight.data.half()
+    with pytest.raises(ValueError, match=r"unit 'blocks.0' \(Block\) would flatten parameters"):
+        fw.plan(model, 8, auto_wrap_policy=ModuleWrapPolicy({Block}))
+    with torch.device("meta"):
+        frozen = FrozenModel(mixed=True)
+    with pytest.raises(ValueError, match="requires_grad"):
+        fw.plan(frozen, 2, auto_wrap_policy=ModuleWrapPolicy({Block}))
+
+
+def test_table_and_json() -> None:
+    import json
+
+    with torch.device("meta"):
+        model = Stack(n=5, d=64)
+    p = fw.plan(model, 16, auto_wrap_policy=ModuleWrapPolicy({Block}), optimizer="sgd")
+    text = str(p)
+    assert "blocks.0 .. blocks.4 (5 units)" in text and "<root>" in text
+    assert "optimizer state" in text and "peak, without activations" in text
+    data = json.loads(json.dumps(p.to_dict()))
+    assert [u["fqn"] for u in data["units"]] == [u.fqn for u in p.units]
+    assert data["memory"]["optimizer_device"] == 0
+    assert data["memory"]["peak_device"] == p.memory.peak_device
+    assert set(_memory.OPTIMIZERS) >= {"adam", "adamw", "sgd", "sgd-momentum", "none"}
+
+
+def test_torch_enums_and_configs_are_accepted() -> None:
+    import torch.distributed.fsdp as tfsdp
+
+    with torch.device("meta"):
+        model = Stack()
+    ours = fw.plan(model, 4, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                   sharding_strategy=fw.ShardingStrategy.SHARD_GRAD_OP,
+                   mixed_precision=fw.MixedPrecision(param_dtype=torch.bfloat16))
+    theirs = fw.plan(model, 4, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                     sharding_strategy=tfsdp.ShardingStrategy.SHARD_GRAD_OP,
+                     mixed_precision=tfsdp.MixedPrecision(param_dtype=torch.bfloat16))
+    assert ours.memory == theirs.memory and ours.units == theirs.units
+
+
+# ---------------------------------------------------------------------------
+# the command line
+# ---------------------------------------------------------------------------
+
+
+def make_stack(n: int = 4, d: int = 64) -> nn.Module:
+    """A factory for ``fsdp-wrap plan tests.test_plan:make_stack``."""
+    return Stack(n=n, d=d)
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    from fsdp_wrap.cli import main
+
+    assert main(["plan", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def test_cli_table_json_and_compare(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    out = _cli(capsys, "tests.test_plan:make_stack", "--factory-kwargs", '{"n": 3}',
+               "--world-size", "8", "--policy", "transformer:Block")
+    assert "blocks.0 .. blocks.2 (3 units)" in out and "peak, without activations" in out
+    data = json.loads(_cli(capsys, "tests.test_plan:make_stack", "--world-size", "4",
+                           "--policy", "transformer:Block", "--mixed-precision", "bf16",
+                           "--offload", "--json"))
+    want = fw.plan(make_stack(), 4, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                   mixed_precision=fw.MixedPrecision(param_dtype=torch.bfloat16),
+                   cpu_offload=fw.CPUOffload(True))
+    assert data == json.loads(json.dumps(want.to_dict()))
+    out = _cli(capsys, "tests.test_plan:make_stack", "--world-size", "8", "--policy",
+               "size:1000", "--compare", "--gpu-memory", "0.0001")
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+        assert out.count(strategy) == 4  # offload x precision
+    assert "fits" in out and " no" in out
+
+
+def test_cli_hf_config_and_auto_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    import json
+
+    cfg = json.dumps({"model_type": "gpt2", "n_layer": 3, "n_embd": 64, "n_head": 4,
+                      "vocab_size": 1000, "n_positions": 32})
+    data = json.loads(_cli(capsys, "--hf-config", cfg, "--world-size", "4", "--json"))
+    # auto: transformers' _no_split_modules (GPT2Block) become the units.
+    assert [u["fqn"] for u in data["units"]] == ["", "transformer.h.0", "transformer.h.1",
+                                                 "transformer.h.2"]
+    assert data["units"][1]["module"] == "GPT2Block"
+
+
+def test_cli_llama_7b_config_plans_on_the_meta_device(capsys: pytest.CaptureFixture[str]) -> None:
+    """A 7B-class model is planned without allocating it (the docs' worked example)."""
+    pytest.importorskip("transformers")
+    import json
+
+    cfg = json.dumps({"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+                      "num_hidden_layers": 32, "num_attention_heads": 32,
+                      "num_key_value_heads": 32, "vocab_size": 32000})
+    data = json.loads(_cli(capsys, "--hf-config", cfg, "--world-size", "64", "--json",
+                           "--mixed-precision", "bf16"))
+    assert data["total_params"] == 6_738_415_616
+    assert len(data["units"]) == 33
+    # Parameters fp32, sharded over 64 ranks; Adam: two states of the same size.
+    assert data["memory"]["params_device"] == sum(u["shard_bytes"] for u in data["units"])
+    assert data["memory"]["optimizer_device"] == 2 * data["memory"]["params_device"]
+
+
+def test_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    from fsdp_wrap.cli import main
+
+    with pytest.raises(SystemExit, match="no module class named"):
+        main(["plan", "tests.test_plan:make_stack", "--world-size", "2", "--policy",
+              "transformer:Nope"])
+    with pytest.raises(SystemExit, match="either MODULE:FACTORY or --hf-config"):
+        main(["plan", "--world-size", "2"])
+    with pytest.raises(SystemExit, match="unknown policy"):
+        main(["plan", "tests.test_plan:make_stack", "--world-size", "2", "--policy", "bogus"])
