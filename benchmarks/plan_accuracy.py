@@ -1,0 +1,208 @@
+#!/usr/bin/env python
+"""How close ``fsdp_wrap.plan`` comes to what training holds (CPU, 2 gloo ranks).
+
+    python benchmarks/plan_accuracy.py                 # every row, ~2 minutes
+    python benchmarks/plan_accuracy.py --quick         # a subset (what the test runs)
+    python benchmarks/plan_accuracy.py --check 0.10    # exit 1 if a peak is off by >10%
+
+For each model and configuration the plan is made for world size 2 (no process
+group), then the model is wrapped for real on 2 gloo ranks and trained:
+
+* **held**: after the steps, the bytes of the distinct storages behind the
+  sharded parameters, their gradients and the optimizer state of FSDP's units,
+  against the plan's (must be equal);
+* **peak**: glibc's live heap bytes sampled after every op of forward and
+  backward (``_live_bytes.py``), above the state before forward (parameters
+  and optimizer state, no gradients), the maximum over 3 steps, against the
+  plan's ``step_device`` (gradients as they appear, unsharded parameters in
+  flight, gradient transients and gloo's staging buffers).  Inputs are one
+  sequence of 2 tokens, so activations are negligible.  Where the plan warns
+  of units under 1 MiB the peak is shown but not checked: the heap bytes of
+  the autograd graph and Python objects, which are no tensors, then dominate.
+
+The CUDA counterpart (``max_memory_allocated``) needs a GPU and is not run here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import socket
+import sys
+import tempfile
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _bench_models import WORKLOADS, Block, make_model  # noqa: E402
+from _live_bytes import LivePeak, live_bytes  # noqa: E402
+
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+
+
+def _gpt2() -> tuple[torch.nn.Module, type[torch.nn.Module], torch.Tensor]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=6, n_embd=256, n_head=4, vocab_size=2048, n_positions=64)
+    return GPT2LMHeadModel(cfg), GPT2Block, torch.randint(0, 2048, (1, 2))
+
+
+def _model(name: str) -> tuple[torch.nn.Module, type[torch.nn.Module], torch.Tensor]:
+    if name == "gpt2":
+        return _gpt2()
+    w = dataclasses.replace(WORKLOADS[name], batch=1, seq=2)
+    return make_model(w), Block, torch.randn(1, 2, w.dim)
+
+
+def _output(out: Any) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out
+
+
+def configs(quick: bool) -> list[dict[str, Any]]:
+    if quick:  # every strategy in fp32, and bf16 with use_orig_params, on two models
+        return [dict(model=m, strategy=s, uop=False, mp=None)
+                for m in ("compute", "gpt2") for s in STRATEGIES] + [
+                dict(model=m, strategy="FULL_SHARD", uop=True, mp="bf16")
+                for m in ("compute", "gpt2")]
+    return [dict(model=m, strategy=s, uop=uop, mp=mp_) for m in ("compute", "small", "gpt2")
+            for s in STRATEGIES for uop in (False, True) for mp_ in (None, "bf16")]
+
+
+def measure(cfg: dict[str, Any]) -> dict[str, Any]:
+    import fsdp_wrap as fw
+    from fsdp_wrap.wrap import ModuleWrapPolicy
+
+    model, block, x = _model(cfg["model"])
+    kw: dict[str, Any] = dict(
+        auto_wrap_policy=ModuleWrapPolicy({block}),
+        sharding_strategy=fw.ShardingStrategy[cfg["strategy"]],
+        use_orig_params=cfg["uop"],
+    )
+    if cfg["mp"]:
+        kw["mixed_precision"] = fw.MixedPrecision(param_dtype=torch.bfloat16)
+    plan = fw.plan(model, dist.get_world_size(), device="cpu", **kw)
+    real = fw.FullyShardedDataParallel(model, **kw)
+    opt = torch.optim.Adam(real.parameters(), lr=1e-4)
+    handles = [u._handle for u in fw.FullyShardedDataParallel.fsdp_modules(real)
+               if u._handle is not None]
+    peak = 0
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        # With use_orig_params the flat gradients behind the (now None) views
+        # are dropped at the next forward; they are not part of the baseline.
+        stale = sum(h.flat_param.grad.untyped_storage().nbytes() for h in handles
+                    if h.flat_param.grad is not None)
+        base = live_bytes() - stale
+        sampler = LivePeak()
+        with sampler:
+            _output(real(x)).float().pow(2).mean().backward()
+        opt.step()
+        peak = max(peak, sampler.peak - base)
+    params = [h.flat_param for h in handles] + [i.param for h in handles for i in h.infos]
+    managed = set(params)
+    state = [v for p, st in opt.state.items() if p in managed for v in st.values()
+             if torch.is_tensor(v)]
+    m = plan.per_rank[dist.get_rank()] if len(plan.per_rank) > 1 else plan.per_rank[0]
+    return {
+        "held": [_storage_bytes(p.data for p in params), _storage_bytes(p.grad for p in params),
+                 _storage_bytes(state)],
+        "planned": [m.params_device + m.params_cpu, m.grads_device + m.grads_cpu,
+                    m.optimizer_device + m.optimizer_cpu],
+        "peak": peak,
+        "planned_peak": m.step_device,
+        "units": len(plan.units),
+        "params": plan.total_params,
+        # Below 1 MiB per unit the CPU measurement is dominated by the autograd
+        # graph's and Python's own heap bytes, not by tensors; the plan warns.
+        "small_units": any("smaller than" in w for w in plan.warnings),
+    }
+
+
+def _storage_bytes(tensors: Any) -> int:
+    seen: dict[Any, int] = {}
+    for t in tensors:
+        if t is not None:
+            st = t.untyped_storage()
+            seen[st.data_ptr() if st.nbytes() else id(st)] = st.nbytes()
+    return sum(seen.values())
+
+
+def _worker(rank: int, port: int, cfgs: list[dict[str, Any]], out: str) -> None:
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        results = [measure(c) for c in cfgs]
+        everyone: list[Any] = [None, None]
+        dist.all_gather_object(everyone, results)
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(everyone, f)
+    finally:
+        # Nobody tears the group down while a peer still finishes a collective
+        # (gloo aborts the process at exit otherwise).
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def run(cfgs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "out.json")
+        mp.start_processes(_worker, args=(port, cfgs, path), nprocs=2, start_method="spawn")
+        with open(path) as f:
+            return json.load(f)  # type: ignore[no-any-return]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--check", type=float, default=None,
+                   help="exit 1 if a held byte count differs or a peak is off by more than this")
+    a = p.parse_args(argv)
+    cfgs = configs(a.quick)
+    results = run(cfgs)
+    mib = 2**20
+    rows, bad = [], []
+    for i, cfg in enumerate(cfgs):
+        worst = max((r[i] for r in results), key=lambda r: abs(r["planned_peak"] / r["peak"] - 1))
+        ratio = worst["planned_peak"] / worst["peak"]
+        exact = all(r[i]["held"] == r[i]["planned"] for r in results)
+        rows.append([cfg["model"], cfg["strategy"], str(cfg["uop"]), cfg["mp"] or "fp32",
+                     "yes" if exact else "NO", f"{worst['peak'] / mib:.2f}",
+                     f"{worst['planned_peak'] / mib:.2f}", f"{ratio:.2f}"])
+        checked = not worst["small_units"]
+        if not checked:
+            rows[-1][-1] += " (small units: not checked)"
+        if not exact or (a.check is not None and checked and abs(ratio - 1) > a.check):
+            bad.append(f"{cfg}: held {[r[i]['held'] for r in results]} planned "
+                       f"{[r[i]['planned'] for r in results]}; peak ratio {ratio:.3f}")
+    header = ["model", "strategy", "orig", "dtype", "held = plan", "peak MiB", "plan MiB", "plan/peak"]
+    widths = [max(len(c) for c in col) for col in zip(header, *rows)]
+    rule = "  ".join("=" * w for w in widths)
+    print(rule)
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    print(rule)
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    print(rule)
+    for line in bad:
+        print("OFF:", line)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
