@@ -19,20 +19,12 @@ import torch
 import torch.nn as nn
 
 from .._compat import coerce_dataclass, coerce_enum
+from .._flat_param import RESHARD_AFTER_FORWARD
+from .._flat_param import SHARDED_STRATEGIES as SHARDED
 from .._init import resolve_ignored
 from .._layout import FlatLayout, alignment, collect_unit_params
 from ..api import CPUOffload, MixedPrecision, ShardingStrategy
 from ..wrap import _auto_wrap
-
-SHARDED = frozenset(
-    {
-        ShardingStrategy.FULL_SHARD,
-        ShardingStrategy.SHARD_GRAD_OP,
-        ShardingStrategy.HYBRID_SHARD,
-        ShardingStrategy._HYBRID_SHARD_ZERO2,
-    }
-)
-RESHARD_AFTER_FORWARD = frozenset({ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD})
 
 
 @dataclasses.dataclass(frozen=True)
