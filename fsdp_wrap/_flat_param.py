@@ -36,6 +36,7 @@ from ._layout import (
     ParamInfo,
     SharedParamInfo,
     alignment,
+    check_unit_params,
     collect_unit_params,
     walk_unit_modules,
 )
@@ -158,7 +159,6 @@ class FlatParamHandle:
         self.rank = rank
         self.world_size = world_size
         self.use_orig_params = use_orig_params
-        self.divide = divide
         self.uses_sharded_strategy = strategy in SHARDED_STRATEGIES
         self.reshard_after_forward = strategy in RESHARD_AFTER_FORWARD
         self.replicate_group = replicate_group
@@ -170,7 +170,8 @@ class FlatParamHandle:
         # memory-vs-overlap switch) keeps CPU gathers synchronous.
         self.async_gathers = device.type != "cpu" or not limit_all_gathers
 
-        self._validate(params)
+        check_unit_params(params, f"(rank {rank}, FSDP unit '{unit_fqn or '<root>'}')",
+                          use_orig_params)
         dtype = params[0][3].dtype
         # Mixed precision: compute in ``compute_dtype``, reduce in
         # ``reduce_dtype`` (defaulting to the compute dtype, as torch does),
@@ -190,24 +191,20 @@ class FlatParamHandle:
             ParamInfo(fqn, mod, name, p, p.shape, offset, p.numel())
             for (fqn, mod, name, p), offset in zip(params, self.layout.offsets)
         ]
-        self._segments = list(self.layout.segments)
-        self._info_segment = list(self.layout.info_segment)
         self.shared = [SharedParamInfo(fqn, mod, name, idx) for fqn, mod, name, idx in shared]
-        self.unpadded_numel = self.layout.unpadded_numel
-        self.shard_numel = self.layout.shard_numel
-        self.padded_numel = self.layout.padded_numel
-        self.shard_offset = self.layout.shard_offset(rank)
         self._reduce_spec = R.ReduceSpec(
             sharded=self.uses_sharded_strategy,
-            padded_numel=self.padded_numel,
-            shard_numel=self.shard_numel,
+            padded_numel=self.layout.padded_numel,
+            shard_numel=self.layout.shard_numel,
             world_size=world_size,
             divide=divide,
             reduce_dtype=self.reduce_dtype,
             group=process_group,
             replicate_group=replicate_group,
         )
-        # Elements of the local shard that hold data (the rest is right padding).
+        # Where the local shard starts, and how many of its elements hold data
+        # (the rest is right padding).
+        self.shard_offset = self.layout.shard_offset(rank)
         self.shard_valid_numel = self.layout.shard_valid_numel(rank)
 
         requires_grad = any(p.requires_grad for *_, p in params)
@@ -248,40 +245,6 @@ class FlatParamHandle:
         self.use_sharded_views()
 
     # ------------------------------------------------------------------ layout
-
-    def _validate(self, params: Sequence[tuple[str, nn.Module, str, nn.Parameter]]) -> None:
-        where = f"(rank {self.rank}, FSDP unit '{self.unit_fqn or '<root>'}')"
-        if not params:
-            raise ValueError(f"Cannot construct a FlatParamHandle with no parameters {where}")
-        first_fqn, *_ = params[0]
-        dtype = params[0][3].dtype
-        devices = {p.device for *_, p in params}
-        if len(devices) > 1:
-            raise RuntimeError(
-                f"FSDP only supports single device modules but got params on {devices} {where}"
-            )
-        for fqn, _, _, p in params:
-            if p.dim() == 0:
-                raise ValueError(
-                    "FSDP doesn't support scalar parameters. Change "
-                    f"{fqn} to a 1D tensor with numel equal to 1. {where}"
-                )
-            if not (p.is_floating_point() or p.is_complex()):
-                raise ValueError(
-                    f"Cannot flatten integer dtype tensors: '{fqn}' is {p.dtype} {where}"
-                )
-            if p.dtype != dtype:
-                raise ValueError(
-                    f"Must flatten tensors with uniform dtype but got {dtype} and {p.dtype} "
-                    f"('{first_fqn}' vs '{fqn}') {where}"
-                )
-        if not self.use_orig_params and len({p.requires_grad for *_, p in params}) > 1:
-            frozen = [fqn for fqn, *_, p in params if not p.requires_grad]
-            raise ValueError(
-                "Must flatten tensors with uniform `requires_grad` when `use_orig_params=False` "
-                f"{where}: frozen {frozen} sit with trainable parameters. Wrap the frozen "
-                "parameters in their own FSDP unit or pass use_orig_params=True."
-            )
 
     def _flatten(self, dtype: torch.dtype) -> torch.Tensor:
         flat = torch.empty(self.unpadded_numel, dtype=dtype, device=self.device)
@@ -330,6 +293,27 @@ class FlatParamHandle:
             info.module.__dict__[info.name] = view
         for shared in self.shared:
             shared.module.__dict__[shared.name] = tensors[shared.index]
+
+    # Sizes come from the layout (names kept: the state-dict code reads them).
+    @property
+    def unpadded_numel(self) -> int:
+        return self.layout.unpadded_numel
+
+    @property
+    def shard_numel(self) -> int:
+        return self.layout.shard_numel
+
+    @property
+    def padded_numel(self) -> int:
+        return self.layout.padded_numel
+
+    @property
+    def _segments(self) -> tuple[int, ...]:
+        return self.layout.segments
+
+    @property
+    def _info_segment(self) -> tuple[int, ...]:
+        return self.layout.info_segment
 
     @property
     def params(self) -> list[nn.Parameter]:

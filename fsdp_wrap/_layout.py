@@ -84,6 +84,46 @@ def collect_unit_params(
     return unique, shared
 
 
+def check_unit_params(
+    params: Sequence[tuple[str, nn.Module, str, nn.Parameter]], where: str, use_orig_params: bool
+) -> None:
+    """Raise what FSDP raises for parameters that cannot share one flat parameter.
+
+    ``where`` ends each message (e.g. ``"(rank 0, FSDP unit 'blocks.0')"``).
+    """
+    if not params:
+        raise ValueError(f"Cannot construct a FlatParamHandle with no parameters {where}")
+    first_fqn, *_ = params[0]
+    dtype = params[0][3].dtype
+    devices = {p.device for *_, p in params}
+    if len(devices) > 1:
+        raise RuntimeError(
+            f"FSDP only supports single device modules but got params on {devices} {where}"
+        )
+    for fqn, _, _, p in params:
+        if p.dim() == 0:
+            raise ValueError(
+                "FSDP doesn't support scalar parameters. Change "
+                f"{fqn} to a 1D tensor with numel equal to 1. {where}"
+            )
+        if not (p.is_floating_point() or p.is_complex()):
+            raise ValueError(
+                f"Cannot flatten integer dtype tensors: '{fqn}' is {p.dtype} {where}"
+            )
+        if p.dtype != dtype:
+            raise ValueError(
+                f"Must flatten tensors with uniform dtype but got {dtype} and {p.dtype} "
+                f"('{first_fqn}' vs '{fqn}') {where}"
+            )
+    if not use_orig_params and len({p.requires_grad for *_, p in params}) > 1:
+        frozen = [fqn for fqn, *_, p in params if not p.requires_grad]
+        raise ValueError(
+            "Must flatten tensors with uniform `requires_grad` when `use_orig_params=False` "
+            f"{where}: frozen {frozen} sit with trainable parameters. Wrap the frozen "
+            "parameters in their own FSDP unit or pass use_orig_params=True."
+        )
+
+
 def alignment(compute_dtype: torch.dtype, use_orig_params: bool) -> int:
     """Elements each parameter's start is rounded up to (0: none).
 

@@ -31,7 +31,15 @@ import torch.nn as nn
 from tests import test_mixed_precision as mixed_precision
 from tests import test_parity as parity
 from tests._dist import DistPool, get_pool
-from tests._options_common import Replicated, cmp, compare_step, loss_of, rank_tag, snapshot
+from tests._options_common import (
+    Replicated,
+    cmp,
+    compare_step,
+    fsdp_params_full,
+    loss_of,
+    rank_tag,
+    snapshot,
+)
 from tests.models import fsdp_api, fsdp_kwargs, wrap_api
 
 pytestmark = pytest.mark.gpu
@@ -167,7 +175,9 @@ def _lagged_training_matches_replicated() -> list[str]:
                         ref.sync()
                     o.step()
                     o.zero_grad()
-                    res.append((loss.detach(), [p.detach().clone() for p in _full(m)]))
+                    full = (list(fsdp_params_full(m).values()) if m is ours
+                            else [p.detach().clone() for p in m.parameters()])
+                    res.append((loss.detach(), full))
                 errs = [cmp("loss", res[0][0], res[1][0])]
                 errs += [cmp(f"param {n}", a, b) for n, a, b in zip(names, res[0][1], res[1][1])]
                 errs = [e for e in errs if e]
@@ -175,13 +185,6 @@ def _lagged_training_matches_replicated() -> list[str]:
                     fails.append(f"{tag} step {step}: " + "; ".join(errs[:4]))
                     break
     return fails
-
-
-def _full(model: nn.Module) -> list[torch.Tensor]:
-    if not isinstance(model, fsdp_api("ours").FullyShardedDataParallel):
-        return list(model.parameters())
-    with type(model).summon_full_params(model, writeback=False):
-        return [p.detach().clone() for p in model.parameters()]
 
 
 def test_stream_ordering_with_the_gpu_lagging(pool2: DistPool) -> None:
@@ -303,8 +306,8 @@ def _offload_matches_torch() -> list[str]:
                 opts[2].step()
                 opts[2].zero_grad()
                 want = [p.detach() for p in rep.module.parameters()]
-                for impl, m in (("torch", models[0]), ("ours", models[1])):
-                    got = _full_params(m, impl)
+                for impl, m in zip(("torch", "ours"), models):
+                    got = [p.to(CUDA) for p in fsdp_params_full(m).values()]
                     errs = [e for e in (cmp(f"param {n}", a, b) for n, a, b in
                                         zip(rep_names, want, got)) if e]
                     if errs and impl == "ours":
@@ -332,13 +335,6 @@ def _offload_matches_torch() -> list[str]:
             fails += [f"{tag}: {e}" for e in (cmp(f"[{k}] after reload", sd[k], after[k], 0.0)
                                               for k in sd) if e]
     return fails
-
-
-def _full_params(model: nn.Module, impl: str) -> list[torch.Tensor]:
-    cls = fsdp_api(impl).FullyShardedDataParallel
-    with cls.summon_full_params(model, writeback=False):
-        # copies: the gathered storage is freed when the context exits
-        return [p.detach().to(CUDA, copy=True) for p in model.parameters()]
 
 
 def parity_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> Any:
@@ -439,12 +435,12 @@ def _init_on_cuda() -> list[str]:
     rank = dist.get_rank()
     for uop in (False, True):
         tag = f"{rank_tag()} sync_module_states uop={uop}"
-        # A different CPU model on every rank; device_id moves it to the GPU.
-        full = []
-        for impl in ("torch", "ours"):
-            torch.manual_seed(100 + rank)
-            m = _lag_wrap(impl, LagNet(16, 2), use_orig_params=uop, sync_module_states=True)
-            full.append({k: v.detach().cpu() for k, v in _full_sd(m, impl).items()})
+
+        def different_on_every_rank(impl: str, uop: bool = uop) -> nn.Module:
+            torch.manual_seed(100 + rank)  # device_id moves the CPU model to the GPU
+            return _lag_wrap(impl, LagNet(16, 2), use_orig_params=uop, sync_module_states=True)
+
+        full = _full_sds(different_on_every_rank)
         torch.manual_seed(100)
         rank0 = LagNet(16, 2).state_dict()
         fails += [f"{tag}: {e}" for e in (cmp(f"ours[{k}] vs rank 0's", v, full[1][k], 0.0)
@@ -452,25 +448,27 @@ def _init_on_cuda() -> list[str]:
         fails += [f"{tag}: {e}" for e in (cmp(f"torch[{k}] vs ours", v, full[1][k], 0.0)
                                           for k, v in full[0].items()) if e]
         tag = f"{rank_tag()} meta init uop={uop}"
-        metas = []
-        for impl in ("torch", "ours"):
+
+        def on_meta(impl: str, uop: bool = uop, tag: str = tag, out: list[str] = fails) -> nn.Module:
             torch.manual_seed(7)
             with torch.device("meta"):
                 net = LagNet(16, 2)
             m = _lag_wrap(impl, net, use_orig_params=uop)
             devices = {p.device.type for p in m.parameters()}
             if devices != {"cuda"}:
-                fails.append(f"{tag}: {impl} parameters on {devices}")
-            metas.append({k: v.detach().cpu() for k, v in _full_sd(m, impl).items()})
+                out.append(f"{tag}: {impl} parameters on {devices}")
+            return m
+
+        metas = _full_sds(on_meta)
         fails += [f"{tag}: {e}" for e in (cmp(f"[{k}] torch vs ours", v, metas[1][k], 0.0)
                                           for k, v in metas[0].items()) if e]
     return fails
 
 
-def _full_sd(model: nn.Module, impl: str) -> dict[str, torch.Tensor]:
-    api = fsdp_api(impl)
-    with api.FullyShardedDataParallel.state_dict_type(model, api.StateDictType.FULL_STATE_DICT):
-        return model.state_dict()
+def _full_sds(build: Any) -> list[dict[str, torch.Tensor]]:
+    """FULL state dicts (on the CPU) of ``build("torch")`` and ``build("ours")``."""
+    return [{k: v.detach().cpu() for k, v in parity._full_sd(build(impl), impl).items()}
+            for impl in ("torch", "ours")]
 
 
 def test_sync_module_states_and_meta_init_on_cuda(pool2: DistPool) -> None:

@@ -453,3 +453,17 @@ def test_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:
         main(["plan", "--world-size", "2"])
     with pytest.raises(SystemExit, match="unknown policy"):
         main(["plan", "tests.test_plan:make_stack", "--world-size", "2", "--policy", "bogus"])
+
+
+def test_plan_refuses_what_the_constructor_refuses_without_a_policy() -> None:
+    """The handle's own checks run for every planned unit, not only the wrap pass's."""
+    with torch.device("meta"):
+        frozen = FrozenModel(mixed=True)  # frozen and trainable in the root unit
+    with pytest.raises(ValueError, match="uniform `requires_grad`.*planned FSDP unit '<root>'"):
+        fw.plan(frozen, 2)
+    fw.plan(frozen, 2, use_orig_params=True)  # allowed there, as in the constructor
+    with torch.device("meta"):
+        scalar = Stack()
+        scalar.register_parameter("gain", nn.Parameter(torch.tensor(1.0)))
+    with pytest.raises(ValueError, match="doesn't support scalar parameters. Change gain"):
+        fw.plan(scalar, 2)

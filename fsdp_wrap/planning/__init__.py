@@ -178,11 +178,8 @@ def plan(
         use_orig_params=use_orig_params,
     )
     ranks = range(shard) if any(u.use_orig_params for u in units) else range(1)
-    per_rank = tuple(
-        estimate(units, r, optimizer=optimizer, backward_prefetch=backward_prefetch,
-                 forward_prefetch=forward_prefetch, ignored=ignored, backend=backend)
-        for r in ranks
-    )
+    per_rank = estimate(units, ranks, optimizer=optimizer, backward_prefetch=backward_prefetch,
+                        forward_prefetch=forward_prefetch, ignored=ignored, backend=backend)
     worst = max(per_rank, key=lambda m: (m.peak_device, m.persistent_cpu))
     settings = {
         "sharding_strategy": strategy.name,

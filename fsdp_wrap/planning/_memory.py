@@ -174,32 +174,38 @@ def gloo(limit_all_gathers: bool) -> Backend:
 
 def estimate(
     units: Sequence[UnitPlan],
-    rank: int,
+    ranks: Sequence[int],
     *,
     optimizer: str,
     backward_prefetch: BackwardPrefetch | None,
     forward_prefetch: bool,
     ignored: Sequence[tuple[str, int, torch.dtype, bool]] = (),
     backend: Backend = NCCL,
-) -> RankMemory:
+) -> tuple[RankMemory, ...]:
+    """The memory of each of ``ranks``; only the optimizer state differs between them."""
     states, counters, state_dtype = OPTIMIZERS[optimizer]
     ignored_bytes = sum(
         n * dt.itemsize * (1 + (1 + states if trainable else 0)) for _, n, dt, trainable in ignored
     )
-    mem = dict(params_device=0, params_cpu=0, grads_device=0, grads_cpu=0,
-               optimizer_device=0, optimizer_cpu=0)
+    same = dict(params_device=0, params_cpu=0, grads_device=0, grads_cpu=0)
     for u in units:
         where = "cpu" if u.offload_params else "device"
-        mem[f"params_{where}"] += u.layout.shard_numel * _itemsize(u, "param")
+        same[f"params_{where}"] += u.layout.shard_numel * _itemsize(u, "param")
         if u.trainable:
-            mem[f"grads_{where}"] += u.layout.shard_numel * _itemsize(u, "grad")
-        numel, tensors = u.optimizer_numel(rank)
-        mem[f"optimizer_{where}"] += states * numel * _itemsize(u, state_dtype)
-        if counters:
-            mem["optimizer_cpu"] += 4 * tensors
+            same[f"grads_{where}"] += u.layout.shard_numel * _itemsize(u, "grad")
     fwd, bwd, step = _unsharded_peaks(units, backward_prefetch, forward_prefetch, backend)
-    return RankMemory(rank=rank, unsharded_forward=fwd, unsharded_backward=bwd,
-                      step_device=step, ignored_device=ignored_bytes, **mem)
+    out = []
+    for rank in ranks:
+        optim = {"optimizer_device": 0, "optimizer_cpu": 0}
+        for u in units:
+            numel, tensors = u.optimizer_numel(rank)
+            where = "cpu" if u.offload_params else "device"
+            optim[f"optimizer_{where}"] += states * numel * _itemsize(u, state_dtype)
+            if counters:
+                optim["optimizer_cpu"] += 4 * tensors
+        out.append(RankMemory(rank=rank, unsharded_forward=fwd, unsharded_backward=bwd,
+                              step_device=step, ignored_device=ignored_bytes, **same, **optim))
+    return tuple(out)
 
 
 def _unsharded_peaks(

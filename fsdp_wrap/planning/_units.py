@@ -22,7 +22,7 @@ from .._compat import coerce_dataclass, coerce_enum
 from .._flat_param import RESHARD_AFTER_FORWARD
 from .._flat_param import SHARDED_STRATEGIES as SHARDED
 from .._init import resolve_ignored
-from .._layout import FlatLayout, alignment, collect_unit_params
+from .._layout import FlatLayout, alignment, check_unit_params, collect_unit_params
 from ..api import CPUOffload, MixedPrecision, ShardingStrategy
 from ..wrap import _auto_wrap
 
@@ -215,6 +215,9 @@ def _unit_plan(
             f"of different dtypes {mixed}; one flat parameter has one dtype. Give the module "
             "one dtype (model.to(dtype)) or wrap the differing parameters in units of their own."
         )
+    # The rest of what the constructor would refuse (scalars, integers,
+    # frozen next to trainable without use_orig_params), with its messages.
+    check_unit_params(params, f"(planned FSDP unit '{fqn or '<root>'}')", uop)
     layout = FlatLayout.build(
         [p.numel() for *_, p in params],
         align=alignment(mp.param_dtype or dtype, uop),
