@@ -151,14 +151,28 @@ def _storage_bytes(tensors: Any) -> int:
     return sum(seen.values())
 
 
-def _worker(rank: int, port: int, cfgs: list[dict[str, Any]], out: str, device: str) -> None:
+def _warm_cuda() -> None:
+    """cuBLAS allocates its workspaces through the caching allocator on first use
+    and keeps them: take them before the first measured step, not inside it."""
+    a = torch.ones(64, 64, device="cuda", requires_grad=True)
+    (a @ a).to(torch.bfloat16).float().sum().backward()
+    (a.to(torch.bfloat16) @ a.to(torch.bfloat16)).float().sum().backward()
+    torch.cuda.synchronize()
+
+
+def _worker(rank: int, port: int, cfgs: list[dict[str, Any]], out: str, device: str,
+            world_size: int) -> None:
     warnings.filterwarnings("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    backend = "nccl" if device == "cuda" and world_size == 1 else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(0)
+        _warm_cuda()
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         results = [measure(c, device) for c in cfgs]
-        everyone: list[Any] = [None, None]
+        everyone: list[Any] = [None] * world_size
         dist.all_gather_object(everyone, results)
         if rank == 0:
             with open(out, "w") as f:
@@ -170,13 +184,15 @@ def _worker(rank: int, port: int, cfgs: list[dict[str, Any]], out: str, device: 
         dist.destroy_process_group()
 
 
-def run(cfgs: list[dict[str, Any]], device: str = "cpu") -> list[list[dict[str, Any]]]:
+def run(cfgs: list[dict[str, Any]], device: str = "cpu",
+        world_size: int = 2) -> list[list[dict[str, Any]]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "out.json")
-        mp.start_processes(_worker, args=(port, cfgs, path, device), nprocs=2, start_method="spawn")
+        mp.start_processes(_worker, args=(port, cfgs, path, device, world_size),
+                           nprocs=world_size, start_method="spawn")
         with open(path) as f:
             return json.load(f)  # type: ignore[no-any-return]
 
@@ -188,9 +204,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="exit 1 if a held byte count differs or a peak is off by more than this")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: two gloo ranks share one GPU; peak = max_memory_allocated")
+    p.add_argument("--world-size", type=int, choices=(1, 2), default=2,
+                   help="1 with --device cuda: one rank on NCCL (every strategy runs as NO_SHARD)")
     a = p.parse_args(argv)
     cfgs = configs(a.quick)
-    results = run(cfgs, a.device)
+    results = run(cfgs, a.device, a.world_size)
     mib = 2**20
     rows, bad = [], []
     for i, cfg in enumerate(cfgs):
