@@ -3,8 +3,31 @@
 import os
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+# One line Python runs at every start-up (site.py executes ``.pth`` lines that
+# begin with ``import``): with FSDP_WRAP_INSTALL set, fsdp_wrap.install() runs
+# before any user code, so scripts and frameworks need no change at all.
+PTH_NAME = "fsdp_wrap-install.pth"
+PTH_LINE = (
+    "import os; os.environ.get('FSDP_WRAP_INSTALL', '').strip().lower() in "
+    "('1', 'true', 'yes', 'on') and __import__('importlib').import_module('fsdp_wrap.installer').install_from_env()\n"
+)
+
+
+class BuildPyWithStartupHook(build_py):
+    """build_py that also puts the start-up hook at the top of the wheel (site-packages)."""
+
+    def run(self) -> None:
+        super().run()
+        target = os.path.join(self.build_lib, PTH_NAME)
+        with open(target, "w", encoding="utf-8") as f:
+            f.write(PTH_LINE)
+
+    def get_outputs(self, include_bytecode: bool = True) -> list[str]:
+        return [*super().get_outputs(include_bytecode), os.path.join(self.build_lib, PTH_NAME)]
 
 
 def _long_description() -> tuple[str, str]:
@@ -14,6 +37,41 @@ def _long_description() -> tuple[str, str]:
             with open(path, encoding="utf-8") as f:
                 return f.read(), content_type
     return "", "text/plain"
+
+
+
+def _cmdclass() -> dict[str, type]:
+    """build_py for wheels; for ``pip install -e .`` the editable wheel gets the
+    same hook (setuptools builds it without build_py's top-level files)."""
+    classes: dict[str, type] = {"build_py": BuildPyWithStartupHook}
+    try:
+        from setuptools.command.editable_wheel import editable_wheel
+    except ImportError:  # setuptools < 64: no PEP 660 editable installs
+        return classes
+
+    class EditableWithStartupHook(editable_wheel):  # type: ignore[misc, valid-type]
+        def _select_strategy(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            strategy = super()._select_strategy(*args, **kwargs)
+
+            def write(wheel, files, mapping):  # type: ignore[no-untyped-def]
+                strategy(wheel, files, mapping)
+                wheel.writestr(PTH_NAME, PTH_LINE.encode())
+
+            class _WithHook:
+                def __call__(self, wheel, files, mapping):  # type: ignore[no-untyped-def]
+                    write(wheel, files, mapping)
+
+                def __enter__(self):  # type: ignore[no-untyped-def]
+                    strategy.__enter__()
+                    return self
+
+                def __exit__(self, *exc):  # type: ignore[no-untyped-def]
+                    return strategy.__exit__(*exc)
+
+            return _WithHook()
+
+    classes["editable_wheel"] = EditableWithStartupHook
+    return classes
 
 
 LONG_DESCRIPTION, LONG_DESCRIPTION_TYPE = _long_description()
@@ -51,6 +109,7 @@ setup(
         "test": ["pytest", "transformers"],
         "dev": ["pytest", "ruff", "mypy", "transformers"],
     },
+    cmdclass=_cmdclass(),
     entry_points={
         "console_scripts": [
             "fsdp-wrap-demo = fsdp_wrap.demo:main",

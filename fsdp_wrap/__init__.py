@@ -22,6 +22,7 @@ from .api import (
     StateDictType,
 )
 from .fully_sharded_data_parallel import FullyShardedDataParallel, OptimStateKeyType
+from .installer import install, installed, uninstall
 from .planning import Plan, plan
 
 __version__ = "0.1.0"
@@ -45,5 +46,8 @@ __all__ = [
     "StateDictConfig",
     "StateDictSettings",
     "StateDictType",
+    "install",
+    "installed",
     "plan",
+    "uninstall",
 ]

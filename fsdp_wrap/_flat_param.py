@@ -20,9 +20,8 @@ in :mod:`fsdp_wrap._layout`; padding holds ``42`` as torch's does.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
-from enum import Enum, auto
 from typing import Any, Callable
 
 import torch
@@ -31,6 +30,7 @@ from torch.distributed import ProcessGroup
 
 from . import _collectives as C
 from . import _reduce as R
+from ._flat_tensor import FlatParameter, HandleState, _Gathered
 from ._layout import (
     FlatLayout,
     ParamInfo,
@@ -65,62 +65,6 @@ SHARDED_STRATEGIES = frozenset(
     }
 )
 RESHARD_AFTER_FORWARD = frozenset({ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD})
-
-
-class _FlatParameterMeta(type(nn.Parameter)):  # type: ignore[misc]
-    """``isinstance(t, FlatParameter)`` holds for any tensor flagged ``_is_flat_param``.
-
-    torch's FSDP1 recognises flat parameters the same way, so tools written
-    for it (and torch's own ``FlatParameter`` isinstance checks) see ours.
-    """
-
-    def __instancecheck__(cls, instance: Any) -> bool:
-        return isinstance(instance, torch.Tensor) and bool(getattr(instance, "_is_flat_param", False))
-
-
-class FlatParameter(nn.Parameter, metaclass=_FlatParameterMeta):
-    """The flat parameter of one FSDP unit.
-
-    Instances are plain ``nn.Parameter`` objects flagged ``_is_flat_param``
-    (the flag is the part of torch's API that other code checks).  Build them
-    with :meth:`make`.
-    """
-
-    @staticmethod
-    def make(data: torch.Tensor, requires_grad: bool) -> nn.Parameter:
-        param = nn.Parameter(data, requires_grad=requires_grad)
-        param._is_flat_param = True  # type: ignore[attr-defined]
-        return param
-
-
-class HandleState(Enum):
-    SHARDED = auto()
-    UNSHARDED = auto()
-
-
-@dataclass
-class _Gathered:
-    """One unsharded copy of the flat parameter and the gather filling it."""
-
-    buffer: torch.Tensor | None = None
-    valid: bool = False
-    pending: C.Work | None = None
-    source: torch.Tensor | None = None
-
-    def wait(self) -> None:
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
-            self.source = None
-            self.valid = True
-
-    def free(self) -> None:
-        """Release the memory but keep the storage *object* (resized to zero
-        bytes): autograd and the modules hold views of it, which become valid
-        again when the next unshard refills the same storage."""
-        if self.buffer is not None:
-            self.buffer.untyped_storage().resize_(0)
-        self.valid = False
 
 
 class FlatParamHandle:
@@ -176,6 +120,7 @@ class FlatParamHandle:
         # Mixed precision: compute in ``compute_dtype``, reduce in
         # ``reduce_dtype`` (defaulting to the compute dtype, as torch does),
         # keep the sharded master copy in the original dtype.
+        self._mp_dtypes = (param_dtype, reduce_dtype)
         self.orig_dtype = dtype
         self.compute_dtype = param_dtype or dtype
         self.reduce_dtype = reduce_dtype or param_dtype or dtype
@@ -213,7 +158,7 @@ class FlatParamHandle:
             self.local_shard = self._shard(flat)
             if offload_params:
                 self.local_shard = self._to_shard_device(self.local_shard, pin=True)
-        self.flat_param = FlatParameter.make(self.local_shard, requires_grad)
+        self.flat_param = FlatParameter.make(self.local_shard, requires_grad, self.infos)
         # Unsharded copies: one in the compute dtype for forward/backward, and
         # (only when that differs from the original dtype) one in full
         # precision for summon_full_params and state dicts.
@@ -243,6 +188,49 @@ class FlatParamHandle:
         if flat.untyped_storage().data_ptr() != self.local_shard.untyped_storage().data_ptr():
             flat.untyped_storage().resize_(0)
         self.use_sharded_views()
+
+    def adopt_flat_param_data(self) -> None:
+        """Take up a ``flat_param.data`` replaced since construction.
+
+        Code written for torch's FSDP1 may swap the flat parameter's data
+        before the first forward (Accelerate upcasts a bf16-loaded model's flat
+        parameters to fp32 master weights: ``flat_param.data =
+        flat_param.data.float()``); torch re-reads it at lazy init.  The new
+        data becomes the local shard and its dtype the original (master) dtype;
+        the compute and reduce dtypes follow unless mixed precision fixed them.
+        """
+        data = self.flat_param.data
+        if data.data_ptr() == self.local_shard.data_ptr() and data.dtype == self.local_shard.dtype:
+            return
+        if data.shape != self.local_shard.shape:
+            raise RuntimeError(
+                f"(rank {self.rank}, FSDP unit '{self.unit_fqn or '<root>'}') the flat "
+                f"parameter's data was replaced by a tensor of shape {tuple(data.shape)}; "
+                f"expected this rank's shard, {tuple(self.local_shard.shape)}. Replace it "
+                "only with a same-shaped tensor (e.g. flat_param.data = flat_param.data.float())"
+            )
+        self.local_shard = data
+        if data.dtype != self.orig_dtype:
+            param_dtype, reduce_dtype = self._mp_dtypes
+            self.orig_dtype = data.dtype
+            self.compute_dtype = param_dtype or data.dtype
+            self.reduce_dtype = reduce_dtype or param_dtype or data.dtype
+            self._reduce_spec = dataclasses.replace(self._reduce_spec,
+                                                    reduce_dtype=self.reduce_dtype)
+            self._needs_copy = (self.uses_sharded_strategy or self.compute_dtype != data.dtype
+                                or self.shard_device != self.device)
+            self._gathered = {False: _Gathered(), True: _Gathered()}
+            if not self.use_orig_params:
+                # The modules' between-steps views take the new dtype: views of
+                # the data itself where NO_SHARD needs no copy, else shape only.
+                if self._needs_copy:
+                    flat = torch.empty(self.unpadded_numel, dtype=data.dtype, device=self.device)
+                    self._install_stale_views(flat)
+                    flat.untyped_storage().resize_(0)
+                else:
+                    self._install_stale_views(data[: self.unpadded_numel])
+        if self.use_orig_params:
+            self.use_sharded_views()
 
     # ------------------------------------------------------------------ layout
 

@@ -152,6 +152,12 @@ def _describe(h: FlatParamHandle, k: int, flat: bool, st: dict[str, Any]) -> dic
     piece = None if flat else _piece(h, k)
     want = h.shard_numel if flat else (piece[1] - piece[0] if piece else -1)
     for name, v in st.items():
+        if piece is None and not flat and isinstance(v, torch.Tensor) and v.dim() > 0 \
+                and v.numel() == 0:
+            # No element of the parameter on this rank, yet state for its empty
+            # view (an optimizer stepped with zero gradients everywhere, as DCP's
+            # state_dict helpers do to create state): nothing to contribute.
+            continue
         if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == want:
             out[name] = ("shard", v.dtype)
         elif isinstance(v, torch.Tensor):

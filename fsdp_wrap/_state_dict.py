@@ -634,7 +634,7 @@ def _full_pre_load(
     with torch.no_grad():
         for i, info in enumerate(h.infos):
             key = wrapped + _rel(info.fqn)
-            value = state_dict.get(key)
+            value = _as_tensor(state_dict.get(key))
             if value is None:
                 if not h.use_orig_params:  # not registered: nn.Module cannot see it
                     missing_keys.append(key)
@@ -659,6 +659,22 @@ def _full_pre_load(
                 _claim(state_dict, key, h.infos[shared.index].param, h.use_orig_params)
         if not h.use_orig_params:
             state_dict[wrapped + FLAT_PARAM_NAME] = h.flat_param
+
+
+def _as_tensor(value: Any) -> Any:
+    """A real tensor for a tensor-like (``__torch_function__``) value, else ``value``.
+
+    Lightning loads checkpoints lazily: its values materialise only when a
+    torch function touches them.  Materialised here, one parameter at a time
+    as each unit loads, so the whole checkpoint is never in memory at once.
+    """
+    if value is None or isinstance(value, torch.Tensor):
+        return value
+    if callable(getattr(type(value), "__torch_function__", None)):
+        loaded = torch.detach(value)
+        if isinstance(loaded, torch.Tensor):
+            return loaded
+    return value
 
 
 def _claim(state_dict: dict[str, Any], key: str, param: torch.Tensor, registered: bool) -> None:

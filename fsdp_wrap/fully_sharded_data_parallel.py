@@ -324,6 +324,8 @@ class FullyShardedDataParallel(nn.Module):
             values = {getattr(st, attr) for st in states}
             if len(values) > 1:
                 raise ValueError(f"Expects one homogeneous value for {attr} but got {values}")
+        for h in self._all_handles:
+            h.adopt_flat_param_data()
         if self.world_size > 1:
             _runtime.all_gather_unit_signatures(self)
         for st in states:
