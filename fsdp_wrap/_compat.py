@@ -7,6 +7,9 @@ construction or lazy-init time, or resolves a name once at import.
 from __future__ import annotations
 
 import dataclasses
+import importlib.abc
+import importlib.util
+import sys
 from enum import Enum
 from typing import Any, Callable, TypeVar
 
@@ -78,3 +81,63 @@ def coerce_dataclass(value: Any, cls: type[D], arg_name: str) -> D | None:
     raise TypeError(
         f"{arg_name} expects a {cls.__name__} but got {value!r} of type {type(value).__name__}"
     )
+
+
+# ----------------------------------------------------------------- TorchDynamo
+
+_DYNAMO_RULES = "torch._dynamo.trace_rules"
+_dynamo_skip_requested = False
+
+
+def run_eagerly_under_dynamo() -> None:
+    """Make ``torch.compile`` run fsdp_wrap's own frames eagerly.
+
+    TorchDynamo skips torch's FSDP1 code (its files are torch's) and so
+    graph-breaks at every unit boundary, compiling the wrapped modules'
+    forward in between while the all-gathers, lazy init and hooks stay eager.
+    fsdp_wrap's package gets the same treatment through Dynamo's skip list
+    (``trace_rules.add``).  Importing Dynamo costs about a second, so if it is
+    not loaded yet the registration waits for its import (a one-shot
+    post-import hook) instead of forcing it.  Called at every FSDP
+    construction; cheap after the first.
+    """
+    global _dynamo_skip_requested
+    if _dynamo_skip_requested:
+        return
+    _dynamo_skip_requested = True
+    rules = sys.modules.get(_DYNAMO_RULES)
+    if rules is not None:
+        _skip_package(rules)
+    else:
+        sys.meta_path.insert(0, _AfterImport(_DYNAMO_RULES, _skip_package))
+
+
+def _skip_package(rules: Any) -> None:
+    add = getattr(rules, "add", None)  # torch >= 2.2
+    if add is not None:
+        add(__name__.split(".")[0])
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Run ``callback(module)`` right after ``name`` is first imported."""
+
+    def __init__(self, name: str, callback: Callable[[Any], None]) -> None:
+        self.name, self.callback = name, callback
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # one shot; the lookup below must not find us
+        spec = importlib.util.find_spec(fullname)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module = loader.exec_module
+        callback = self.callback
+
+        def exec_then_call(module: Any) -> None:
+            exec_module(module)
+            callback(module)
+
+        loader.exec_module = exec_then_call
+        return spec

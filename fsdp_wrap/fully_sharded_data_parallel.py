@@ -22,7 +22,7 @@ import torch.nn as nn
 from . import _collectives as C
 from . import _init, _runtime, _state_dict, _summon
 from . import _optim_state_dict as _osd
-from ._compat import coerce_dataclass, coerce_enum
+from ._compat import coerce_dataclass, coerce_enum, run_eagerly_under_dynamo
 from ._flat_param import FlatParamHandle, collect_unit_params
 from ._runtime import ExecOrder, TrainingState
 from .api import (
@@ -221,6 +221,9 @@ class FullyShardedDataParallel(nn.Module):
         self._state_dict_config: StateDictConfig = FullStateDictConfig()
         self._optim_state_dict_config: OptimStateDictConfig = FullOptimStateDictConfig()
         _state_dict.register_hooks(self)
+        # torch.compile: graph breaks at unit boundaries, as for torch's FSDP1.
+        run_eagerly_under_dynamo()
+        _init.annotate_for_dynamo(module, ignored_mods, use_orig_params)
 
     # ------------------------------------------------------------ module API
 
