@@ -654,6 +654,27 @@ def _param_fqns(model: nn.Module) -> dict[int, str]:
     return out
 
 
+def _check_one_name_per_param(model: nn.Module, params: list[torch.Tensor]) -> None:
+    """Parameter ids and names map one to one only without flat parameters of
+    several originals (torch's FSDP1 raises here too)."""
+    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+
+    if not FSDP.fsdp_modules(model):
+        return
+    where = _index(model).where
+    for p in params:
+        u, k, fqns = where.get(id(p), (-1, -1, []))
+        if k < 0 and len(fqns) > 1:
+            raise RuntimeError(
+                f"rank {dist.get_rank() if dist.is_initialized() else 0}: rekey_optim_state_dict "
+                f"maps each optimizer parameter id to one name, but the optimizer steps a flat "
+                f"parameter holding {len(fqns)} original parameters ({', '.join(fqns[:3])}"
+                f"{', ...' if len(fqns) > 3 else ''}). Wrap with use_orig_params=True so the "
+                "optimizer steps the original parameters, or keep the state dict keyed by name "
+                "(OptimStateKeyType.PARAM_NAME)."
+            )
+
+
 def rekey_optim_state_dict(
     optim_state_dict: dict[str, Any],
     optim_state_key_type: Any,
@@ -675,6 +696,7 @@ def rekey_optim_state_dict(
     if (key_type == "PARAM_NAME" and all(names)) or (key_type == "PARAM_ID" and all(ids)):
         return osd
     params = [p for g in _groups_from(model, optim_input, optim) for p in g]
+    _check_one_name_per_param(model, params)
     fqn_of = _param_fqns(model)
     id_to_name = [fqn_of[id(p)] for p in params]
     new: dict[str, Any] = {"param_groups": copy.deepcopy(osd["param_groups"])}
