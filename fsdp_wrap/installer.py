@@ -50,10 +50,12 @@ from ._init import HYBRID_STRATEGIES
 from .fully_sharded_data_parallel import FullyShardedDataParallel, OptimStateKeyType
 from .sharded_grad_scaler import ShardedGradScaler
 
-__all__ = ["ENV_VAR", "install", "installed", "uninstall"]
+__all__ = ["ENV_VAR", "PTH_NAME", "install", "installed", "startup_hook_path", "uninstall"]
 
 #: ``FSDP_WRAP_INSTALL=1`` (or ``true``/``yes``/``on``) installs at start-up.
 ENV_VAR = "FSDP_WRAP_INSTALL"
+#: The start-up hook pip puts in site-packages (written by setup.py).
+PTH_NAME = "fsdp_wrap-install.pth"
 
 logger = logging.getLogger("fsdp_wrap.installer")
 
@@ -266,6 +268,18 @@ def _say(line: str) -> None:
         logger.info(line)
     else:
         print(line, file=sys.stderr, flush=True)
+
+
+def startup_hook_path() -> str | None:
+    """Where this Python finds the start-up hook, or ``None`` if it is not installed."""
+    import site
+
+    dirs = [*site.getsitepackages(), site.getusersitepackages(), *sys.path]
+    for d in dirs:
+        path = os.path.join(d, PTH_NAME)
+        if os.path.isfile(path):
+            return path
+    return None
 
 
 def _env_requests_install() -> bool:

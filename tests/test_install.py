@@ -1,0 +1,231 @@
+"""``fsdp_wrap.install()``: torch's FSDP1 names point at fsdp_wrap's, and back.
+
+Installing changes process-wide module state, so every check runs in a fresh
+interpreter (one per scenario, many checks each).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _python(code: str, env: dict[str, str] | None = None, timeout: int = 180,
+            prelude: str = "") -> subprocess.CompletedProcess:
+    full_env = dict(os.environ, PYTHONWARNINGS="ignore")
+    full_env.pop("FSDP_WRAP_INSTALL", None)
+    full_env.update(env or {})
+    source = textwrap.dedent(prelude) + textwrap.dedent(code)
+    return subprocess.run([sys.executable, "-c", source], cwd=ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _ok(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout
+
+
+# The names install() must set, module by module (torch's FSDP1 public surface).
+SURFACE = """
+PKG = "torch.distributed.fsdp"
+API = ["ShardingStrategy", "BackwardPrefetch", "MixedPrecision", "CPUOffload", "StateDictType",
+       "StateDictConfig", "FullStateDictConfig", "LocalStateDictConfig", "ShardedStateDictConfig",
+       "OptimStateDictConfig", "FullOptimStateDictConfig", "LocalOptimStateDictConfig",
+       "ShardedOptimStateDictConfig", "StateDictSettings"]
+SURFACE = {
+    PKG: API + ["FullyShardedDataParallel", "OptimStateKeyType"],
+    PKG + ".fully_sharded_data_parallel": API + ["FullyShardedDataParallel", "OptimStateKeyType"],
+    PKG + ".api": API,
+    PKG + ".wrap": ["always_wrap_policy", "lambda_auto_wrap_policy", "transformer_auto_wrap_policy",
+                    "size_based_auto_wrap_policy", "enable_wrap", "wrap", "CustomPolicy",
+                    "ModuleWrapPolicy"],
+    PKG + ".sharded_grad_scaler": ["ShardedGradScaler"],
+}
+import importlib
+def names_now():
+    return {(m, n): getattr(importlib.import_module(m), n) for m, ns in SURFACE.items() for n in ns}
+def ours(obj):
+    return getattr(obj, "__module__", "").startswith("fsdp_wrap")
+"""
+
+
+def test_install_rebinds_every_name_and_uninstall_restores_them() -> None:
+    out = _ok(_python(prelude=SURFACE, code="""
+    import sys, types, torch
+    import torch.distributed.checkpoint.state_dict as dcp_sd
+    import torch.distributed.fsdp._init_utils as torch_init
+    # A user module that imported torch's class before install().
+    early = types.ModuleType("early_user_module")
+    exec("from torch.distributed.fsdp import FullyShardedDataParallel as FSDP", early.__dict__)
+    sys.modules["early_user_module"] = early
+    before = names_now()
+    kept = [torch_init.ShardingStrategy]  # in a list: install() rebinds module globals only
+    assert not any(ours(v) for v in before.values())
+
+    import fsdp_wrap
+    fsdp_wrap.install()
+    fsdp_wrap.install()  # idempotent: no second log line, nothing changes
+    assert fsdp_wrap.installed()
+    after = names_now()
+    wrong = [k for k, v in after.items() if not ours(v)]
+    assert not wrong, wrong
+    assert after[("torch.distributed.fsdp", "FullyShardedDataParallel")] is fsdp_wrap.FullyShardedDataParallel
+    assert early.FSDP is fsdp_wrap.FullyShardedDataParallel, "an earlier import was not rebound"
+    assert dcp_sd.FSDP is fsdp_wrap.FullyShardedDataParallel
+    # torch's own FSDP1 internals keep torch's objects: torch's FSDP1 still works.
+    assert torch_init.ShardingStrategy is kept[0]
+
+    fsdp_wrap.uninstall()
+    assert not fsdp_wrap.installed()
+    restored = names_now()
+    changed = [k for k in before if restored[k] is not before[k]]
+    assert not changed, changed
+    assert early.FSDP is before[("torch.distributed.fsdp", "FullyShardedDataParallel")]
+    assert dcp_sd.FSDP is early.FSDP
+    print("OK")
+    """))
+    assert out.strip().endswith("OK")
+
+
+def test_install_logs_one_line() -> None:
+    proc = _python("""
+    import fsdp_wrap
+    fsdp_wrap.install(); fsdp_wrap.install()
+    """, env={"RANK": "3"})
+    _ok(proc)
+    lines = [ln for ln in proc.stderr.splitlines() if "fsdp_wrap.install()" in ln]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("[rank 3]") and "now point at fsdp_wrap" in lines[0], lines
+
+
+def test_install_is_all_or_nothing() -> None:
+    """A failure midway leaves every name as it was (never half-installed)."""
+    out = _ok(_python(prelude=SURFACE, code="""
+    import fsdp_wrap
+    from fsdp_wrap import installer
+    before = names_now()
+    calls = {"n": 0}
+    real_apply = installer._Patch.apply
+    def failing_apply(self):
+        calls["n"] += 1
+        if calls["n"] == 20:
+            raise RuntimeError("injected failure")
+        real_apply(self)
+    installer._Patch.apply = failing_apply
+    try:
+        fsdp_wrap.install()
+    except RuntimeError as e:
+        assert "injected" in str(e)
+    else:
+        raise AssertionError("install() did not raise")
+    installer._Patch.apply = real_apply
+    assert calls["n"] == 20 and not fsdp_wrap.installed()
+    now = names_now()
+    assert all(now[k] is before[k] for k in before), [k for k in before if now[k] is not before[k]]
+    fsdp_wrap.install()  # and a clean retry works
+    assert all(ours(v) for v in names_now().values())
+    print("OK")
+    """))
+    assert out.strip().endswith("OK")
+
+
+def test_install_on_a_torch_without_fsdp1() -> None:
+    """FSDP1 removed from torch (simulated): install() provides the modules and
+    names; a script using only torch's names trains, checkpoints its activations
+    and scales fp16 losses on fsdp_wrap; uninstall() removes what it created."""
+    out = _ok(_python(prelude=SURFACE, code="""
+    import importlib.abc, sys, torch
+    import torch.distributed.fsdp as pkg
+    GONE = [PKG + s for s in (".fully_sharded_data_parallel", ".api", ".wrap", ".sharded_grad_scaler")]
+    for name in GONE:
+        sys.modules.pop(name, None)
+        if hasattr(pkg, name.rsplit(".", 1)[1]):
+            delattr(pkg, name.rsplit(".", 1)[1])
+    for n in SURFACE[PKG]:
+        if hasattr(pkg, n):
+            delattr(pkg, n)
+    class Gone(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname in GONE:
+                raise ModuleNotFoundError(f"No module named {fullname!r}")
+            return None
+    sys.meta_path.insert(0, Gone())
+    try:
+        import torch.distributed.fsdp.wrap  # noqa: F401
+    except ModuleNotFoundError:
+        pass
+    else:
+        raise AssertionError("the simulation did not remove FSDP1")
+
+    import fsdp_wrap
+    fsdp_wrap.install()
+    assert all(ours(v) for v in names_now().values())
+
+    # A script written for torch's FSDP1, using only torch's names.
+    import os
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    ref = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    ref.load_state_dict(model.state_dict())
+    fsdp = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+                sharding_strategy=ShardingStrategy.FULL_SHARD, use_orig_params=True)
+    apply_activation_checkpointing(fsdp, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    assert "CheckpointWrapper" in repr(fsdp)
+    assert isinstance(fsdp, fsdp_wrap.FullyShardedDataParallel)
+    scaler = ShardedGradScaler(enabled=False)
+    assert isinstance(scaler, fsdp_wrap.sharded_grad_scaler.ShardedGradScaler)
+    x = torch.randn(4, 8)
+    fsdp(x).sum().backward(); ref(x).sum().backward()
+    with FSDP.summon_full_params(fsdp, with_grads=True):
+        got = [p.grad.clone() for p in fsdp.parameters()]
+    want = [p.grad for p in ref.parameters()]
+    assert all(torch.allclose(a, b) for a, b in zip(got, want))
+    dist.destroy_process_group()
+
+    fsdp_wrap.uninstall()
+    for name in GONE:
+        assert name not in sys.modules, name
+    assert not hasattr(pkg, "FullyShardedDataParallel")
+    print("OK")
+    """))
+    assert out.strip().endswith("OK")
+
+
+def test_startup_hook_and_fsdp_wrap_run() -> None:
+    """``FSDP_WRAP_INSTALL=1`` installs before user code; ``fsdp-wrap run`` sets it."""
+    from fsdp_wrap import installer
+
+    if installer.startup_hook_path() is None:
+        pytest.skip(f"{installer.PTH_NAME} is not installed (fsdp_wrap not pip-installed here)")
+    probe = ("import torch.distributed.fsdp as f; "
+             "print(f.FullyShardedDataParallel.__module__)")
+    on = _python(probe, env={"FSDP_WRAP_INSTALL": "1"})
+    assert _ok(on).strip() == "fsdp_wrap.fully_sharded_data_parallel"
+    assert on.stderr.count("fsdp_wrap.install()") == 1, on.stderr
+    off = _python(probe)
+    assert _ok(off).strip() == "torch.distributed.fsdp.fully_sharded_data_parallel"
+    assert "fsdp_wrap" not in off.stderr
+    via_cli = subprocess.run(
+        [sys.executable, "-m", "fsdp_wrap.cli", "run", "--", sys.executable, "-c", probe],
+        cwd=ROOT, capture_output=True, text=True, timeout=180,
+        env={k: v for k, v in os.environ.items() if k != "FSDP_WRAP_INSTALL"})
+    assert _ok(via_cli).strip() == "fsdp_wrap.fully_sharded_data_parallel"
+    empty = subprocess.run([sys.executable, "-m", "fsdp_wrap.cli", "run"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert empty.returncode == 2 and "give the command" in empty.stderr
