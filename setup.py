@@ -106,6 +106,9 @@ setup(
         # transformers: `fsdp-wrap plan --hf-config` builds Hugging Face models
         # from their configs on the meta device; the tests plan and train GPT-2.
         "hf": ["transformers"],
+        # The frameworks fsdp_wrap.install() is tested against (tests/test_frameworks.py):
+        # Accelerate and the transformers Trainer, Lightning Fabric and Trainer.
+        "frameworks": ["accelerate", "transformers", "lightning"],
         "test": ["pytest", "transformers"],
         "dev": ["pytest", "ruff", "mypy", "transformers"],
     },

@@ -1,0 +1,78 @@
+"""What the framework scripts share: results, and the documented ways past the
+frameworks' GPU-only gates on CPU (test harness only, never the library).
+
+Each script runs under ``torchrun --nproc-per-node 2`` (gloo) and writes one
+JSON file per rank into the output directory given as its first argument.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from typing import Any
+
+import torch
+
+warnings.filterwarnings("ignore")
+torch.set_num_threads(1)
+
+RANK = int(os.environ.get("RANK", "0"))
+OUT = sys.argv[1] if len(sys.argv) > 1 else "."
+RESULTS: dict[str, Any] = {}
+
+
+def record(key: str, value: Any) -> None:
+    RESULTS[key] = value
+
+
+def write_results() -> None:
+    with open(os.path.join(OUT, f"rank{RANK}.json"), "w") as f:
+        json.dump(RESULTS, f)
+
+
+def use_fsdp_wrap() -> None:
+    """From here on torch's FSDP1 names are fsdp_wrap's (what a user does)."""
+    import fsdp_wrap
+
+    fsdp_wrap.install(verbose=False)
+
+
+def accelerate_on_cpu() -> None:
+    """Accelerate enables FSDP only for GPU process groups: flip the shared
+    state's distributed type before ``Accelerator`` reads it (and keep the
+    device plain ``cpu``, which torch's FSDP1 wants as its ``device_id``)."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from accelerate.utils import DistributedType
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    ps = PartialState(backend="gloo")
+    ps.distributed_type = DistributedType.MULTI_GPU
+    ps.device = torch.device("cpu")
+
+
+def tiny_gpt2(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                     bos_token_id=0, eos_token_id=0,  # no dropout: resumed runs replay exactly
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg).to(dtype)
+
+
+def tokens(step: int, batch: int = 2) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + RANK)
+    return torch.randint(0, 64, (batch, 8), generator=g)
+
+
+def full_params_match(fsdp_model: torch.nn.Module, plain_sd: dict[str, torch.Tensor]) -> float:
+    """Largest difference between a model's full parameters and a plain state dict."""
+    import fsdp_wrap
+
+    with fsdp_wrap.FullyShardedDataParallel.summon_full_params(fsdp_model):
+        own = {k: v.detach().clone() for k, v in fsdp_model.named_parameters()}
+    assert own and set(own) <= set(plain_sd), (sorted(own)[:3], sorted(plain_sd)[:3])
+    return max((own[k].float() - plain_sd[k].float()).abs().max().item() for k in own)
