@@ -26,9 +26,13 @@ pytestmark = pytest.mark.slow
 
 
 def _launch(script: str, tmp_path: Any, port: int) -> list[dict[str, Any]]:
+    # CPU ranks: on a machine with one GPU, Accelerate would otherwise give
+    # rank 1 a CUDA device that does not exist.
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
     env.pop("FSDP_WRAP_INSTALL", None)
+    # This checkout's fsdp_wrap, installed or not.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH", "")) if p)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", str(port), os.path.join(SCRIPTS, script), str(tmp_path)]
     proc = subprocess.run(cmd, cwd=SCRIPTS, env=env, capture_output=True, text=True, timeout=900)
