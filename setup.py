@@ -47,9 +47,12 @@ setup(
     extras_require={
         # transformers: `fsdp-wrap plan --hf-config` builds Hugging Face models
         # from their configs on the meta device; the tests plan and train GPT-2.
-        "hf": ["transformers"],
-        "test": ["pytest", "transformers"],
-        "dev": ["pytest", "ruff", "mypy", "transformers"],
+        # safetensors: fsdp_wrap writes and reads the format itself (streaming, no
+        # dependency); the package is the reference the tests check the files with,
+        # and what Hugging Face users load them with.
+        "hf": ["transformers", "safetensors"],
+        "test": ["pytest", "transformers", "safetensors"],
+        "dev": ["pytest", "ruff", "mypy", "transformers", "safetensors"],
     },
     entry_points={
         "console_scripts": [
