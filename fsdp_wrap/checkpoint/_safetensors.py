@@ -96,58 +96,26 @@ def plan_shards(entries: Sequence[Entry], max_shard_bytes: int) -> list[list[Ent
     return shards
 
 
-class _PlannedFile:
-    """One safetensors file whose header is written up front and data appended in order."""
-
-    def __init__(self, path: str, entries: Sequence[Entry], metadata: dict[str, str]) -> None:
-        header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
-        pos = 0
-        self.offsets: dict[str, tuple[int, int]] = {}
-        for e in entries:
-            header[e.name] = {
-                "dtype": st_dtype(e.dtype, e.name),
-                "shape": list(e.shape),
-                "data_offsets": [pos, pos + e.nbytes],
-            }
-            self.offsets[e.name] = (pos, pos + e.nbytes)
-            pos += e.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % _ALIGN)
-        self.path = path
-        self.entries = list(entries)
-        self.next = 0
-        self.f: BinaryIO = open(path, "wb")  # noqa: SIM115  (closed by finish)
-        self.f.write(struct.pack("<Q", len(raw)))
-        self.f.write(raw)
-
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        e = self.entries[self.next]
-        if name != e.name:
-            raise RuntimeError(
-                f"safetensors writer for {self.path} expected tensor '{e.name}' next but got "
-                f"'{name}' (tensors must arrive in the planned order)"
-            )
-        if tuple(tensor.shape) != e.shape or tensor.dtype != e.dtype:
-            raise ValueError(
-                f"tensor '{name}' was planned as {e.dtype} {list(e.shape)} but got "
-                f"{tensor.dtype} {list(tensor.shape)}"
-            )
-        write_tensor_bytes(self.f, tensor)
-        self.next += 1
-
-    def finish(self, fsync: bool) -> None:
-        if self.next != len(self.entries):
-            missing = self.entries[self.next].name
-            self.f.close()
-            raise RuntimeError(f"{self.path} is missing tensor '{missing}' and later ones")
-        self.f.flush()
-        if fsync:
-            os.fsync(self.f.fileno())
-        self.f.close()
+def _header_bytes(entries: Sequence[Entry], metadata: dict[str, str]) -> tuple[bytes, dict[str, int]]:
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    pos = 0
+    offsets: dict[str, int] = {}
+    for e in entries:
+        header[e.name] = {
+            "dtype": st_dtype(e.dtype, e.name),
+            "shape": list(e.shape),
+            "data_offsets": [pos, pos + e.nbytes],
+        }
+        offsets[e.name] = pos
+        pos += e.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % _ALIGN)
+    base = 8 + len(raw)
+    return struct.pack("<Q", len(raw)) + raw, {k: base + v for k, v in offsets.items()}
 
 
 def write_tensor_bytes(f: BinaryIO, tensor: torch.Tensor) -> None:
-    """Append ``tensor``'s bytes (C order, native little-endian) to ``f``."""
+    """Write ``tensor``'s bytes (C order, native little-endian) at ``f``'s position."""
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -158,10 +126,13 @@ def write_tensor_bytes(f: BinaryIO, tensor: torch.Tensor) -> None:
 
 
 class ShardedWriter:
-    """Write tensors, in a planned order, into Hugging Face-style shards in ``directory``.
+    """Write planned tensors, in any order, into Hugging Face-style shards in ``directory``.
 
-    ``prefix`` is ``"model"`` for the model (``model-00001-of-0000n.safetensors``
-    and ``model.safetensors.index.json``).  Only one shard file is open at a time.
+    Every shard file is created up front with its final header and size, so a
+    tensor can be written the moment it exists, wherever it lies; nothing is
+    buffered.  ``prefix`` is ``"model"`` for ``model-00001-of-0000n.safetensors``
+    and ``model.safetensors.index.json``.  :meth:`close` checks every planned
+    tensor was written exactly once.
     """
 
     def __init__(
@@ -181,53 +152,75 @@ class ShardedWriter:
         self.directory = directory
         self.prefix = prefix
         self.fsync = fsync
-        self.metadata = {"format": "pt", **(metadata or {})}
         self.index_metadata = dict(index_metadata or {})
         self.shards = plan_shards(entries, max_shard_bytes)
         self.files = [shard_file_name(prefix, i, len(self.shards)) for i in range(len(self.shards))]
         self.weight_map = {e.name: f for f, es in zip(self.files, self.shards) for e in es}
         self.total = sum(e.nbytes for e in entries)
-        self._shard = -1
-        self._current: _PlannedFile | None = None
-        self._open_next()
-
-    def _open_next(self) -> None:
-        if self._current is not None:
-            self._current.finish(self.fsync)
-            self._current = None
-        self._shard += 1
-        if self._shard < len(self.shards):
-            path = os.path.join(self.directory, self.files[self._shard])
-            self._current = _PlannedFile(path, self.shards[self._shard], self.metadata)
+        self.planned = {e.name: e for e in entries}
+        self.where: dict[str, tuple[int, int]] = {}  # name -> (file index, absolute offset)
+        self.written: set[str] = set()
+        self._handles: dict[int, BinaryIO] = {}
+        meta = {"format": "pt", **(metadata or {})}
+        for i, (file, shard) in enumerate(zip(self.files, self.shards)):
+            head, offsets = _header_bytes(shard, meta)
+            with open(os.path.join(directory, file), "wb") as f:
+                f.write(head)
+                f.truncate(len(head) + sum(e.nbytes for e in shard))
+            for name, off in offsets.items():
+                self.where[name] = (i, off)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        while self._current is not None and self._current.next == len(self._current.entries):
-            self._open_next()
-        if self._current is None:
+        e = self.planned.get(name)
+        if e is None:
             raise RuntimeError(f"tensor '{name}' was not planned for {self.directory}")
-        self._current.write(name, tensor)
+        if name in self.written:
+            raise RuntimeError(f"tensor '{name}' was written twice to {self.directory}")
+        if tuple(tensor.shape) != e.shape or tensor.dtype != e.dtype:
+            raise ValueError(
+                f"tensor '{name}' was planned as {e.dtype} {list(e.shape)} but got "
+                f"{tensor.dtype} {list(tensor.shape)}"
+            )
+        i, off = self.where[name]
+        f = self._handles.get(i)
+        if f is None:
+            f = open(os.path.join(self.directory, self.files[i]), "r+b")  # noqa: SIM115
+            self._handles[i] = f
+        f.seek(off)
+        write_tensor_bytes(f, tensor)
+        self.written.add(name)
 
     def close(self) -> str:
-        """Finish the last shard, write the index; return the index path."""
-        while self._current is not None:
-            self._open_next()
+        """Flush every shard, write the index; return the index path."""
+        missing = [n for n in self.planned if n not in self.written]
+        for f in self._handles.values():
+            f.flush()
+            if self.fsync:
+                os.fsync(f.fileno())
+            f.close()
+        self._handles.clear()
+        if missing:
+            raise RuntimeError(
+                f"{len(missing)} planned tensor(s) were never written to {self.directory}, "
+                f"first '{missing[0]}'"
+            )
         index = {
             "metadata": {"total_size": self.total, **self.index_metadata},
             "weight_map": self.weight_map,
         }
         path = os.path.join(self.directory, self.prefix + INDEX_SUFFIX)
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(index, f, indent=2)
-            f.write("\n")
-            f.flush()
+        with open(path, "w", encoding="utf-8") as out:
+            json.dump(index, out, indent=2)
+            out.write("\n")
+            out.flush()
             if self.fsync:
-                os.fsync(f.fileno())
+                os.fsync(out.fileno())
         return path
 
     def abort(self) -> None:
-        if self._current is not None:
-            self._current.f.close()
-            self._current = None
+        for f in self._handles.values():
+            f.close()
+        self._handles.clear()
 
 
 # ---------------------------------------------------------------- reading
@@ -348,3 +341,15 @@ def stored_tensors(directory: str, prefix: str = "model") -> dict[str, StoredTen
 
 def iter_files(directory: str) -> Iterable[str]:
     return sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
+
+
+def read_flat_range(st: StoredTensor, start: int, count: int, f: BinaryIO) -> torch.Tensor:
+    """Elements ``[start, start + count)`` of the flattened tensor, reading only those bytes."""
+    item = _itemsize(st.dtype)
+    buf = torch.empty(count * item, dtype=torch.uint8)
+    if count:
+        f.seek(st.begin + start * item)
+        got = f.readinto(buf.numpy().data)  # type: ignore[attr-defined]
+        if got != count * item:
+            raise ValueError(f"{st.file} is truncated: tensor '{st.name}' is short")
+    return buf.view(st.dtype)

@@ -33,11 +33,11 @@ from typing import Any, Callable
 import torch
 
 from .. import _compat
-from . import _dcp, _safetensors
+from . import _atomic, _dcp, _safetensors
 from ._safetensors import Entry, ShardedWriter
 from ._torch_save import StreamingTorchSave
 
-MARKER = "fsdp_wrap_checkpoint.json"  # written by fsdp_wrap's own savers
+MARKER = _atomic.MARKER  # written by fsdp_wrap's own savers
 _MODEL_KEYS = ("model",)
 _OPTIM_KEYS = ("optim", "optimizer")
 DEFAULT_MAX_SHARD = 5 * 2**30
@@ -101,16 +101,16 @@ class Source:
 
 def open_source(path: str, trust_pickle: bool = False) -> Source:
     """Recognise and open a checkpoint; clear errors for foreign or damaged ones."""
-    if not os.path.exists(path):
+    if not os.path.exists(path) and not os.path.isdir(_atomic.temp_path(path)):
         raise FileNotFoundError(f"{path} does not exist")
     marker = _read_marker(path)
-    if os.path.isdir(path):
+    if os.path.isdir(path) or os.path.isdir(_atomic.temp_path(path)):
+        if marker or not os.path.exists(path):
+            _atomic.check_complete(path)  # a save of fsdp_wrap's that did not finish
         if _dcp.is_dcp_dir(path):
             return _open_dcp(path, marker)
         if _safetensors.read_index(path) is not None or any(_safetensors.iter_files(path)):
             return _open_safetensors_dir(path, marker)
-        if os.path.exists(os.path.join(path, MARKER)) and not marker.get("complete", False):
-            raise ValueError(_incomplete_message(path, marker))
         raise ValueError(
             f"{path} is not a checkpoint fsdp-wrap knows: expected a torch.distributed.checkpoint "
             "directory (.metadata + *.distcp), a Hugging Face safetensors directory "
@@ -132,14 +132,6 @@ def _read_marker(path: str) -> dict[str, Any]:
         return data
     except ValueError:
         return {}
-
-
-def _incomplete_message(path: str, marker: dict[str, Any]) -> str:
-    done = marker.get("ranks_finished")
-    ws = marker.get("world_size")
-    missing = sorted(set(range(ws)) - set(done)) if isinstance(ws, int) and done is not None else []
-    who = f": rank {missing[0]} never finished" if missing else ""
-    return f"checkpoint {path} is incomplete{who}"
 
 
 def _open_dcp(path: str, marker: dict[str, Any]) -> Source:
@@ -195,8 +187,8 @@ def _open_safetensors_dir(path: str, marker: dict[str, Any]) -> Source:
                 leaves.append(_st_leaf(("model", n), t))
     src = Source(path, "safetensors", leaves)
     if marker.get("writer") == "fsdp_wrap":
-        src.writer = "fsdp_wrap (save_full_checkpoint)"
-        src.world_size = marker.get("world_size")
+        src.writer = "fsdp_wrap (save_full_checkpoint), complete"
+        src.notes.append(f"saved by {marker.get('world_size')} ranks; full tensors load at any world size")
     return src
 
 
