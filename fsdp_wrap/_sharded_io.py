@@ -85,33 +85,30 @@ def plan(h: FlatParamHandle, params: Sequence[int]) -> list[Piece]:
 def _exchange(
     h: FlatParamHandle,
     pieces: list[Piece],
-    read: dict[int, torch.Tensor],
-    write: dict[int, torch.Tensor],
+    shard: torch.Tensor,
+    chunks: dict[int, torch.Tensor],
     saving: bool,
 ) -> None:
     """Move every piece from its source to its destination in one all-to-all.
 
-    ``saving``: the source is the holder's flat shard (``h.local_shard``) and
-    the destination the owner's chunk (``write[param]``, flat); loading is the
-    reverse (``read[param]`` are this rank's chunks, flat).
+    ``shard`` is this rank's (padded) flat shard of a flat-parameter-shaped
+    tensor (the parameter itself, or one optimizer state); ``chunks[param]``
+    is this rank's dim-0 chunk of that parameter, flat.  ``saving`` moves
+    shard -> chunks, otherwise chunks -> shard.
     """
     me, ws = h.rank, h.world_size
     shard_base = h.shard_offset
     src_of = (lambda p: p.holder) if saving else (lambda p: p.owner)
     dst_of = (lambda p: p.owner) if saving else (lambda p: p.holder)
 
-    def source(p: Piece) -> torch.Tensor:
-        if saving:
-            return h.local_shard[p.start - shard_base : p.end - shard_base]
+    def in_shard(p: Piece) -> torch.Tensor:
+        return shard[p.start - shard_base : p.end - shard_base]
+
+    def in_chunk(p: Piece) -> torch.Tensor:
         base = chunk_range(h, p.param, me)[0]
-        return read[p.param][p.start - base : p.end - base]
+        return chunks[p.param][p.start - base : p.end - base]
 
-    def target(p: Piece) -> torch.Tensor:
-        if saving:
-            base = chunk_range(h, p.param, me)[0]
-            return write[p.param][p.start - base : p.end - base]
-        return h.local_shard[p.start - shard_base : p.end - shard_base]
-
+    source, target = (in_shard, in_chunk) if saving else (in_chunk, in_shard)
     sends: list[list[Piece]] = [[] for _ in range(ws)]
     recvs: list[list[Piece]] = [[] for _ in range(ws)]
     for p in pieces:
@@ -126,15 +123,14 @@ def _exchange(
     out_splits = [sum(p.end - p.start for p in r) for r in recvs]
     if ws == 1:
         return
-    dtype, device = h.local_shard.dtype, h.local_shard.device
-    send_buf = torch.empty(sum(in_splits), dtype=dtype, device=device)
+    send_buf = torch.empty(sum(in_splits), dtype=shard.dtype, device=shard.device)
     pos = 0
     for s in sends:
         for p in s:
             n = p.end - p.start
             send_buf[pos : pos + n].copy_(source(p))
             pos += n
-    recv_buf = torch.empty(sum(out_splits), dtype=dtype, device=device)
+    recv_buf = torch.empty(sum(out_splits), dtype=shard.dtype, device=shard.device)
     _collectives.all_to_all_into(recv_buf, send_buf, out_splits, in_splits, h.process_group)
     del send_buf
     pos = 0
@@ -145,28 +141,43 @@ def _exchange(
             pos += n
 
 
-def local_chunks(h: FlatParamHandle) -> list[torch.Tensor]:
-    """This rank's dim-0 chunk of every original parameter (fresh tensors), a collective.
-
-    The flat shard is read where it lives (CPU when offloaded); nothing is gathered.
-    """
-    out: list[torch.Tensor] = []
+def chunks_from_shard(
+    h: FlatParamHandle, shard: torch.Tensor, params: Sequence[int]
+) -> dict[int, torch.Tensor]:
+    """This rank's dim-0 chunk of each parameter in ``params`` (fresh tensors shaped
+    ``[rows, *shape[1:]]``) out of every rank's flat ``shard``: a collective, every
+    rank passing the same ``params``."""
+    out: dict[int, torch.Tensor] = {}
     flat: dict[int, torch.Tensor] = {}
-    for i, info in enumerate(h.infos):
+    for i in params:
+        info = h.infos[i]
         rows = chunk_rows(h, i, h.rank)[1]
-        t = torch.empty((rows, *info.shape[1:]), dtype=h.local_shard.dtype, device=h.local_shard.device)
-        out.append(t)
-        flat[i] = t.view(-1)
-    _exchange(h, plan(h, range(len(h.infos))), {}, flat, saving=True)
+        out[i] = torch.empty((rows, *info.shape[1:]), dtype=shard.dtype, device=shard.device)
+        flat[i] = out[i].view(-1)
+    _exchange(h, plan(h, params), shard, flat, saving=True)
     return out
 
 
-def load_chunks(h: FlatParamHandle, chunks: dict[int, torch.Tensor]) -> None:
-    """Write this rank's dim-0 chunks ``{param index: chunk}`` into the flat shards that
-    hold them, a collective.  Every rank must pass the same parameter indices."""
-    flat = {i: c.detach().reshape(-1).to(h.local_shard.dtype) for i, c in chunks.items()}
+def shard_from_chunks(
+    h: FlatParamHandle, chunks: dict[int, torch.Tensor], into: torch.Tensor
+) -> None:
+    """Write this rank's dim-0 chunks ``{param index: chunk}`` into the flat shards
+    ``into`` of the ranks that hold them: a collective, every rank passing the same
+    parameter indices."""
+    flat = {i: c.detach().reshape(-1).to(into.dtype) for i, c in chunks.items()}
     with torch.no_grad():
-        _exchange(h, plan(h, sorted(chunks)), flat, {}, saving=False)
+        _exchange(h, plan(h, sorted(chunks)), into, flat, saving=False)
+
+
+def local_chunks(h: FlatParamHandle) -> list[torch.Tensor]:
+    """This rank's dim-0 chunk of every original parameter, read where the shard lives."""
+    chunks = chunks_from_shard(h, h.local_shard, range(len(h.infos)))
+    return [chunks[i] for i in range(len(h.infos))]
+
+
+def load_chunks(h: FlatParamHandle, chunks: dict[int, torch.Tensor]) -> None:
+    """This rank's dim-0 parameter chunks into the flat parameter shards that hold them."""
+    shard_from_chunks(h, chunks, h.local_shard)
 
 
 def load_sharded_unit(
