@@ -1,7 +1,8 @@
 """``save_full_checkpoint`` / ``load_full_checkpoint``: the full model straight to disk.
 
 Real 2- and 3-rank gloo jobs write Hugging Face safetensors checkpoints; the
-files must hold exactly the FULL state dict fsdp_wrap returns (checked with the
+files must hold exactly the FULL state dict fsdp_wrap returns, whatever the
+window parameters travel in (checked with the
 ``safetensors`` package, and ``transformers`` loads a GPT-2 saved this way),
 load back at another world size and ``use_orig_params`` mode, and be refused,
 before the model is touched, when they do not match it.  A 2-rank job started
@@ -102,7 +103,30 @@ def _save_all(root: str) -> dict[str, Any]:
         model, opt = build(uop=uop, sharding_strategy=fsdp_wrap.ShardingStrategy[strategy])
         train(model, opt, range(2))
         path = os.path.join(root, f"{uop}-{strategy}")
-        save_full_checkpoint(model, path, max_shard_size=600)
+        # windows of 5 floats: parameters arrive in many pieces that straddle shards
+        sent = [0]
+        real_send = dist.send
+
+        def counting_send(
+            tensor: torch.Tensor, *a: Any, sent: list[int] = sent, real: Any = real_send, **k: Any
+        ) -> Any:
+            sent[0] += tensor.numel() * tensor.element_size()
+            return real(tensor, *a, **k)
+
+        dist.send = counting_send  # type: ignore[assignment]
+        try:
+            save_full_checkpoint(model, path, max_shard_size=600, window_bytes=20 if uop else 2**20)
+        finally:
+            dist.send = real_send
+        shard = sum(
+            st._handle.shard_valid_numel * 4
+            for st in fsdp_wrap.FullyShardedDataParallel.fsdp_modules(model) if st._handle
+        )
+        # rank 0 sends nothing; the others send their own shard once (not with NO_SHARD)
+        if sent[0] > (0 if dist.get_rank() == 0 or strategy == "NO_SHARD" else shard):
+            raise AssertionError(f"rank {dist.get_rank()} sent {sent[0]} bytes, shard {shard}")
+        if dist.get_rank() == 1 and strategy != "NO_SHARD" and sent[0] == 0:
+            raise AssertionError("rank 1 sent nothing")
         out[path] = _full_sd(model)
     return out
 

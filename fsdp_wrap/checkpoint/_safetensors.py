@@ -159,7 +159,7 @@ class ShardedWriter:
         self.total = sum(e.nbytes for e in entries)
         self.planned = {e.name: e for e in entries}
         self.where: dict[str, tuple[int, int]] = {}  # name -> (file index, absolute offset)
-        self.written: set[str] = set()
+        self.written: dict[str, int] = {}  # elements written per tensor
         self._handles: dict[int, BinaryIO] = {}
         meta = {"format": "pt", **(metadata or {})}
         for i, (file, shard) in enumerate(zip(self.files, self.shards)):
@@ -171,28 +171,40 @@ class ShardedWriter:
                 self.where[name] = (i, off)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write all of tensor ``name`` (shape and dtype as planned)."""
         e = self.planned.get(name)
-        if e is None:
-            raise RuntimeError(f"tensor '{name}' was not planned for {self.directory}")
-        if name in self.written:
-            raise RuntimeError(f"tensor '{name}' was written twice to {self.directory}")
-        if tuple(tensor.shape) != e.shape or tensor.dtype != e.dtype:
+        if e is not None and (tuple(tensor.shape) != e.shape or tensor.dtype != e.dtype):
             raise ValueError(
                 f"tensor '{name}' was planned as {e.dtype} {list(e.shape)} but got "
                 f"{tensor.dtype} {list(tensor.shape)}"
+            )
+        self.write_range(name, 0, tensor.reshape(-1))
+
+    def write_range(self, name: str, offset: int, flat: torch.Tensor) -> None:
+        """Write elements ``[offset, offset + flat.numel())`` of tensor ``name`` (flattened)."""
+        e = self.planned.get(name)
+        if e is None:
+            raise RuntimeError(f"tensor '{name}' was not planned for {self.directory}")
+        numel = math.prod(e.shape)
+        if flat.dtype != e.dtype or offset < 0 or offset + flat.numel() > numel:
+            raise ValueError(
+                f"tensor '{name}' ({e.dtype}, {numel} elements): cannot write {flat.numel()} "
+                f"{flat.dtype} elements at element {offset}"
             )
         i, off = self.where[name]
         f = self._handles.get(i)
         if f is None:
             f = open(os.path.join(self.directory, self.files[i]), "r+b")  # noqa: SIM115
             self._handles[i] = f
-        f.seek(off)
-        write_tensor_bytes(f, tensor)
-        self.written.add(name)
+        f.seek(off + offset * _itemsize(e.dtype))
+        write_tensor_bytes(f, flat)
+        self.written[name] = self.written.get(name, 0) + flat.numel()
 
     def close(self) -> str:
         """Flush every shard, write the index; return the index path."""
-        missing = [n for n in self.planned if n not in self.written]
+        missing = [
+            n for n, e in self.planned.items() if self.written.get(n, 0) != math.prod(e.shape)
+        ]
         for f in self._handles.values():
             f.flush()
             if self.fsync:

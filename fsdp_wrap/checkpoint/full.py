@@ -2,12 +2,14 @@
 
 :func:`save_full_checkpoint` writes the unwrapped model's state dict (clean
 FQNs, full tensors) from rank 0 into ``model-0000x-of-0000n.safetensors`` +
-``model.safetensors.index.json`` while the FULL state dict is being produced:
-each FSDP unit's tensors go to disk as soon as the unit has been gathered to
-rank 0 and are dropped before the next unit, so the model never exists whole
-in any rank's memory.  The layout is planned (names, shapes, dtypes -> files
-and offsets) before any tensor exists, which is what lets each tensor be
-written the moment it arrives.  The save is atomic (see :mod:`._atomic`).
+``model.safetensors.index.json``, the same tensors a FULL state dict holds.
+Nothing is gathered: each original parameter travels to rank 0 in windows of
+bounded size (the ranks holding a window's elements send exactly those, point
+to point) and each window is written at its place in the file before the next
+arrives, so the model, and even a whole unit, never exists in any rank's
+memory.  The layout is planned (names, shapes, dtypes -> files and offsets)
+before any tensor exists, which is what lets each window be written the moment
+it arrives.  The save is atomic (see :mod:`._atomic`).
 
 :func:`load_full_checkpoint` is its twin: every rank verifies the checkpoint
 (complete, every tensor present with the right shape and dtype) before it
@@ -28,10 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import _compat
 from .._layout import walk_unit_modules
 from .._state_dict import FLAT_PARAM_KEY, clean_key
-from ..api import FullStateDictConfig, StateDictType
 from . import _atomic, _safetensors
 from ._safetensors import Entry, ShardedWriter
 
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from ..fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 2**30
+DEFAULT_WINDOW_BYTES = 64 * 2**20  # what rank 0 receives and writes at a time
 
 __all__ = ["save_full_checkpoint", "load_full_checkpoint", "DEFAULT_MAX_SHARD_SIZE"]
 
@@ -81,34 +82,15 @@ def plan_entries(model: FSDP) -> dict[str, Entry]:
     them), parameters FSDP does not manage (ignored modules) and persistent
     buffers in their original dtype.
     """
-    cls = _fsdp_cls()
     out: dict[str, Entry] = {}
     for unit_name, st in _units(model):
         h = st._handle
-        managed: set[int] = set()
         if h is not None:
-            managed = {id(info.param) for info in h.infos} | {id(h.flat_param)}
-            for info in h.infos:
-                key = _join(unit_name, clean_key(info.fqn))
-                out[key] = Entry(key, tuple(info.shape), h.orig_dtype)
-            for shared in h.shared:
-                key = _join(unit_name, clean_key(shared.fqn))
-                info = h.infos[shared.index]
-                out[key] = Entry(key, tuple(info.shape), h.orig_dtype)
-        for mod_fqn, mod in walk_unit_modules(st._fsdp_wrapped_module, lambda m: isinstance(m, cls)):
-            rel_mod = clean_key(mod_fqn + "." if mod_fqn else "").rstrip(".")
-            for n, p in mod._parameters.items():
-                if p is None or id(p) in managed or n == FLAT_PARAM_KEY:
-                    continue
-                key = _join(unit_name, _join(rel_mod, n))
-                out.setdefault(key, Entry(key, tuple(p.shape), p.dtype))
-            for n, b in mod._buffers.items():
-                if b is None or n in mod._non_persistent_buffers_set:
-                    continue
-                rel = _join(rel_mod, n)
-                dtype = st._buffer_orig_dtypes.get(rel, b.dtype)
-                key = _join(unit_name, rel)
-                out.setdefault(key, Entry(key, tuple(b.shape), dtype))
+            for i, info in enumerate(h.infos):
+                for key in _names(h, unit_name, i):
+                    out[key] = Entry(key, tuple(info.shape), h.orig_dtype)
+        for key, t, dtype in _unmanaged_tensors(unit_name, st):
+            out.setdefault(key, Entry(key, tuple(t.shape), dtype))
     return out
 
 
@@ -121,18 +103,20 @@ def save_full_checkpoint(
     *,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     extra_files: dict[str, str | bytes] | None = None,
+    window_bytes: int = DEFAULT_WINDOW_BYTES,
     on_unit: Callable[[str, int, int], None] | None = None,
 ) -> None:
     """Write ``model``'s full state dict to ``path`` as Hugging Face safetensors, atomically.
 
-    A collective: call it on every rank.  Rank 0 writes; each FSDP unit is
-    gathered to rank 0 alone, written and dropped, so rank 0 holds its shard
-    plus the copies of the units on the current nesting path (one unit for a
-    flat stack of blocks) and the other ranks only send their shards.
-    ``max_shard_size`` (bytes) bounds each ``.safetensors`` file.
-    ``extra_files`` (name -> content) are written by rank 0 alongside, e.g.
-    ``{"config.json": model.config.to_json_string()}`` so that ``transformers``'
-    ``from_pretrained(path)`` loads the checkpoint.
+    A collective: call it on every rank.  Rank 0 writes.  Each original
+    parameter is moved to rank 0 in windows of at most ``window_bytes``: the
+    ranks holding a window's elements send exactly those (point to point),
+    rank 0 writes the window at its place in the file and reuses the buffer.
+    So rank 0 holds its shard plus one window, whatever the size of the units,
+    and every other rank sends its own shard once.  ``max_shard_size`` (bytes)
+    bounds each ``.safetensors`` file.  ``extra_files`` (name -> content) are
+    written alongside, e.g. ``{"config.json": model.config.to_json_string()}``
+    so that ``transformers``' ``from_pretrained(path)`` loads the checkpoint.
     ``on_unit(unit_fqn, done, total)`` is called on every rank after each unit
     (progress reporting).  ``path`` appears only once every rank has finished
     and the files are flushed; until then the data lives in
@@ -142,11 +126,12 @@ def save_full_checkpoint(
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"[rank {root.rank}] save_full_checkpoint: path must be a str, got {type(path).__name__}")
     path = os.fspath(path)
-    if max_shard_size <= 0:
-        raise ValueError(
-            f"[rank {root.rank}] save_full_checkpoint: max_shard_size must be a positive number "
-            f"of bytes, got {max_shard_size}"
-        )
+    for what, value in (("max_shard_size", max_shard_size), ("window_bytes", window_bytes)):
+        if value <= 0:
+            raise ValueError(
+                f"[rank {root.rank}] save_full_checkpoint: {what} must be a positive number "
+                f"of bytes, got {value}"
+            )
     rank = dist.get_rank()
     world = dist.get_world_size()
     entries = plan_entries(root)
@@ -161,23 +146,25 @@ def save_full_checkpoint(
                 _write_extra(tmp, name, content)
         except (OSError, ValueError, TypeError) as e:
             setup_error = e
-    # One small collective before the state-dict traversal: a rank 0 that could not
-    # create the directory makes every rank raise instead of the others waiting.
+    # One small collective before any data moves: a rank 0 that could not create
+    # the directory makes every rank raise instead of the others waiting.
     _agree(setup_error, rank, "save_full_checkpoint could not start")
 
-    error: BaseException | None = None
+    sink = _Sink(writer)
     try:
-        _stream_full_state_dict(root, writer, entries, on_unit)
-        if writer is not None:
-            writer.close()
-    except BaseException as e:  # reported below, and re-raised
-        error = e
+        _stream_units(root, sink, window_bytes, on_unit)
+        if writer is not None and sink.error is None:
+            sink.run(writer.close)
+    except BaseException as e:  # a collective broke (a rank died): nothing to agree on
         if writer is not None:
             writer.abort()
         _atomic.report(tmp, rank, e)
         raise
-    _atomic.report(tmp, rank, None)
-    _agree(error, rank, "save_full_checkpoint failed")
+    if writer is not None:
+        writer.abort()
+    _atomic.report(tmp, rank, sink.error)
+    # rank 0's write errors were held back so that the others could finish sending
+    _agree(sink.error, rank, "save_full_checkpoint failed")
     commit_error: BaseException | None = None
     if rank == 0:
         try:
@@ -186,6 +173,115 @@ def save_full_checkpoint(
         except OSError as e:
             commit_error = e
     _agree(commit_error, rank, "save_full_checkpoint could not finish")
+
+
+
+class _Sink:
+    """Rank 0's writes; the first error is kept (and later writes skipped) so that the
+    other ranks, which are sending, are never left waiting."""
+
+    def __init__(self, writer: ShardedWriter | None) -> None:
+        self.writer = writer
+        self.error: BaseException | None = None
+
+    def run(self, fn: Callable[[], Any]) -> None:
+        if self.error is None:
+            try:
+                fn()
+            except (OSError, ValueError, RuntimeError, TypeError) as e:
+                self.error = e
+
+    def write(self, name: str, offset: int, flat: torch.Tensor) -> None:
+        if self.writer is not None:
+            writer = self.writer
+            self.run(lambda: writer.write_range(name, offset, flat))
+
+
+def _stream_units(
+    root: FSDP,
+    sink: _Sink,
+    window_bytes: int,
+    on_unit: Callable[[str, int, int], None] | None,
+) -> None:
+    units = _units(root)
+    for done, (unit_name, st) in enumerate(units, start=1):
+        if st._handle is not None:
+            _stream_handle(st._handle, unit_name, sink, window_bytes)
+        if sink.writer is not None:
+            for name, tensor, dtype in _unmanaged_tensors(unit_name, st):
+                flat = tensor.detach().to(dtype).reshape(-1)
+                sink.write(name, 0, flat)
+        if on_unit is not None:
+            on_unit(unit_name, done, len(units))
+
+
+def _stream_handle(h: Any, unit_name: str, sink: _Sink, window_bytes: int) -> None:
+    """Move each original parameter of ``h`` to global rank 0 window by window."""
+    pg = h.process_group
+    ws = h.world_size
+    members = [dist.get_global_rank(pg, r) for r in range(ws)]
+    if 0 not in members:
+        return  # another replica (hybrid sharding): rank 0's own group holds every shard
+    dest = members.index(0)
+    me = h.rank
+    shard = h.local_shard
+    if not h.uses_sharded_strategy:  # NO_SHARD: rank 0 holds everything itself
+        if me == dest:
+            for i, info in enumerate(h.infos):
+                flat = shard[info.offset : info.offset + info.numel]
+                for name in _names(h, unit_name, i):
+                    sink.write(name, 0, flat)
+        return
+    S = h.shard_numel
+    window = max(1, window_bytes // shard.element_size())
+    buf = torch.empty(min(window, max((i.numel for i in h.infos), default=1)), dtype=shard.dtype,
+                      device=shard.device) if me == dest else None
+    for i, info in enumerate(h.infos):
+        names = _names(h, unit_name, i)
+        for w0 in range(0, info.numel, window):
+            w1 = min(info.numel, w0 + window)
+            a, b = info.offset + w0, info.offset + w1
+            holders = range(a // S, (b - 1) // S + 1)
+            if buf is not None:
+                out = buf[: w1 - w0]
+                for r in holders:
+                    lo, hi = max(a, r * S), min(b, (r + 1) * S)
+                    piece = out[lo - a : hi - a]
+                    if r == me:
+                        piece.copy_(shard[lo - me * S : hi - me * S])
+                    else:
+                        dist.recv(piece, src=members[r], group=pg)
+                for name in names:
+                    sink.write(name, w0, out)
+            elif me in holders:
+                lo, hi = max(a, me * S), min(b, (me + 1) * S)
+                dist.send(shard[lo - me * S : hi - me * S], dst=0, group=pg)
+
+
+def _names(h: Any, unit_name: str, index: int) -> list[str]:
+    """The clean keys of parameter ``index`` of ``h``: itself and its tied aliases."""
+    names = [_join(unit_name, clean_key(h.infos[index].fqn))]
+    names += [_join(unit_name, clean_key(s.fqn)) for s in h.shared if s.index == index]
+    return names
+
+
+def _unmanaged_tensors(unit_name: str, st: FSDP) -> list[tuple[str, torch.Tensor, torch.dtype]]:
+    """Persistent buffers (in their original dtype) and parameters FSDP does not manage
+    of the modules this unit owns: every rank holds them whole."""
+    cls = _fsdp_cls()
+    h = st._handle
+    managed = set() if h is None else {id(i.param) for i in h.infos} | {id(h.flat_param)}
+    out: list[tuple[str, torch.Tensor, torch.dtype]] = []
+    for mod_fqn, mod in walk_unit_modules(st._fsdp_wrapped_module, lambda m: isinstance(m, cls)):
+        rel_mod = clean_key(mod_fqn + "." if mod_fqn else "").rstrip(".")
+        for n, p in mod._parameters.items():
+            if p is not None and id(p) not in managed and n != FLAT_PARAM_KEY:
+                out.append((_join(unit_name, _join(rel_mod, n)), p, p.dtype))
+        for n, b in mod._buffers.items():
+            if b is not None and n not in mod._non_persistent_buffers_set:
+                rel = _join(rel_mod, n)
+                out.append((_join(unit_name, rel), b, st._buffer_orig_dtypes.get(rel, b.dtype)))
+    return out
 
 
 def _write_extra(directory: str, name: str, content: str | bytes) -> None:
@@ -209,58 +305,6 @@ def _agree(error: BaseException | None, rank: int, what: str) -> None:
         if error is not None and rank in bad:
             raise RuntimeError(f"[rank {rank}] {what}: {detail}") from error
         raise RuntimeError(f"[rank {rank}] {what}: {detail}")
-
-
-def _stream_full_state_dict(
-    root: FSDP,
-    writer: ShardedWriter | None,
-    entries: dict[str, Entry],
-    on_unit: Callable[[str, int, int], None] | None,
-) -> None:
-    """FULL ``state_dict()`` (rank0_only) whose values are written and dropped per unit.
-
-    A post-hook on every unit runs after fsdp_wrap's own one: the keys still in
-    the dict under that unit's prefix are its own (nested units already took
-    theirs), so they are written and removed.
-    """
-    cls = _fsdp_cls()
-    units = _units(root)
-    total = len(units)
-    done = [0]
-    write_error: list[BaseException] = []
-
-    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
-        for key in [k for k in state_dict if k.startswith(prefix)]:
-            value = state_dict.pop(key)
-            if writer is None or write_error:
-                continue
-            name = clean_key(key)
-            try:
-                if not isinstance(value, torch.Tensor):
-                    raise TypeError(
-                        f"'{name}' is a {type(value).__name__}: safetensors holds tensors only"
-                    )
-                if name not in entries:
-                    raise RuntimeError(f"'{name}' is in the state dict but was not planned")
-                writer.write(name, value.to(entries[name].dtype))
-            except BaseException as e:  # keep the collective traversal going; raise after
-                write_error.append(e)
-        done[0] += 1
-        if on_unit is not None:
-            on_unit(clean_key(prefix).rstrip("."), done[0], total)
-
-    handles = [_compat.register_state_dict_post_hook(m, hook) for _, m in units]
-    try:
-        cfg = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
-        with cls.state_dict_type(root, StateDictType.FULL_STATE_DICT, cfg):
-            leftover = root.state_dict()
-    finally:
-        for h in handles:
-            h.remove()
-    if write_error:
-        raise write_error[0]
-    if leftover:
-        raise RuntimeError(f"state dict keys outside every FSDP unit: {sorted(leftover)[:5]}")
 
 
 # ---------------------------------------------------------------------- load
@@ -319,7 +363,6 @@ def load_full_checkpoint(model: nn.Module, path: str, *, strict: bool = True) ->
     """
     root = _root(model, "load_full_checkpoint")
     stored = verify_full_checkpoint(root, path, strict)
-    cls = _fsdp_cls()
     files: dict[str, Any] = {}
     try:
         def fh(file: str) -> Any:
@@ -330,9 +373,7 @@ def load_full_checkpoint(model: nn.Module, path: str, *, strict: bool = True) ->
         with torch.no_grad():
             for unit_name, st in _units(root):
                 h = st._handle
-                managed: set[int] = set()
                 if h is not None:
-                    managed = {id(info.param) for info in h.infos} | {id(h.flat_param)}
                     h.invalidate_unsharded()
                     for i, info in enumerate(h.infos):
                         sl = h.param_shard_slice(i)
@@ -342,18 +383,9 @@ def load_full_checkpoint(model: nn.Module, path: str, *, strict: bool = True) ->
                         s = stored[_join(unit_name, clean_key(info.fqn))]
                         piece = _safetensors.read_flat_range(s, start, sl[1] - sl[0], fh(s.file))
                         h.local_shard[sl[0] : sl[1]].copy_(piece)
-                for mod_fqn, mod in walk_unit_modules(st._fsdp_wrapped_module, lambda m: isinstance(m, cls)):
-                    rel_mod = clean_key(mod_fqn + "." if mod_fqn else "").rstrip(".")
-                    tensors = [
-                        (n, t) for n, t in mod._parameters.items()
-                        if t is not None and id(t) not in managed and n != FLAT_PARAM_KEY
-                    ] + [
-                        (n, t) for n, t in mod._buffers.items()
-                        if t is not None and n not in mod._non_persistent_buffers_set
-                    ]
-                    for n, t in tensors:
-                        s = stored[_join(unit_name, _join(rel_mod, n))]
-                        t.copy_(_safetensors.read_tensor(s, fh(s.file)))
+                for key, t, _ in _unmanaged_tensors(unit_name, st):
+                    s = stored[key]
+                    t.copy_(_safetensors.read_tensor(s, fh(s.file)))
     finally:
         for f in files.values():
             f.close()
