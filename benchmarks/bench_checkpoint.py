@@ -101,19 +101,28 @@ def _step(model: nn.Module, opt: Any) -> None:
 
 
 class Window:
-    """Peak RSS growth and c10d bytes over a region of this rank."""
+    """Over a region of this rank: peak RSS growth, what stayed (the result), and the
+    c10d bytes of the calls made under :meth:`counted`."""
 
     def __init__(self, count: bool = True) -> None:
         self.mem = PeakMemory(CPU)
         self.counter = CollectiveCounter() if count else None
 
     def __enter__(self) -> Window:
+        malloc_trim()
         self.mem.start_window()
         self.base = self.mem.current()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.peak = self.mem.peak() - self.base
+        malloc_trim()
+        self.kept = max(0, self.mem.current() - self.base)
+
+    @property
+    def transient(self) -> int:
+        """Peak memory beyond what the region returned (buffers, gathered copies)."""
+        return self.peak - self.kept
 
     def counted(self) -> Any:
         return self.counter if self.counter is not None else _Null()
@@ -143,32 +152,31 @@ def job_sharded(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     _step(model, opt)
     FSDP = F.FullyShardedDataParallel
     sd_type = F.StateDictType.SHARDED_STATE_DICT
-    malloc_trim()
     with Window() as save:
         with FSDP.state_dict_type(model, sd_type), save.counted():
             state = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, opt)}
-        dcp.save(state, checkpoint_id=path)
-        del state
-        malloc_trim()
+    dcp.save(state, checkpoint_id=path)
+    del state
     other, other_opt, _ = _build(fw, cfg, seed=1)
     _step(other, other_opt)  # the optimizer template needs state
-    malloc_trim()
-    with Window() as load:
-        with FSDP.state_dict_type(other, sd_type):
-            with load.counted():
-                state = {"model": other.state_dict(), "optim": FSDP.optim_state_dict(other, other_opt)}
-            dcp.load(state, checkpoint_id=path)
-            with load.counted():
-                other.load_state_dict(state["model"])
-                osd = FSDP.optim_state_dict_to_load(other, other_opt, state["optim"])
-            other_opt.load_state_dict(osd)
-            del state, osd
-        malloc_trim()
+    with FSDP.state_dict_type(other, sd_type):
+        with Window() as template, template.counted():
+            state = {"model": other.state_dict(), "optim": FSDP.optim_state_dict(other, other_opt)}
+        dcp.load(state, checkpoint_id=path)
+        with Window() as load_model, load_model.counted():
+            other.load_state_dict(state["model"])
+        with Window() as load_optim, load_optim.counted():
+            osd = FSDP.optim_state_dict_to_load(other, other_opt, state["optim"])
+        other_opt.load_state_dict(osd)
+        del state, osd
     shard = sum(p.numel() * p.element_size() for p in model.parameters())
     return {
-        "save_bytes": save.bytes, "save_peak": save.peak,
-        "load_bytes": load.bytes, "load_peak": load.peak,
         "shard_bytes": shard,
+        "save_bytes": save.bytes, "save_peak": save.peak, "save_kept": save.kept,
+        "save_transient": save.transient,
+        "template_bytes": template.bytes, "template_transient": template.transient,
+        "load_bytes": load_model.bytes + load_optim.bytes,
+        "load_transient": max(load_model.transient, load_optim.transient),
     }
 
 
@@ -180,7 +188,6 @@ def job_full(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     model, opt, F = _build(fw, cfg, seed=0)
     _step(model, opt)
     FSDP = F.FullyShardedDataParallel
-    malloc_trim()
     with Window(count=False) as w:
         if fw == "fsdp_wrap":
             save_full_checkpoint(model, path, max_shard_size=cfg["max_shard_size"])
@@ -325,16 +332,22 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for r in range(args.nproc):
         t, o = sharded["torch_fsdp1"][r], sharded["fsdp_wrap"][r]
+        t_load = t["template_bytes"] + t["load_bytes"]
+        o_load = o["template_bytes"] + o["load_bytes"]
         rows.append([
-            str(r), _mib(t["shard_bytes"]),
+            str(r), _mib(t["shard_bytes"]), _mib(o["save_kept"]),
             _mib(t["save_bytes"]), _mib(o["save_bytes"]), f"{o['save_bytes'] / max(t['save_bytes'], 1):.2f}",
-            _mib(t["save_peak"]), _mib(o["save_peak"]),
-            _mib(t["load_bytes"]), _mib(o["load_bytes"]), f"{o['load_bytes'] / max(t['load_bytes'], 1):.2f}",
-            _mib(t["load_peak"]), _mib(o["load_peak"]),
+            _mib(t["save_transient"]), _mib(o["save_transient"]),
+            _mib(t_load), _mib(o_load), f"{o_load / max(t_load, 1):.2f}",
+            _mib(max(t["template_transient"], t["load_transient"])),
+            _mib(max(o["template_transient"], o["load_transient"])),
         ])
-    print("SHARDED_STATE_DICT save and load (model + optimizer, MiB per rank)\n")
-    print(_table(["rank", "param shard", "save bytes torch", "ours", "ratio", "save peak torch", "ours",
-                  "load bytes torch", "ours", "ratio", "load peak torch", "ours"], rows))
+    print("SHARDED_STATE_DICT save and load, model + Adam state (MiB per rank).  bytes: moved by\n"
+          "the state-dict calls; transient: peak RSS beyond what the call returns (load: the\n"
+          "largest of the template's state dicts, load_state_dict, optim_state_dict_to_load)\n")
+    print(_table(["rank", "param shard", "state dict", "save bytes torch", "ours", "ratio",
+                  "save transient torch", "ours", "load bytes torch", "ours", "ratio",
+                  "load transient torch", "ours"], rows))
     t0, o0 = full["torch_fsdp1"][0]["peak"], full["fsdp_wrap"][0]["peak"]
     print("\nfull checkpoint, rank 0 peak RSS growth (MiB)\n")
     print(_table(["torch FULL_STATE_DICT rank0_only + torch.save", "save_full_checkpoint", "ratio"],

@@ -41,7 +41,13 @@ if TYPE_CHECKING:
 DEFAULT_MAX_SHARD_SIZE = 5 * 2**30
 DEFAULT_WINDOW_BYTES = 64 * 2**20  # what rank 0 receives and writes at a time
 
-__all__ = ["save_full_checkpoint", "load_full_checkpoint", "DEFAULT_MAX_SHARD_SIZE"]
+__all__ = [
+    "DEFAULT_MAX_SHARD_SIZE",
+    "DEFAULT_WINDOW_BYTES",
+    "load_full_checkpoint",
+    "save_full_checkpoint",
+    "verify_full_checkpoint",
+]
 
 
 def _fsdp_cls() -> type[FSDP]:
@@ -358,8 +364,8 @@ def load_full_checkpoint(model: nn.Module, path: str, *, strict: bool = True) ->
 
     Verifies first (see :func:`verify_full_checkpoint`), then each rank reads
     only its own shard of every flat parameter plus the buffers and unmanaged
-    parameters.  No collective: every rank may call it independently, but all
-    ranks should load the same checkpoint.
+    parameters.  No collective (beyond fsdp_wrap's one-time lazy initialisation
+    if the model has not run yet); all ranks should load the same checkpoint.
     """
     root = _root(model, "load_full_checkpoint")
     stored = verify_full_checkpoint(root, path, strict)
