@@ -240,6 +240,22 @@ def _save_one(path: str) -> None:
     save_full_checkpoint(model, path, max_shard_size=600)
 
 
+def _gpt2_load(path: str) -> list[str]:
+    """A directory written by transformers' save_pretrained (the tied head is not stored)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=16)
+    torch.manual_seed(1)
+    model = fsdp_wrap.FullyShardedDataParallel(
+        GPT2LMHeadModel(cfg), auto_wrap_policy=ModuleWrapPolicy({GPT2Block}), device_id=CPU,
+    )
+    load_full_checkpoint(model, path)
+    want = GPT2LMHeadModel.from_pretrained(path).state_dict()
+    got = _full_sd(model)  # a collective; {} off rank 0
+    return [k for k, v in got.items() if not torch.equal(v, want[k])]
+
+
 def test_transformers_from_pretrained_reads_it(pool2: Any, tmp_path: Any) -> None:
     from transformers import GPT2LMHeadModel
 
@@ -251,6 +267,12 @@ def test_transformers_from_pretrained_reads_it(pool2: Any, tmp_path: Any) -> Non
     got = model.state_dict()
     for k, v in want.items():
         assert torch.equal(got[k], v), k
+    # and the other way: what transformers writes loads into the wrapped model
+    hf_dir = str(tmp_path / "hf-written")
+    model.save_pretrained(hf_dir, max_shard_size="20KB")
+    assert "lm_head.weight" not in json.load(
+        open(os.path.join(hf_dir, "model.safetensors.index.json")))["weight_map"]
+    assert pool2.run(_gpt2_load, hf_dir) == [[], []]
 
 
 def test_sigkill_midway_keeps_the_previous_checkpoint(pool2: Any, tmp_path: Any) -> None:
@@ -301,3 +323,22 @@ def _load_after_kill(root: str) -> str:
 def test_bad_arguments_raise_before_any_collective(bad: str) -> None:
     with pytest.raises(TypeError, match="root fsdp_wrap FullyShardedDataParallel"):
         save_full_checkpoint(nn.Linear(2, 2), "/tmp/x")
+
+
+def _hybrid_round_trip(path: str) -> list[str]:
+    """HYBRID_SHARD on a 2x2 mesh: only rank 0's replica sends; loads into FULL_SHARD."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model, opt = build(sharding_strategy=fsdp_wrap.ShardingStrategy.HYBRID_SHARD, device_mesh=mesh)
+    train(model, opt, range(2))
+    save_full_checkpoint(model, path, max_shard_size=600, window_bytes=24)
+    want = C.full_params(model)
+    other, _ = build(seed=4)
+    load_full_checkpoint(other, path)
+    got = C.full_params(other)
+    return [k for k in want if not torch.equal(want[k], got[k])]
+
+
+def test_hybrid_sharding_saves_from_one_replica(pool4: Any, tmp_path: Any) -> None:
+    assert pool4.run(_hybrid_round_trip, str(tmp_path / "hybrid")) == [[], [], [], []]

@@ -321,7 +321,8 @@ def verify_full_checkpoint(model: nn.Module, path: str, strict: bool = True) -> 
 
     Complete (the marker says so and every file the index names is there and
     long enough), every tensor the model needs present with its shape and
-    dtype, and (``strict``) nothing else.  Returns the stored tensors by name.
+    dtype (a tied parameter under any one of its names), and (``strict``)
+    nothing else.  Returns the stored tensors by name.
     """
     root = _root(model, "load_full_checkpoint")
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -332,6 +333,13 @@ def verify_full_checkpoint(model: nn.Module, path: str, strict: bool = True) -> 
     stored = _safetensors.stored_tensors(path)
     want = plan_entries(root)
     fix = "load a checkpoint saved from this model, or build the model the checkpoint was saved from"
+    # A tied parameter may be stored under any one of its names (Hugging Face's
+    # save_pretrained keeps one): the others then read from it.
+    for names in _tied_groups(root):
+        present = [n for n in names if n in stored]
+        for n in names:
+            if n not in stored and present:
+                stored[n] = stored[present[0]]
     for name, e in want.items():
         st = stored.get(name)
         if st is None:
@@ -357,6 +365,17 @@ def verify_full_checkpoint(model: nn.Module, path: str, strict: bool = True) -> 
                 f"have, first '{extra[0]}'; pass strict=False to ignore them"
             )
     return stored
+
+
+def _tied_groups(root: FSDP) -> list[list[str]]:
+    """The clean names of every flattened parameter that has tied aliases."""
+    groups = []
+    for unit_name, st in _units(root):
+        h = st._handle
+        if h is not None:
+            for index in sorted({s.index for s in h.shared}):
+                groups.append(_names(h, unit_name, index))
+    return groups
 
 
 def load_full_checkpoint(model: nn.Module, path: str, *, strict: bool = True) -> None:
