@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from .._layout import walk_unit_modules
 from .._state_dict import FLAT_PARAM_KEY, clean_key
-from . import _atomic, _safetensors
+from . import _atomic, _full_optim, _safetensors
 from ._safetensors import Entry, ShardedWriter
 
 if TYPE_CHECKING:
@@ -106,6 +106,7 @@ def plan_entries(model: FSDP) -> dict[str, Entry]:
 def save_full_checkpoint(
     model: nn.Module,
     path: str,
+    optim: torch.optim.Optimizer | None = None,
     *,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     extra_files: dict[str, str | bytes] | None = None,
@@ -124,7 +125,11 @@ def save_full_checkpoint(
     written alongside, e.g. ``{"config.json": model.config.to_json_string()}``
     so that ``transformers``' ``from_pretrained(path)`` loads the checkpoint.
     ``on_unit(unit_fqn, done, total)`` is called on every rank after each unit
-    (progress reporting).  ``path`` appears only once every rank has finished
+    (progress reporting).  With ``optim``, its state is written too
+    (``optimizer-*.safetensors``, see :mod:`._full_optim`): built as the
+    SHARDED optimizer state dict (nothing gathered; each rank holds a copy of
+    its own share) and streamed to rank 0 the same way.  ``path`` appears only
+    once every rank has finished
     and the files are flushed; until then the data lives in
     ``path + ".incomplete"``.
     """
@@ -141,13 +146,21 @@ def save_full_checkpoint(
     rank = dist.get_rank()
     world = dist.get_world_size()
     entries = plan_entries(root)
+    osd = _full_optim.sharded_state(root, optim) if optim is not None else None
     tmp = _atomic.temp_path(path)
     writer: ShardedWriter | None = None
+    optim_writer: ShardedWriter | None = None
     setup_error: BaseException | None = None
     if rank == 0:
         try:
             tmp = _atomic.begin(path, world, "full-safetensors", {"max_shard_size": max_shard_size})
             writer = ShardedWriter(tmp, list(entries.values()), max_shard_size, fsync=True)
+            if osd is not None:
+                optim_entries, objects = _full_optim.plan(osd)
+                optim_writer = ShardedWriter(
+                    tmp, optim_entries, max_shard_size, prefix=_full_optim.PREFIX, fsync=True,
+                    index_metadata={"objects": objects},
+                )
             for name, content in (extra_files or {}).items():
                 _write_extra(tmp, name, content)
         except (OSError, ValueError, TypeError) as e:
@@ -157,17 +170,25 @@ def save_full_checkpoint(
     _agree(setup_error, rank, "save_full_checkpoint could not start")
 
     sink = _Sink(writer)
+    optim_sink = _Sink(optim_writer)
     try:
         _stream_units(root, sink, window_bytes, on_unit)
-        if writer is not None and sink.error is None:
-            sink.run(writer.close)
+        if osd is not None:
+            _full_optim.stream(root, osd, optim_sink, window_bytes)
+            del osd
+        for w, ws in ((writer, sink), (optim_writer, optim_sink)):
+            if w is not None and sink.error is None and optim_sink.error is None:
+                ws.run(w.close)
     except BaseException as e:  # a collective broke (a rank died): nothing to agree on
-        if writer is not None:
-            writer.abort()
+        for w in (writer, optim_writer):
+            if w is not None:
+                w.abort()
         _atomic.report(tmp, rank, e)
         raise
-    if writer is not None:
-        writer.abort()
+    for w in (writer, optim_writer):
+        if w is not None:
+            w.abort()
+    sink.error = sink.error or optim_sink.error
     _atomic.report(tmp, rank, sink.error)
     # rank 0's write errors were held back so that the others could finish sending
     _agree(sink.error, rank, "save_full_checkpoint failed")
@@ -378,16 +399,31 @@ def _tied_groups(root: FSDP) -> list[list[str]]:
     return groups
 
 
-def load_full_checkpoint(model: nn.Module, path: str, *, strict: bool = True) -> None:
+def load_full_checkpoint(
+    model: nn.Module,
+    path: str,
+    optim: torch.optim.Optimizer | None = None,
+    *,
+    strict: bool = True,
+) -> None:
     """Load a :func:`save_full_checkpoint` checkpoint (or a HF safetensors directory).
 
     Verifies first (see :func:`verify_full_checkpoint`), then each rank reads
     only its own shard of every flat parameter plus the buffers and unmanaged
     parameters.  No collective (beyond fsdp_wrap's one-time lazy initialisation
     if the model has not run yet); all ranks should load the same checkpoint.
+    With ``optim`` (then a collective), the optimizer state is checked against
+    the model before anything is touched, each rank reads the rows of its own
+    chunks, and ``optim_state_dict_to_load`` moves them into the flat shards.
     """
     root = _root(model, "load_full_checkpoint")
     stored = verify_full_checkpoint(root, path, strict)
+    optim_stored: dict[str, Any] = {}
+    objects: dict[str, Any] = {}
+    if optim is not None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        shapes = {name: e.shape for name, e in plan_entries(root).items()}
+        optim_stored, objects = _full_optim.check(path, shapes, rank)
     files: dict[str, Any] = {}
     try:
         def fh(file: str) -> Any:
@@ -414,3 +450,5 @@ def load_full_checkpoint(model: nn.Module, path: str, *, strict: bool = True) ->
     finally:
         for f in files.values():
             f.close()
+    if optim is not None:
+        _full_optim.load(root, optim, optim_stored, objects)
