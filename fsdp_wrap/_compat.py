@@ -106,7 +106,11 @@ def _load_malloc_trim() -> Callable[[], None]:
         trim = libc.malloc_trim
     except (OSError, AttributeError, TypeError):
         return lambda: None
-    return lambda: None if trim(0) is None else None
+
+    def release() -> None:
+        trim(0)
+
+    return release
 
 
 #: Hand freed heap memory back to the OS.  glibc serves large allocations from the
