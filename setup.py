@@ -105,12 +105,15 @@ setup(
     extras_require={
         # transformers: `fsdp-wrap plan --hf-config` builds Hugging Face models
         # from their configs on the meta device; the tests plan and train GPT-2.
-        "hf": ["transformers"],
+        # safetensors: fsdp_wrap writes and reads the format itself (streaming, no
+        # dependency); the package is the reference the tests check the files with,
+        # and what Hugging Face users load them with.
+        "hf": ["transformers", "safetensors"],
         # The frameworks fsdp_wrap.install() is tested against (tests/test_frameworks.py):
         # Accelerate and the transformers Trainer, Lightning Fabric and Trainer.
         "frameworks": ["accelerate", "transformers", "lightning"],
-        "test": ["pytest", "transformers"],
-        "dev": ["pytest", "ruff", "mypy", "transformers"],
+        "test": ["pytest", "transformers", "safetensors"],
+        "dev": ["pytest", "ruff", "mypy", "transformers", "safetensors"],
     },
     cmdclass=_cmdclass(),
     entry_points={

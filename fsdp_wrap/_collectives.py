@@ -80,3 +80,17 @@ def all_gather_objects(obj: object, group: ProcessGroup) -> list[object]:
     out: list[object] = [None] * world_size
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def all_to_all_into(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: list[int],
+    input_split_sizes: list[int],
+    group: ProcessGroup,
+) -> None:
+    """Send ``input``'s ``r``-th split to group rank ``r``; receive rank ``r``'s into
+    ``output``'s ``r``-th split (1-D tensors, uneven splits allowed)."""
+    dist.all_to_all_single(
+        output, input, output_split_sizes, input_split_sizes, group=group
+    )

@@ -83,6 +83,47 @@ def coerce_dataclass(value: Any, cls: type[D], arg_name: str) -> D | None:
     )
 
 
+#: ``torch.serialization.skip_data(materialize_fake_tensors=...)`` (torch 2.5+) lets
+#: ``torch.save`` lay out a file without tensor data, which the offline checkpoint
+#: tool fills in one tensor at a time.
+HAS_TORCH_SAVE_SKIP_DATA = hasattr(torch.serialization, "skip_data") and TORCH_VERSION >= Version(
+    "2.5"
+)
+
+
+def require_torch_save_skip_data() -> None:
+    if not HAS_TORCH_SAVE_SKIP_DATA:
+        raise RuntimeError(
+            f"writing torch.save files tensor by tensor needs torch >= 2.5 (this is "
+            f"{torch.__version__}); write safetensors instead (--format safetensors)"
+        )
+
+
+def _load_malloc_trim() -> Callable[[], None]:
+    """glibc's ``malloc_trim(0)``, or a no-op where the C library has none."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return lambda: None
+
+    def release() -> None:
+        trim(0)
+
+    return release
+
+
+#: Hand freed heap memory back to the OS.  glibc serves large allocations from the
+#: heap once a large block has been freed (its mmap threshold adapts), so a loop
+#: that allocates and frees one big tensor after another keeps every freed block
+#: resident; the streaming checkpoint code calls this between tensors so that
+#: its peak stays about one tensor.
+release_freed_memory: Callable[[], None] = _load_malloc_trim()
+
+
 # ----------------------------------------------------------------- TorchDynamo
 
 _DYNAMO_RULES = "torch._dynamo.trace_rules"

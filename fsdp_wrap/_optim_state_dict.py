@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _collectives
+from . import _collectives, _sharded_io
 from . import _state_dict as SD
 from .api import (
     FullOptimStateDictConfig,
@@ -208,6 +208,16 @@ def _gather_optim(
         for name in shard_names:
             holders = [k for k, st in merged.items() if st.get(name, ("",))[0] == "shard"]
             dtype = merged[holders[0]][name][1]
+            if not full and h.uses_sharded_strategy:
+                # SHARDED: move only the pieces of this rank's chunks (no all-gather)
+                shard = _flat_state_shard(h, per_unit[i], name, dtype, flat_unit[i])
+                chunks = _sharded_io.chunks_from_shard(h, shard, holders)
+                del shard
+                for k in holders:
+                    values.setdefault(unit.fqns[k], {})[name] = SD.wrap_chunk(
+                        chunks[k], h.infos[k].shape, dtype, layout, offload_to_cpu  # type: ignore[arg-type]
+                    )
+                continue
             flat_full = _gather_flat_state(h, per_unit[i], name, dtype, flat_unit[i])
             for k in holders:
                 info = h.infos[k]
@@ -258,6 +268,19 @@ def _gather_flat_state(
     flat: bool,
 ) -> torch.Tensor:
     """The unsharded flat tensor of state ``name`` for handle ``h`` (one all-gather)."""
+    shard = _flat_state_shard(h, states, name, dtype, flat)
+    if not h.uses_sharded_strategy:
+        return shard
+    out = torch.empty(h.padded_numel, dtype=dtype, device=h.device)
+    _collectives.all_gather_into(out, shard, h.process_group)
+    return out
+
+
+def _flat_state_shard(
+    h: FlatParamHandle, states: dict[int, dict[str, Any]], name: str, dtype: torch.dtype,
+    flat: bool,
+) -> torch.Tensor:
+    """This rank's state ``name`` laid out like the flat parameter's (padded) shard."""
     shard = torch.zeros(h.shard_numel, dtype=dtype, device=h.device)
     if flat:
         st = states.get(0)
@@ -270,11 +293,7 @@ def _gather_flat_state(
             )
             if sl is not None and name in st:
                 shard[sl[0] : sl[1]].copy_(st[name].detach().reshape(-1))
-    if not h.uses_sharded_strategy:
-        return shard
-    out = torch.empty(h.padded_numel, dtype=dtype, device=h.device)
-    _collectives.all_gather_into(out, shard, h.process_group)
-    return out
+    return shard
 
 
 def _assemble(
@@ -408,11 +427,13 @@ def _flatten_optim(
     out: dict[int, dict[str, Any]] = {}
     for unit in index.units:
         h = unit.handle
-        full = _unit_full_states(unit, state_in)
+        shards = _chunked_states_to_shards(unit, state_in)
+        full = _unit_full_states(unit, state_in, skip=set(shards))
         if not h.use_orig_params:
             pid = pid_of.get(id(h.flat_param))
             if pid is not None and any(f in state_in for f in unit.fqns):
-                out[pid] = _flat_shard_state(h, unit, full)
+                flat_st = {**_flat_shard_state(h, unit, full), **shards}
+                out[pid] = {n: flat_st[n] for n in sorted(flat_st)}
             continue
         for k, (fqn, info) in enumerate(zip(unit.fqns, h.infos)):
             pid = pid_of.get(id(info.param))
@@ -420,7 +441,12 @@ def _flatten_optim(
             if pid is None or fqn not in state_in or piece is None:
                 continue
             st: dict[str, Any] = {}
-            for name, v in full[k].items():
+            for name in state_in[fqn]:
+                if name in shards:
+                    sl = h.param_shard_slice(k)
+                    st[name] = shards[name][sl[0] : sl[1]].clone() if sl else shards[name][:0].clone()
+                    continue
+                v = full[k][name]
                 if isinstance(v, torch.Tensor):
                     if v.dim() > 0 and h.uses_sharded_strategy:
                         v = v.reshape(-1)[piece[0] : piece[1]]
@@ -449,9 +475,41 @@ def _flatten_optim(
     return {"state": out, "param_groups": param_groups}
 
 
-def _unit_full_states(unit: _Unit, state_in: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per original parameter: state name -> full tensor (gathering chunked values)."""
-    full: list[dict[str, Any]] = [dict(state_in.get(fqn, {})) for fqn in unit.fqns]
+def _chunked_states_to_shards(unit: _Unit, state_in: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """State name -> this rank's flat shard of it, for every state whose values in this
+    unit are all dim-0 chunks: the pieces are exchanged (one all-to-all per state), never
+    gathered.  Every rank decides the same names from the same keys."""
+    h = unit.handle
+    if not h.uses_sharded_strategy:
+        return {}
+    per_name: dict[str, dict[int, Any]] = {}
+    for k, fqn in enumerate(unit.fqns):
+        for name, v in state_in.get(fqn, {}).items():
+            per_name.setdefault(name, {})[k] = v
+    layout = SD.chunk_layout(unit.state, False)
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(per_name):
+        vals = per_name[name]
+        if not all(SD.is_chunked(v) for v in vals.values()):
+            continue
+        chunks = {
+            k: SD._local_chunk(f"{unit.fqns[k]}.{name}", v, layout)[1] for k, v in vals.items()
+        }
+        dtype = next(iter(vals.values())).dtype
+        shard = torch.zeros(h.shard_numel, dtype=dtype, device=h.device)
+        _sharded_io.shard_from_chunks(h, chunks, shard)
+        out[name] = shard
+    return out
+
+
+def _unit_full_states(
+    unit: _Unit, state_in: dict[str, dict[str, Any]], skip: set[str] | frozenset[str] = frozenset()
+) -> list[dict[str, Any]]:
+    """Per original parameter: state name -> full tensor (gathering chunked values),
+    leaving out the names in ``skip``."""
+    full: list[dict[str, Any]] = [
+        {n: v for n, v in state_in.get(fqn, {}).items() if n not in skip} for fqn in unit.fqns
+    ]
     chunked = [
         (k, name)
         for k in range(len(full))

@@ -194,9 +194,22 @@ def chunk_tensor(full: torch.Tensor, layout: ChunkLayout, offload_to_cpu: bool) 
     No communication: every rank knows every chunk's extent.
     """
     full = full.detach()
-    d0 = full.shape[0]
-    start, rows = _chunk_rows(d0, layout.world_size, layout.rank)
+    start, rows = _chunk_rows(full.shape[0], layout.world_size, layout.rank)
     local = full.narrow(0, start, rows).clone()
+    return wrap_chunk(local, full.shape, full.dtype, layout, offload_to_cpu)
+
+
+def wrap_chunk(
+    local: torch.Tensor,
+    shape: torch.Size,
+    dtype: torch.dtype,
+    layout: ChunkLayout,
+    offload_to_cpu: bool,
+) -> Any:
+    """This rank's dim-0 chunk ``local`` of a tensor of ``shape`` as a ShardedTensor or DTensor."""
+    full_shape = torch.Size(shape)
+    d0 = full_shape[0]
+    start, rows = _chunk_rows(d0, layout.world_size, layout.rank)
     if offload_to_cpu:
         local = local.cpu()
     if layout.mesh is not None:
@@ -207,8 +220,8 @@ def chunk_tensor(full: torch.Tensor, layout: ChunkLayout, offload_to_cpu: bool) 
         # holds the same chunks, so (Replicate(), Shard(0)), as torch gives them.
         placements = [Replicate()] * (layout.mesh.ndim - 1) + [DShard(0)]
         return DTensor.from_local(
-            local, layout.mesh, placements, run_check=False, shape=full.shape,
-            stride=full.stride(),
+            local, layout.mesh, placements, run_check=False, shape=full_shape,
+            stride=_contiguous_stride(full_shape),
         )
     device = local.device
     shards_md: list[ShardMetadata] = []
@@ -216,21 +229,21 @@ def chunk_tensor(full: torch.Tensor, layout: ChunkLayout, offload_to_cpu: bool) 
         r_start, r_rows = _chunk_rows(d0, layout.world_size, r)
         if r_rows == 0 and r > 0:
             continue  # torch.chunk made fewer chunks: no metadata entry
-        offsets = [r_start] + [0] * (full.dim() - 1)
-        sizes = [r_rows, *full.shape[1:]]
+        offsets = [r_start] + [0] * (len(full_shape) - 1)
+        sizes = [r_rows, *full_shape[1:]]
         global_rank = dist.get_global_rank(layout.group, r)
         shards_md.append(ShardMetadata(offsets, sizes, _placement(global_rank, device)))
     local_shards = []
     if rows > 0 or layout.rank == 0:
-        offsets = [start] + [0] * (full.dim() - 1)
+        offsets = [start] + [0] * (len(full_shape) - 1)
         global_rank = dist.get_global_rank(layout.group, layout.rank)
         local_shards.append(Shard.from_tensor_and_offsets(local, offsets, global_rank))
     metadata = ShardedTensorMetadata(
         shards_metadata=shards_md,
-        size=full.size(),
+        size=full_shape,
         tensor_properties=TensorProperties(
-            dtype=full.dtype,
-            layout=full.layout,
+            dtype=dtype,
+            layout=torch.strided,
             requires_grad=False,
             memory_format=torch.contiguous_format,
             pin_memory=False,
@@ -239,6 +252,14 @@ def chunk_tensor(full: torch.Tensor, layout: ChunkLayout, offload_to_cpu: bool) 
     return ShardedTensor._init_from_local_shards_and_global_metadata(
         local_shards, sharded_tensor_metadata=metadata, process_group=layout.group
     )
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
 
 
 def is_chunked(value: Any) -> bool:
@@ -443,8 +464,11 @@ def _pre_state_dict_hook(state: FSDP, prefix: str, keep_vars: bool) -> None:
         if copies is not None:
             handle.register_params(copies)
         return
-    handle.finish_unshard()
-    handle.use_unsharded_views(as_params=True)
+    # SHARDED: register this rank's dim-0 chunks, moved point to point from the flat
+    # shards (one all-to-all, nothing gathered); the post-hook wraps them.
+    from . import _sharded_io
+
+    handle.register_params(_sharded_io.local_chunks(handle))
 
 
 def _unit_keys(state: FSDP) -> list[str]:
@@ -483,10 +507,8 @@ def _post_state_dict_hook(
         for key in [k for k in state_dict if k.startswith(old)]:
             state_dict[prefix + key[len(old) :]] = state_dict.pop(key)
     finally:
-        if state._handle is not None and sd_type is StateDictType.FULL_STATE_DICT:
-            state._handle.use_sharded_views()  # the unit was freed in the pre-hook
-        elif state._handle is not None and sd_type is not StateDictType.LOCAL_STATE_DICT:
-            state._handle.reshard(free=True)
+        if state._handle is not None and sd_type is not StateDictType.LOCAL_STATE_DICT:
+            state._handle.use_sharded_views()  # copies/chunks were registered by the pre-hook
 
 
 def _restore_buffer_dtypes(state: FSDP, state_dict: dict[str, Any], prefix: str) -> None:
@@ -520,13 +542,22 @@ def _copy(value: torch.Tensor, offload_to_cpu: bool) -> torch.Tensor:
 
 
 def _sharded_post_state_dict(state: FSDP, state_dict: dict[str, Any], prefix: str) -> None:
-    """Original parameters (tied aliases included, as torch) become dim-0 chunks."""
+    """Original parameters (tied aliases included, as torch) become dim-0 chunks.
+
+    The values in the dict are already this rank's chunks (see the pre-hook).
+    """
     cfg = state._state_dict_config
     layout = chunk_layout(state, _uses_dtensor(state))
-    for rel in [*_param_rels(state), *_shared_rels(state)]:
+    h = state._handle
+    if h is None:
+        return
+    shapes = {_rel(i.fqn): i.shape for i in h.infos}
+    shapes.update({_rel(s.fqn): h.infos[s.index].shape for s in h.shared})
+    for rel, shape in shapes.items():
         key = prefix + WRAPPED + rel
         if key in state_dict:
-            state_dict[key] = chunk_tensor(state_dict[key], layout, cfg.offload_to_cpu)
+            local = state_dict[key]
+            state_dict[key] = wrap_chunk(local, shape, local.dtype, layout, cfg.offload_to_cpu)
 
 
 def local_flat_value(state: FSDP, offload_to_cpu: bool) -> ShardedTensor:
@@ -603,11 +634,14 @@ def _pre_load_state_dict_hook(
                 error_msgs if error_msgs is not None else [],
             )
         return
-    if sd_type is StateDictType.SHARDED_STATE_DICT:
-        _sharded_pre_load(state, state_dict, wrapped)
-    if state._handle is not None:
-        state._handle.finish_unshard()
-        state._handle.use_unsharded_views(as_params=True)
+    if sd_type is StateDictType.SHARDED_STATE_DICT and state._handle is not None:
+        from . import _sharded_io
+
+        _sharded_io.load_sharded_unit(
+            state, state_dict, wrapped,
+            missing_keys if missing_keys is not None else [],
+            error_msgs if error_msgs is not None else [],
+        )
 
 
 def _full_pre_load(
@@ -684,21 +718,6 @@ def _claim(state_dict: dict[str, Any], key: str, param: torch.Tensor, registered
         del state_dict[key]
 
 
-def _sharded_pre_load(state: FSDP, state_dict: dict[str, Any], wrapped: str) -> None:
-    """Replace this unit's chunked parameter values by the full tensors (a collective)."""
-    keys = [
-        wrapped + rel
-        for rel in [*_param_rels(state), *_shared_rels(state)]
-        if is_chunked(state_dict.get(wrapped + rel))
-    ]
-    if not keys:
-        return
-    layout = chunk_layout(state, _uses_dtensor(state))
-    fulls = gather_chunks([(k, state_dict[k]) for k in keys], layout)
-    for key, full in zip(keys, fulls):
-        state_dict[key] = full
-
-
 def _local_pre_load(
     state: FSDP, state_dict: dict[str, Any], wrapped: str, error_msgs: list[str]
 ) -> None:
@@ -763,10 +782,6 @@ def _post_load_state_dict_hook(state: FSDP, incompatible_keys: Any) -> None:
                 incompatible_keys.missing_keys.append(missing_flat)
         if state._handle is not None:
             state._handle.invalidate_unsharded()
-    elif sd_type is StateDictType.FULL_STATE_DICT:
-        pass  # written straight into the local shard by the pre-hook
-    elif state._handle is not None:
-        state._handle.write_back_unsharded()
-        state._handle.reshard(free=True)
+    # FULL and SHARDED loads wrote straight into the local shard in the pre-hook.
     for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
         keys[:] = [clean_key(k) for k in keys]

@@ -1,6 +1,8 @@
 """The ``fsdp-wrap`` command.
 
 * ``fsdp-wrap plan ...``: what FSDP would build and hold (:mod:`fsdp_wrap.planning.cli`);
+* ``fsdp-wrap ckpt ...``: inspect, consolidate and convert checkpoints offline
+  (:mod:`fsdp_wrap.checkpoint.cli`);
 * ``fsdp-wrap run CMD ...``: run a command (``torchrun train.py``, ``accelerate
   launch ...``) with torch's FSDP1 names pointing at fsdp_wrap in every Python
   process it starts (:mod:`fsdp_wrap.installer`).
@@ -13,6 +15,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from .checkpoint import cli as ckpt_cli
 from .planning import cli as plan_cli
 
 
@@ -20,6 +23,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fsdp-wrap", description="fsdp_wrap's tools")
     sub = parser.add_subparsers(dest="command", required=True)
     plan_cli.add_parser(sub)
+    ckpt_cli.add_parser(sub)
     run = sub.add_parser(
         "run", help="run a command with fsdp_wrap installed in every Python process",
         description="Run CMD with FSDP_WRAP_INSTALL=1: every Python process it starts "
@@ -27,6 +31,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="the command and its arguments")
     run.set_defaults(func=_run)
     args = parser.parse_args(argv)
+    if args.command == "ckpt":
+        return ckpt_cli.run(args)
     return int(args.func(args))
 
 

@@ -1,0 +1,367 @@
+"""The safetensors file format and Hugging Face's sharded layout, streamed.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header
+(``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__":
+{...}}``, offsets relative to the end of the header) and the raw tensor bytes.
+Because the header only needs names, shapes and dtypes, a file can be planned
+before any tensor exists and then filled one tensor at a time, so writing never
+holds more than the tensor being written.  The ``safetensors`` package builds
+the whole dict in memory first, which is why fsdp_wrap writes the format itself
+(the tests read every file back with ``safetensors`` and ``transformers``).
+
+Hugging Face's layout for a sharded model: ``model-00001-of-00003.safetensors``
+... plus ``model.safetensors.index.json`` = ``{"metadata": {"total_size": N},
+"weight_map": {name: file}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import torch
+
+DTYPE_TO_ST: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+for _name, _st in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
+    if hasattr(torch, _name):
+        DTYPE_TO_ST[getattr(torch, _name)] = _st
+ST_TO_DTYPE = {v: k for k, v in DTYPE_TO_ST.items()}
+
+INDEX_SUFFIX = ".safetensors.index.json"
+_ALIGN = 8  # data offsets aligned like the safetensors package aligns them
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor to be written: its name, shape and dtype (no data)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def st_dtype(dtype: torch.dtype, name: str) -> str:
+    try:
+        return DTYPE_TO_ST[dtype]
+    except KeyError:
+        raise TypeError(
+            f"tensor '{name}' has dtype {dtype}, which safetensors cannot store; "
+            f"supported: {sorted(str(d) for d in DTYPE_TO_ST)}"
+        ) from None
+
+
+def shard_file_name(prefix: str, index: int, count: int) -> str:
+    return f"{prefix}-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def plan_shards(entries: Sequence[Entry], max_shard_bytes: int) -> list[list[Entry]]:
+    """Split ``entries`` (kept in order) into shards of at most ``max_shard_bytes``.
+
+    A tensor larger than the limit gets a shard of its own, as in transformers.
+    """
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_size must be positive, got {max_shard_bytes} bytes")
+    shards: list[list[Entry]] = [[]]
+    size = 0
+    for e in entries:
+        if shards[-1] and size + e.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += e.nbytes
+    return shards
+
+
+def _header_bytes(entries: Sequence[Entry], metadata: dict[str, str]) -> tuple[bytes, dict[str, int]]:
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    pos = 0
+    offsets: dict[str, int] = {}
+    for e in entries:
+        header[e.name] = {
+            "dtype": st_dtype(e.dtype, e.name),
+            "shape": list(e.shape),
+            "data_offsets": [pos, pos + e.nbytes],
+        }
+        offsets[e.name] = pos
+        pos += e.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % _ALIGN)
+    base = 8 + len(raw)
+    return struct.pack("<Q", len(raw)) + raw, {k: base + v for k, v in offsets.items()}
+
+
+def write_tensor_bytes(f: BinaryIO, tensor: torch.Tensor) -> None:
+    """Write ``tensor``'s bytes (C order, native little-endian) at ``f``'s position."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.numel() == 0:
+        return
+    t = t.contiguous().reshape(-1).view(torch.uint8)
+    f.write(t.numpy().data)
+
+
+class ShardedWriter:
+    """Write planned tensors, in any order, into Hugging Face-style shards in ``directory``.
+
+    Every shard file is created up front with its final header and size, so a
+    tensor can be written the moment it exists, wherever it lies; nothing is
+    buffered.  ``prefix`` is ``"model"`` for ``model-00001-of-0000n.safetensors``
+    and ``model.safetensors.index.json``.  :meth:`close` checks every planned
+    tensor was written exactly once.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        entries: Sequence[Entry],
+        max_shard_bytes: int,
+        prefix: str = "model",
+        metadata: dict[str, str] | None = None,
+        index_metadata: dict[str, Any] | None = None,
+        fsync: bool = False,
+    ) -> None:
+        names = [e.name for e in entries]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise ValueError(f"tensor name '{dup}' appears twice")
+        self.directory = directory
+        self.prefix = prefix
+        self.fsync = fsync
+        self.index_metadata = dict(index_metadata or {})
+        self.shards = plan_shards(entries, max_shard_bytes)
+        self.files = [shard_file_name(prefix, i, len(self.shards)) for i in range(len(self.shards))]
+        self.weight_map = {e.name: f for f, es in zip(self.files, self.shards) for e in es}
+        self.total = sum(e.nbytes for e in entries)
+        self.planned = {e.name: e for e in entries}
+        self.where: dict[str, tuple[int, int]] = {}  # name -> (file index, absolute offset)
+        self.written: dict[str, int] = {}  # elements written per tensor
+        self._handles: dict[int, BinaryIO] = {}
+        meta = {"format": "pt", **(metadata or {})}
+        for i, (file, shard) in enumerate(zip(self.files, self.shards)):
+            head, offsets = _header_bytes(shard, meta)
+            with open(os.path.join(directory, file), "wb") as f:
+                f.write(head)
+                f.truncate(len(head) + sum(e.nbytes for e in shard))
+            for name, off in offsets.items():
+                self.where[name] = (i, off)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write all of tensor ``name`` (shape and dtype as planned)."""
+        e = self.planned.get(name)
+        if e is not None and (tuple(tensor.shape) != e.shape or tensor.dtype != e.dtype):
+            raise ValueError(
+                f"tensor '{name}' was planned as {e.dtype} {list(e.shape)} but got "
+                f"{tensor.dtype} {list(tensor.shape)}"
+            )
+        self.write_range(name, 0, tensor.reshape(-1))
+
+    def write_range(self, name: str, offset: int, flat: torch.Tensor) -> None:
+        """Write elements ``[offset, offset + flat.numel())`` of tensor ``name`` (flattened)."""
+        e = self.planned.get(name)
+        if e is None:
+            raise RuntimeError(f"tensor '{name}' was not planned for {self.directory}")
+        numel = math.prod(e.shape)
+        if flat.dtype != e.dtype or offset < 0 or offset + flat.numel() > numel:
+            raise ValueError(
+                f"tensor '{name}' ({e.dtype}, {numel} elements): cannot write {flat.numel()} "
+                f"{flat.dtype} elements at element {offset}"
+            )
+        i, off = self.where[name]
+        f = self._handles.get(i)
+        if f is None:
+            f = open(os.path.join(self.directory, self.files[i]), "r+b")  # noqa: SIM115
+            self._handles[i] = f
+        f.seek(off + offset * _itemsize(e.dtype))
+        write_tensor_bytes(f, flat)
+        self.written[name] = self.written.get(name, 0) + flat.numel()
+
+    def close(self) -> str:
+        """Flush every shard, write the index; return the index path."""
+        missing = [
+            n for n, e in self.planned.items() if self.written.get(n, 0) != math.prod(e.shape)
+        ]
+        for f in self._handles.values():
+            f.flush()
+            if self.fsync:
+                os.fsync(f.fileno())
+            f.close()
+        self._handles.clear()
+        if missing:
+            raise RuntimeError(
+                f"{len(missing)} planned tensor(s) were never written to {self.directory}, "
+                f"first '{missing[0]}'"
+            )
+        index = {
+            "metadata": {"total_size": self.total, **self.index_metadata},
+            "weight_map": self.weight_map,
+        }
+        path = os.path.join(self.directory, self.prefix + INDEX_SUFFIX)
+        with open(path, "w", encoding="utf-8") as out:
+            json.dump(index, out, indent=2)
+            out.write("\n")
+            out.flush()
+            if self.fsync:
+                os.fsync(out.fileno())
+        return path
+
+    def abort(self) -> None:
+        for f in self._handles.values():
+            f.close()
+        self._handles.clear()
+
+
+# ---------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor lies in a safetensors file."""
+
+    file: str
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # absolute file offsets
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+def read_header(path: str) -> tuple[dict[str, StoredTensor], dict[str, str]]:
+    """The tensors of one safetensors file (checked against its size) and its metadata."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path} is not a safetensors file: only {size} bytes")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8 or n > 100 * 2**20:
+            raise ValueError(
+                f"{path} is not a valid safetensors file: header length {n} but the file "
+                f"holds {size} bytes (truncated or not safetensors)"
+            )
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise ValueError(f"{path} is not a valid safetensors file: bad header ({e})") from e
+    meta = header.pop("__metadata__", None) or {}
+    out: dict[str, StoredTensor] = {}
+    base = 8 + n
+    for name, h in header.items():
+        dtype = ST_TO_DTYPE.get(h.get("dtype"))
+        if dtype is None:
+            raise ValueError(f"{path}: tensor '{name}' has unsupported dtype {h.get('dtype')}")
+        begin, end = h["data_offsets"]
+        shape = tuple(int(s) for s in h["shape"])
+        if end - begin != math.prod(shape) * _itemsize(dtype) or base + end > size:
+            raise ValueError(
+                f"{path} is truncated or corrupt: tensor '{name}' needs bytes "
+                f"[{base + begin}, {base + end}) but the file holds {size}"
+            )
+        out[name] = StoredTensor(path, name, dtype, shape, base + begin, base + end)
+    return out, meta
+
+
+def read_tensor(st: StoredTensor, f: BinaryIO | None = None) -> torch.Tensor:
+    """Read one tensor into fresh memory (only its bytes are read)."""
+    buf = torch.empty(st.nbytes, dtype=torch.uint8)
+    own = f is None
+    fh = open(st.file, "rb") if f is None else f  # noqa: SIM115
+    try:
+        fh.seek(st.begin)
+        if st.nbytes:
+            got = fh.readinto(buf.numpy().data)  # type: ignore[attr-defined]
+            if got != st.nbytes:
+                raise ValueError(f"{st.file} is truncated: tensor '{st.name}' is short")
+    finally:
+        if own:
+            fh.close()
+    return buf.view(st.dtype).reshape(st.shape)
+
+
+def read_index(directory: str, prefix: str = "model") -> dict[str, Any] | None:
+    path = os.path.join(directory, prefix + INDEX_SUFFIX)
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        try:
+            index: dict[str, Any] = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{path} is not valid JSON ({e}); the checkpoint is damaged") from e
+    return index
+
+
+def stored_tensors(directory: str, prefix: str = "model") -> dict[str, StoredTensor]:
+    """Every tensor of a HF-layout directory (index, or a lone ``<prefix>.safetensors``).
+
+    Checks that every file the index names exists and holds the tensors it claims.
+    """
+    index = read_index(directory, prefix)
+    if index is None:
+        single = os.path.join(directory, prefix + ".safetensors")
+        if not os.path.exists(single):
+            raise FileNotFoundError(
+                f"{directory} holds no {prefix}{INDEX_SUFFIX} and no {prefix}.safetensors"
+            )
+        return read_header(single)[0]
+    weight_map: dict[str, str] = index.get("weight_map", {})
+    out: dict[str, StoredTensor] = {}
+    headers: dict[str, dict[str, StoredTensor]] = {}
+    for name, file in weight_map.items():
+        if file not in headers:
+            path = os.path.join(directory, file)
+            if not os.path.exists(path):
+                raise FileNotFoundError(
+                    f"checkpoint {directory} is incomplete: {file} (holding '{name}') is missing"
+                )
+            headers[file] = read_header(path)[0]
+        if name not in headers[file]:
+            raise ValueError(
+                f"checkpoint {directory} is inconsistent: the index puts '{name}' in {file} "
+                "but that file does not hold it"
+            )
+        out[name] = headers[file][name]
+    return out
+
+
+def iter_files(directory: str) -> Iterable[str]:
+    return sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
+
+
+def read_flat_range(st: StoredTensor, start: int, count: int, f: BinaryIO) -> torch.Tensor:
+    """Elements ``[start, start + count)`` of the flattened tensor, reading only those bytes."""
+    item = _itemsize(st.dtype)
+    buf = torch.empty(count * item, dtype=torch.uint8)
+    if count:
+        f.seek(st.begin + start * item)
+        got = f.readinto(buf.numpy().data)  # type: ignore[attr-defined]
+        if got != count * item:
+            raise ValueError(f"{st.file} is truncated: tensor '{st.name}' is short")
+    return buf.view(st.dtype)

@@ -1,0 +1,454 @@
+"""Full checkpoints straight to disk, in Hugging Face's safetensors layout.
+
+:func:`save_full_checkpoint` writes the unwrapped model's state dict (clean
+FQNs, full tensors) from rank 0 into ``model-0000x-of-0000n.safetensors`` +
+``model.safetensors.index.json``, the same tensors a FULL state dict holds.
+Nothing is gathered: each original parameter travels to rank 0 in windows of
+bounded size (the ranks holding a window's elements send exactly those, point
+to point) and each window is written at its place in the file before the next
+arrives, so the model, and even a whole unit, never exists in any rank's
+memory.  The layout is planned (names, shapes, dtypes -> files and offsets)
+before any tensor exists, which is what lets each window be written the moment
+it arrives.  The save is atomic (see :mod:`._atomic`).
+
+:func:`load_full_checkpoint` is its twin: every rank verifies the checkpoint
+(complete, every tensor present with the right shape and dtype) before it
+touches the model, then reads from disk only the bytes of its own shard of
+each flat parameter (and the buffers).  No collective, no full tensor.
+
+The files are plain safetensors: ``transformers``' ``from_pretrained``, the
+``safetensors`` package, or ``fsdp-wrap ckpt`` read them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .._layout import walk_unit_modules
+from .._state_dict import FLAT_PARAM_KEY, clean_key
+from . import _atomic, _full_optim, _safetensors
+from ._safetensors import Entry, ShardedWriter
+
+if TYPE_CHECKING:
+    from ..fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+
+DEFAULT_MAX_SHARD_SIZE = 5 * 2**30
+DEFAULT_WINDOW_BYTES = 64 * 2**20  # what rank 0 receives and writes at a time
+
+__all__ = [
+    "DEFAULT_MAX_SHARD_SIZE",
+    "DEFAULT_WINDOW_BYTES",
+    "load_full_checkpoint",
+    "save_full_checkpoint",
+    "verify_full_checkpoint",
+]
+
+
+def _fsdp_cls() -> type[FSDP]:
+    from ..fully_sharded_data_parallel import FullyShardedDataParallel
+
+    return FullyShardedDataParallel
+
+
+def _root(model: nn.Module, what: str) -> FSDP:
+    cls = _fsdp_cls()
+    if not isinstance(model, cls):
+        raise TypeError(
+            f"{what} expects the root fsdp_wrap FullyShardedDataParallel module but got "
+            f"{type(model).__name__}; pass the model returned by FullyShardedDataParallel(...)"
+        )
+    model._lazy_init()
+    if not model._is_root:
+        raise ValueError(f"[rank {model.rank}] {what} expects the root FSDP module, not a nested unit")
+    return model
+
+
+# ------------------------------------------------------------------ the plan
+
+
+def _units(model: FSDP) -> list[tuple[str, FSDP]]:
+    cls = _fsdp_cls()
+    return [(clean_key(n), m) for n, m in model.named_modules() if isinstance(m, cls)]
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
+def plan_entries(model: FSDP) -> dict[str, Entry]:
+    """``{clean key: Entry}`` of the FULL state dict, from shapes alone (no collective).
+
+    Flattened parameters (tied aliases included, as FULL state dicts hold
+    them), parameters FSDP does not manage (ignored modules) and persistent
+    buffers in their original dtype.
+    """
+    out: dict[str, Entry] = {}
+    for unit_name, st in _units(model):
+        h = st._handle
+        if h is not None:
+            for i, info in enumerate(h.infos):
+                for key in _names(h, unit_name, i):
+                    out[key] = Entry(key, tuple(info.shape), h.orig_dtype)
+        for key, t, dtype in _unmanaged_tensors(unit_name, st):
+            out.setdefault(key, Entry(key, tuple(t.shape), dtype))
+    return out
+
+
+# ---------------------------------------------------------------------- save
+
+
+def save_full_checkpoint(
+    model: nn.Module,
+    path: str,
+    optim: torch.optim.Optimizer | None = None,
+    *,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    extra_files: dict[str, str | bytes] | None = None,
+    window_bytes: int = DEFAULT_WINDOW_BYTES,
+    on_unit: Callable[[str, int, int], None] | None = None,
+) -> None:
+    """Write ``model``'s full state dict to ``path`` as Hugging Face safetensors, atomically.
+
+    A collective: call it on every rank.  Rank 0 writes.  Each original
+    parameter is moved to rank 0 in windows of at most ``window_bytes``: the
+    ranks holding a window's elements send exactly those (point to point),
+    rank 0 writes the window at its place in the file and reuses the buffer.
+    So rank 0 holds its shard plus one window, whatever the size of the units,
+    and every other rank sends its own shard once.  ``max_shard_size`` (bytes)
+    bounds each ``.safetensors`` file.  ``extra_files`` (name -> content) are
+    written alongside, e.g. ``{"config.json": model.config.to_json_string()}``
+    so that ``transformers``' ``from_pretrained(path)`` loads the checkpoint.
+    ``on_unit(unit_fqn, done, total)`` is called on every rank after each unit
+    (progress reporting).  With ``optim``, its state is written too
+    (``optimizer-*.safetensors``, see :mod:`._full_optim`): built as the
+    SHARDED optimizer state dict (nothing gathered; each rank holds a copy of
+    its own share) and streamed to rank 0 the same way.  ``path`` appears only
+    once every rank has finished
+    and the files are flushed; until then the data lives in
+    ``path + ".incomplete"``.
+    """
+    root = _root(model, "save_full_checkpoint")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"[rank {root.rank}] save_full_checkpoint: path must be a str, got {type(path).__name__}")
+    path = os.fspath(path)
+    for what, value in (("max_shard_size", max_shard_size), ("window_bytes", window_bytes)):
+        if value <= 0:
+            raise ValueError(
+                f"[rank {root.rank}] save_full_checkpoint: {what} must be a positive number "
+                f"of bytes, got {value}"
+            )
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    entries = plan_entries(root)
+    osd = _full_optim.sharded_state(root, optim) if optim is not None else None
+    tmp = _atomic.temp_path(path)
+    writer: ShardedWriter | None = None
+    optim_writer: ShardedWriter | None = None
+    setup_error: BaseException | None = None
+    if rank == 0:
+        try:
+            tmp = _atomic.begin(path, world, "full-safetensors", {"max_shard_size": max_shard_size})
+            writer = ShardedWriter(tmp, list(entries.values()), max_shard_size, fsync=True)
+            if osd is not None:
+                optim_entries, objects = _full_optim.plan(osd)
+                optim_writer = ShardedWriter(
+                    tmp, optim_entries, max_shard_size, prefix=_full_optim.PREFIX, fsync=True,
+                    index_metadata={"objects": objects},
+                )
+            for name, content in (extra_files or {}).items():
+                _write_extra(tmp, name, content)
+        except (OSError, ValueError, TypeError) as e:
+            setup_error = e
+    # One small collective before any data moves: a rank 0 that could not create
+    # the directory makes every rank raise instead of the others waiting.
+    _agree(setup_error, rank, "save_full_checkpoint could not start")
+
+    sink = _Sink(writer)
+    optim_sink = _Sink(optim_writer)
+    try:
+        _stream_units(root, sink, window_bytes, on_unit)
+        if osd is not None:
+            _full_optim.stream(root, osd, optim_sink, window_bytes)
+            del osd
+        for w, ws in ((writer, sink), (optim_writer, optim_sink)):
+            if w is not None and sink.error is None and optim_sink.error is None:
+                ws.run(w.close)
+    except BaseException as e:  # a collective broke (a rank died): nothing to agree on
+        for w in (writer, optim_writer):
+            if w is not None:
+                w.abort()
+        _atomic.report(tmp, rank, e)
+        raise
+    for w in (writer, optim_writer):
+        if w is not None:
+            w.abort()
+    sink.error = sink.error or optim_sink.error
+    _atomic.report(tmp, rank, sink.error)
+    # rank 0's write errors were held back so that the others could finish sending
+    _agree(sink.error, rank, "save_full_checkpoint failed")
+    commit_error: BaseException | None = None
+    if rank == 0:
+        try:
+            total = sum(e.nbytes for e in entries.values())
+            _atomic.commit(tmp, path, {"tensors": len(entries), "total_size": total})
+        except OSError as e:
+            commit_error = e
+    _agree(commit_error, rank, "save_full_checkpoint could not finish")
+
+
+
+class _Sink:
+    """Rank 0's writes; the first error is kept (and later writes skipped) so that the
+    other ranks, which are sending, are never left waiting."""
+
+    def __init__(self, writer: ShardedWriter | None) -> None:
+        self.writer = writer
+        self.error: BaseException | None = None
+
+    def run(self, fn: Callable[[], Any]) -> None:
+        if self.error is None:
+            try:
+                fn()
+            except (OSError, ValueError, RuntimeError, TypeError) as e:
+                self.error = e
+
+    def write(self, name: str, offset: int, flat: torch.Tensor) -> None:
+        if self.writer is not None:
+            writer = self.writer
+            self.run(lambda: writer.write_range(name, offset, flat))
+
+
+def _stream_units(
+    root: FSDP,
+    sink: _Sink,
+    window_bytes: int,
+    on_unit: Callable[[str, int, int], None] | None,
+) -> None:
+    units = _units(root)
+    for done, (unit_name, st) in enumerate(units, start=1):
+        if st._handle is not None:
+            _stream_handle(st._handle, unit_name, sink, window_bytes)
+        if sink.writer is not None:
+            for name, tensor, dtype in _unmanaged_tensors(unit_name, st):
+                flat = tensor.detach().to(dtype).reshape(-1)
+                sink.write(name, 0, flat)
+        if on_unit is not None:
+            on_unit(unit_name, done, len(units))
+
+
+def _stream_handle(h: Any, unit_name: str, sink: _Sink, window_bytes: int) -> None:
+    """Move each original parameter of ``h`` to global rank 0 window by window."""
+    pg = h.process_group
+    ws = h.world_size
+    members = [dist.get_global_rank(pg, r) for r in range(ws)]
+    if 0 not in members:
+        return  # another replica (hybrid sharding): rank 0's own group holds every shard
+    dest = members.index(0)
+    me = h.rank
+    shard = h.local_shard
+    if not h.uses_sharded_strategy:  # NO_SHARD: rank 0 holds everything itself
+        if me == dest:
+            for i, info in enumerate(h.infos):
+                flat = shard[info.offset : info.offset + info.numel]
+                for name in _names(h, unit_name, i):
+                    sink.write(name, 0, flat)
+        return
+    S = h.shard_numel
+    window = max(1, window_bytes // shard.element_size())
+    buf = torch.empty(min(window, max((i.numel for i in h.infos), default=1)), dtype=shard.dtype,
+                      device=shard.device) if me == dest else None
+    for i, info in enumerate(h.infos):
+        names = _names(h, unit_name, i)
+        for w0 in range(0, info.numel, window):
+            w1 = min(info.numel, w0 + window)
+            a, b = info.offset + w0, info.offset + w1
+            holders = range(a // S, (b - 1) // S + 1)
+            if buf is not None:
+                out = buf[: w1 - w0]
+                for r in holders:
+                    lo, hi = max(a, r * S), min(b, (r + 1) * S)
+                    piece = out[lo - a : hi - a]
+                    if r == me:
+                        piece.copy_(shard[lo - me * S : hi - me * S])
+                    else:
+                        dist.recv(piece, src=members[r], group=pg)
+                for name in names:
+                    sink.write(name, w0, out)
+            elif me in holders:
+                lo, hi = max(a, me * S), min(b, (me + 1) * S)
+                dist.send(shard[lo - me * S : hi - me * S], dst=0, group=pg)
+
+
+def _names(h: Any, unit_name: str, index: int) -> list[str]:
+    """The clean keys of parameter ``index`` of ``h``: itself and its tied aliases."""
+    names = [_join(unit_name, clean_key(h.infos[index].fqn))]
+    names += [_join(unit_name, clean_key(s.fqn)) for s in h.shared if s.index == index]
+    return names
+
+
+def _unmanaged_tensors(unit_name: str, st: FSDP) -> list[tuple[str, torch.Tensor, torch.dtype]]:
+    """Persistent buffers (in their original dtype) and parameters FSDP does not manage
+    of the modules this unit owns: every rank holds them whole."""
+    cls = _fsdp_cls()
+    h = st._handle
+    managed = set() if h is None else {id(i.param) for i in h.infos} | {id(h.flat_param)}
+    out: list[tuple[str, torch.Tensor, torch.dtype]] = []
+    for mod_fqn, mod in walk_unit_modules(st._fsdp_wrapped_module, lambda m: isinstance(m, cls)):
+        rel_mod = clean_key(mod_fqn + "." if mod_fqn else "").rstrip(".")
+        for n, p in mod._parameters.items():
+            if p is not None and id(p) not in managed and n != FLAT_PARAM_KEY:
+                out.append((_join(unit_name, _join(rel_mod, n)), p, p.dtype))
+        for n, b in mod._buffers.items():
+            if b is not None and n not in mod._non_persistent_buffers_set:
+                rel = _join(rel_mod, n)
+                out.append((_join(unit_name, rel), b, st._buffer_orig_dtypes.get(rel, b.dtype)))
+    return out
+
+
+def _write_extra(directory: str, name: str, content: str | bytes) -> None:
+    if os.path.basename(name) != name or name in (_atomic.MARKER, "model.safetensors.index.json"):
+        raise ValueError(f"extra_files: {name!r} must be a plain file name of your own")
+    data = content.encode() if isinstance(content, str) else content
+    with open(os.path.join(directory, name), "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _agree(error: BaseException | None, rank: int, what: str) -> None:
+    """Every rank raises if any rank reports an error (one object all-gather)."""
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    bad = {r: e for r, e in enumerate(everyone) if e is not None}
+    if bad:
+        detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(bad.items()))
+        if error is not None and rank in bad:
+            raise RuntimeError(f"[rank {rank}] {what}: {detail}") from error
+        raise RuntimeError(f"[rank {rank}] {what}: {detail}")
+
+
+# ---------------------------------------------------------------------- load
+
+
+def verify_full_checkpoint(model: nn.Module, path: str, strict: bool = True) -> dict[str, Any]:
+    """Check ``path`` against ``model`` without touching it; raise on the first mismatch.
+
+    Complete (the marker says so and every file the index names is there and
+    long enough), every tensor the model needs present with its shape and
+    dtype (a tied parameter under any one of its names), and (``strict``)
+    nothing else.  Returns the stored tensors by name.
+    """
+    root = _root(model, "load_full_checkpoint")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if os.path.isdir(path) and _atomic.read_marker(path) is None:
+        pass  # a safetensors directory from elsewhere (e.g. Hugging Face): no marker to check
+    else:
+        _atomic.check_complete(path)
+    stored = _safetensors.stored_tensors(path)
+    want = plan_entries(root)
+    fix = "load a checkpoint saved from this model, or build the model the checkpoint was saved from"
+    # A tied parameter may be stored under any one of its names (Hugging Face's
+    # save_pretrained keeps one): the others then read from it.
+    for names in _tied_groups(root):
+        present = [n for n in names if n in stored]
+        for n in names:
+            if n not in stored and present:
+                stored[n] = stored[present[0]]
+    for name, e in want.items():
+        st = stored.get(name)
+        if st is None:
+            raise KeyError(
+                f"[rank {rank}] checkpoint {path} has no tensor '{name}' (expected {e.dtype} "
+                f"{list(e.shape)}); {fix}"
+            )
+        if st.shape != e.shape:
+            raise ValueError(
+                f"[rank {rank}] checkpoint {path}: '{name}' has shape {list(st.shape)} but the "
+                f"model expects {list(e.shape)}; {fix}"
+            )
+        if st.dtype != e.dtype:
+            raise ValueError(
+                f"[rank {rank}] checkpoint {path}: '{name}' is {st.dtype} but the model expects "
+                f"{e.dtype}; convert the model (or the checkpoint) to one dtype first"
+            )
+    if strict:
+        extra = [n for n in stored if n not in want]
+        if extra:
+            raise KeyError(
+                f"[rank {rank}] checkpoint {path} holds {len(extra)} tensor(s) the model does not "
+                f"have, first '{extra[0]}'; pass strict=False to ignore them"
+            )
+    return stored
+
+
+def _tied_groups(root: FSDP) -> list[list[str]]:
+    """The clean names of every flattened parameter that has tied aliases."""
+    groups = []
+    for unit_name, st in _units(root):
+        h = st._handle
+        if h is not None:
+            for index in sorted({s.index for s in h.shared}):
+                groups.append(_names(h, unit_name, index))
+    return groups
+
+
+def load_full_checkpoint(
+    model: nn.Module,
+    path: str,
+    optim: torch.optim.Optimizer | None = None,
+    *,
+    strict: bool = True,
+) -> None:
+    """Load a :func:`save_full_checkpoint` checkpoint (or a HF safetensors directory).
+
+    Verifies first (see :func:`verify_full_checkpoint`), then each rank reads
+    only its own shard of every flat parameter plus the buffers and unmanaged
+    parameters.  No collective (beyond fsdp_wrap's one-time lazy initialisation
+    if the model has not run yet); all ranks should load the same checkpoint.
+    With ``optim`` (then a collective), the optimizer state is checked against
+    the model before anything is touched, each rank reads the rows of its own
+    chunks, and ``optim_state_dict_to_load`` moves them into the flat shards.
+    """
+    root = _root(model, "load_full_checkpoint")
+    stored = verify_full_checkpoint(root, path, strict)
+    optim_stored: dict[str, Any] = {}
+    objects: dict[str, Any] = {}
+    if optim is not None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        shapes = {name: e.shape for name, e in plan_entries(root).items()}
+        optim_stored, objects = _full_optim.check(path, shapes, rank)
+    files: dict[str, Any] = {}
+    try:
+        def fh(file: str) -> Any:
+            if file not in files:
+                files[file] = open(file, "rb")  # noqa: SIM115
+            return files[file]
+
+        with torch.no_grad():
+            for unit_name, st in _units(root):
+                h = st._handle
+                if h is not None:
+                    h.invalidate_unsharded()
+                    for i, info in enumerate(h.infos):
+                        sl = h.param_shard_slice(i)
+                        if sl is None:
+                            continue
+                        start = sl[0] + h.shard_offset - info.offset
+                        s = stored[_join(unit_name, clean_key(info.fqn))]
+                        piece = _safetensors.read_flat_range(s, start, sl[1] - sl[0], fh(s.file))
+                        h.local_shard[sl[0] : sl[1]].copy_(piece)
+                for key, t, _ in _unmanaged_tensors(unit_name, st):
+                    s = stored[key]
+                    t.copy_(_safetensors.read_tensor(s, fh(s.file)))
+    finally:
+        for f in files.values():
+            f.close()
+    if optim is not None:
+        _full_optim.load(root, optim, optim_stored, objects)

@@ -1,0 +1,548 @@
+"""Inspect, consolidate and convert checkpoints offline: no process group, CPU only.
+
+Sources: a DCP directory (``.metadata`` + ``__<rank>_0.distcp``, as written by
+torch's FSDP1 or fsdp_wrap with ``SHARDED_STATE_DICT``), a ``torch.save`` file
+of full state dicts, or a Hugging Face safetensors directory.  Sinks: one
+``torch.save`` file, a Hugging Face safetensors directory, or a DCP directory.
+
+Every conversion streams: a tensor is read, written and dropped before the
+next is read, so the peak is about the largest tensor, not the checkpoint
+(``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` loads all of
+it).  Full sources are memory-mapped, so writing them to DCP touches only
+page cache.
+
+A checkpoint is a tree of *leaves*: tensors and plain values at paths such as
+``("model", "layers.0.weight")`` or ``("optim", "state", "layers.0.weight",
+"exp_avg")``.  The ``model`` section is the part under a top-level ``model``
+key (or the whole tree when there is neither a ``model`` nor an optimizer
+key); the optimizer section is the part under ``optim``/``optimizer``.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import sys
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .. import _compat
+from . import _atomic, _dcp, _safetensors
+from ._safetensors import Entry, ShardedWriter
+from ._torch_save import StreamingTorchSave
+
+MARKER = _atomic.MARKER  # written by fsdp_wrap's own savers
+_MODEL_KEYS = ("model",)
+_OPTIM_KEYS = ("optim", "optimizer")
+DEFAULT_MAX_SHARD = 5 * 2**30
+
+
+@dataclass
+class Leaf:
+    path: tuple[Any, ...]
+    shape: tuple[int, ...] | None  # None: not a tensor
+    dtype: torch.dtype | None
+    load: Callable[[], Any]
+    chunks: int = 1
+    stored: _safetensors.StoredTensor | None = None  # where a safetensors tensor lies
+
+    @property
+    def name(self) -> str:
+        return ".".join(str(p) for p in self.path)
+
+    @property
+    def nbytes(self) -> int:
+        if self.shape is None or self.dtype is None:
+            return 0
+        return torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass
+class Source:
+    path: str
+    kind: str  # "dcp" | "torch" | "safetensors"
+    leaves: list[Leaf]
+    world_size: int | None = None
+    writer: str = ""
+    notes: list[str] = field(default_factory=list)
+    closers: list[Callable[[], None]] = field(default_factory=list)
+
+    def close(self) -> None:
+        for c in self.closers:
+            c()
+        self.closers.clear()
+
+    def section(self, leaf: Leaf) -> str:
+        """``"model"``, ``"optim"`` or ``"other"``."""
+        if "_tops" not in self.__dict__:
+            self.__dict__["_tops"] = {lf.path[0] for lf in self.leaves if len(lf.path) > 1}
+        tops = self.__dict__["_tops"]
+        head = leaf.path[0] if len(leaf.path) > 1 else None
+        if head in _MODEL_KEYS:
+            return "model"
+        if head in _OPTIM_KEYS:
+            return "optim"
+        if not tops & {*_MODEL_KEYS, *_OPTIM_KEYS} and head not in ("state", "param_groups"):
+            return "model" if leaf.shape is not None else "other"
+        return "other"
+
+    def model_name(self, leaf: Leaf) -> str:
+        return ".".join(str(p) for p in (leaf.path[1:] if leaf.path[0] in _MODEL_KEYS else leaf.path))
+
+
+# ------------------------------------------------------------------- sources
+
+
+def open_source(path: str, trust_pickle: bool = False) -> Source:
+    """Recognise and open a checkpoint; clear errors for foreign or damaged ones."""
+    if not os.path.exists(path) and not os.path.isdir(_atomic.temp_path(path)):
+        raise FileNotFoundError(f"{path} does not exist")
+    marker = _read_marker(path)
+    if os.path.isdir(path) or os.path.isdir(_atomic.temp_path(path)):
+        if marker or not os.path.exists(path):
+            _atomic.check_complete(path)  # a save of fsdp_wrap's that did not finish
+        if _dcp.is_dcp_dir(path):
+            return _open_dcp(path, marker)
+        if _safetensors.read_index(path) is not None or any(_safetensors.iter_files(path)):
+            return _open_safetensors_dir(path, marker)
+        raise ValueError(
+            f"{path} is not a checkpoint fsdp-wrap knows: expected a torch.distributed.checkpoint "
+            "directory (.metadata + *.distcp), a Hugging Face safetensors directory "
+            "(model.safetensors.index.json / *.safetensors) or a torch.save file"
+        )
+    if path.endswith(".safetensors"):
+        tensors, _ = _safetensors.read_header(path)
+        return Source(path, "safetensors", [_st_leaf(("model", n), t) for n, t in tensors.items()])
+    return _open_torch_file(path, trust_pickle)
+
+
+def _read_marker(path: str) -> dict[str, Any]:
+    p = os.path.join(path, MARKER) if os.path.isdir(path) else None
+    if p is None or not os.path.exists(p):
+        return {}
+    try:
+        with open(p, encoding="utf-8") as f:
+            data: dict[str, Any] = json.load(f)
+        return data
+    except ValueError:
+        return {}
+
+
+def _open_dcp(path: str, marker: dict[str, Any]) -> Source:
+    ck = _dcp.DcpCheckpoint(path)
+    leaves: list[Leaf] = []
+    for t in ck.tensors:
+        leaves.append(Leaf(t.path, t.shape, t.dtype, _bind(ck.load_tensor, t), t.chunks))
+    for e in ck.objects:
+        leaves.append(Leaf(e.path, None, None, _bind(ck.load_object, e)))
+    src = Source(path, "dcp", leaves, world_size=ck.world_size)
+    src.writer = (
+        "fsdp_wrap" if marker.get("writer") == "fsdp_wrap"
+        else "torch's FSDP1 or fsdp_wrap (both write this same layout)"
+    )
+    if any(str(lf.path[-1]) == "_flat_param" for lf in leaves):
+        src.notes.append(
+            "LOCAL_STATE_DICT (flat shards): tied to the saving job's wrapping and world size; "
+            "it cannot be consolidated into per-parameter tensors"
+        )
+    return src
+
+
+def _bind(fn: Callable[[Any], Any], arg: Any) -> Callable[[], Any]:
+    return lambda: fn(arg)
+
+
+def _st_leaf(path: tuple[Any, ...], t: _safetensors.StoredTensor) -> Leaf:
+    return Leaf(path, t.shape, t.dtype, _bind(_safetensors.read_tensor, t), stored=t)
+
+
+def _open_safetensors_dir(path: str, marker: dict[str, Any]) -> Source:
+    leaves: list[Leaf] = []
+    for prefix, section in (("model", "model"), ("optimizer", "optim")):
+        index = _safetensors.read_index(path, prefix)
+        lone = os.path.join(path, prefix + ".safetensors")
+        if index is None and not os.path.exists(lone):
+            continue
+        for name, t in _safetensors.stored_tensors(path, prefix).items():
+            sub = tuple(name.split(".", 2)) if section == "optim" else (name,)
+            if section == "optim" and sub[0] == "state":
+                head, _, rest = name.partition(".")
+                fqn, _, state_name = rest.rpartition(".")
+                sub = (head, fqn, state_name)
+            leaves.append(_st_leaf((section, *sub), t))
+        meta = (index or {}).get("metadata", {})
+        for sub_path, value in _flatten(meta.get("objects", {}), split_all=True):
+            if sub_path != ("",):
+                leaves.append(Leaf((section, *sub_path), None, None, _const(value)))
+    if not leaves:
+        # safetensors files outside the HF naming: read each file
+        for file in _safetensors.iter_files(path):
+            for n, t in _safetensors.read_header(os.path.join(path, file))[0].items():
+                leaves.append(_st_leaf(("model", n), t))
+    src = Source(path, "safetensors", leaves)
+    if marker.get("writer") == "fsdp_wrap":
+        src.writer = "fsdp_wrap (save_full_checkpoint), complete"
+        src.notes.append(f"saved by {marker.get('world_size')} ranks; full tensors load at any world size")
+    return src
+
+
+def _const(value: Any) -> Callable[[], Any]:
+    return lambda: value
+
+
+def _open_torch_file(path: str, trust_pickle: bool) -> Source:
+    try:
+        obj = torch.load(path, map_location="cpu", mmap=True, weights_only=not trust_pickle)
+    except Exception as e:
+        hint = (
+            "" if trust_pickle else
+            " If it holds Python objects you trust, pass --trust-pickle (weights_only=False)."
+        )
+        raise ValueError(
+            f"{path} is not a checkpoint fsdp-wrap can read: torch.load failed "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}).{hint}"
+        ) from e
+    leaves = [
+        Leaf(p, tuple(v.shape), v.dtype, _const(v)) if isinstance(v, torch.Tensor)
+        else Leaf(p, None, None, _const(v))
+        for p, v in _flatten(obj, split_all=True)
+    ]
+    return Source(path, "torch", leaves, writer="torch.save (FULL_STATE_DICT)")
+
+
+def _flatten(
+    obj: Any, prefix: tuple[Any, ...] = (), split_all: bool = False
+) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """Leaves of nested dicts and lists, as DCP flattens them: a list without tensors
+    is one leaf (``split_all`` splits every non-empty container)."""
+    if isinstance(obj, dict) and obj:
+        for k, v in obj.items():
+            yield from _flatten(v, (*prefix, k), split_all)
+    elif isinstance(obj, (list, tuple)) and obj and (split_all or _has_tensor(obj)):
+        for i, v in enumerate(obj):
+            yield from _flatten(v, (*prefix, i), split_all)
+    else:
+        yield (prefix or ("",)), obj
+
+
+def _has_tensor(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, dict):
+        return any(_has_tensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_tensor(v) for v in obj)
+    return False
+
+
+# ------------------------------------------------------------------- inspect
+
+
+def inspect(path: str, trust_pickle: bool = False) -> dict[str, Any]:
+    """What a checkpoint is, as a JSON-able dict (see :func:`format_inspection`)."""
+    src = open_source(path, trust_pickle)
+    try:
+        tensors = [lf for lf in src.leaves if lf.shape is not None]
+        kinds = {
+            "dcp": "torch.distributed.checkpoint (DCP) directory, SHARDED_STATE_DICT",
+            "torch": "torch.save file of full tensors",
+            "safetensors": "Hugging Face safetensors (full tensors)",
+        }
+        sections = {s: [lf for lf in tensors if src.section(lf) == s] for s in ("model", "optim", "other")}
+        optim_states = sorted({str(lf.path[-1]) for lf in sections["optim"]})
+        return {
+            "path": path,
+            "format": kinds[src.kind],
+            "written_by": src.writer or "unknown",
+            "world_size": src.world_size,
+            "tensors": len(tensors),
+            "total_bytes": sum(lf.nbytes for lf in tensors),
+            "model_tensors": len(sections["model"]),
+            "model_bytes": sum(lf.nbytes for lf in sections["model"]),
+            "optimizer_state": bool(sections["optim"]),
+            "optimizer_states": optim_states,
+            "optimizer_bytes": sum(lf.nbytes for lf in sections["optim"]),
+            "other_values": [lf.name for lf in src.leaves if lf.shape is None],
+            "notes": src.notes,
+            "entries": [
+                {
+                    "name": lf.name,
+                    "shape": list(lf.shape or ()),
+                    "dtype": str(lf.dtype).replace("torch.", ""),
+                    "bytes": lf.nbytes,
+                    "chunks": lf.chunks,
+                }
+                for lf in tensors
+            ],
+        }
+    finally:
+        src.close()
+
+
+def format_inspection(info: dict[str, Any], limit: int | None = 50) -> str:
+    ws = info["world_size"]
+    lines = [
+        f"checkpoint:   {info['path']}",
+        f"format:       {info['format']}",
+        f"written by:   {info['written_by']}",
+        "world size:   " + (str(ws) if ws else "n/a (full tensors: loads at any world size)"),
+        f"tensors:      {info['tensors']}, {_human(info['total_bytes'])} "
+        f"(model {info['model_tensors']}, {_human(info['model_bytes'])})",
+        "optimizer:    " + (
+            f"yes, {_human(info['optimizer_bytes'])} ({', '.join(info['optimizer_states'])})"
+            if info["optimizer_state"] else "no"
+        ),
+    ]
+    if info["other_values"]:
+        lines.append("other values: " + ", ".join(info["other_values"]))
+    lines.extend(f"note:         {n}" for n in info["notes"])
+    entries = info["entries"]
+    shown = entries if limit is None else entries[:limit]
+    if shown:
+        width = min(70, max(len(e["name"]) for e in shown))
+        lines.append("")
+        lines.append(f"{'name':<{width}}  {'shape':<20} {'dtype':<9} {'bytes':>10} chunks")
+        for e in shown:
+            shape = "x".join(str(s) for s in e["shape"]) or "()"
+            lines.append(
+                f"{e['name']:<{width}}  {shape:<20} {e['dtype']:<9} {_human(e['bytes']):>10} {e['chunks']:>6}"
+            )
+        if len(shown) < len(entries):
+            lines.append(f"... {len(entries) - len(shown)} more (--all lists every tensor)")
+    return "\n".join(lines)
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+# ------------------------------------------------------------------ progress
+
+
+class Progress:
+    """A one-line progress bar on stderr (bytes done of total)."""
+
+    def __init__(self, label: str, total: int, enabled: bool) -> None:
+        self.label, self.total, self.enabled, self.done = label, max(total, 1), enabled, 0
+
+    def step(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self.enabled:
+            frac = min(1.0, self.done / self.total)
+            bar = "#" * int(30 * frac)
+            sys.stderr.write(
+                f"\r{self.label}: [{bar:<30}] {100 * frac:5.1f}% "
+                f"{_human(self.done)} / {_human(self.total)}"
+            )
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+# ------------------------------------------------------------------- convert
+
+
+def convert(
+    src_path: str,
+    out: str,
+    fmt: str | None = None,
+    include_optim: bool = True,
+    max_shard_size: int = DEFAULT_MAX_SHARD,
+    progress: bool = False,
+    trust_pickle: bool = False,
+) -> str:
+    """Write ``src_path`` as ``fmt`` (``"torch"``, ``"safetensors"`` or ``"dcp"``) at ``out``.
+
+    The default format is ``"torch"`` for a DCP source and ``"dcp"`` otherwise.
+    Returns a one-line summary.  Refuses to overwrite ``out``.
+    """
+    src = open_source(src_path, trust_pickle)
+    try:
+        fmt = fmt or ("torch" if src.kind == "dcp" else "dcp")
+        if fmt not in ("torch", "safetensors", "dcp"):
+            raise ValueError(f"unknown output format {fmt!r}: use torch, safetensors or dcp")
+        if any("LOCAL_STATE_DICT" in n for n in src.notes):
+            raise ValueError(
+                f"{src_path} is a LOCAL_STATE_DICT checkpoint (flat shards per FSDP unit); only "
+                "SHARDED_STATE_DICT checkpoints can be consolidated. Save with SHARDED_STATE_DICT."
+            )
+        if os.path.exists(out):
+            raise FileExistsError(f"{out} already exists; remove it or choose another output path")
+        leaves = [
+            lf for lf in src.leaves if include_optim or src.section(lf) != "optim"
+        ]
+        total = sum(lf.nbytes for lf in leaves)
+        bar = Progress(f"{fmt} <- {src.kind}", total, progress)
+        tmp = out + ".tmp-fsdp-wrap"
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp) if os.path.isdir(tmp) else os.remove(tmp)
+        try:
+            if fmt == "torch":
+                _write_torch(tmp, leaves, bar)
+            elif fmt == "safetensors":
+                os.makedirs(tmp)
+                _write_safetensors(tmp, src, leaves, max_shard_size, bar)
+            else:
+                _write_dcp(tmp, src, leaves, bar)
+            os.replace(tmp, out)
+        except BaseException:
+            if os.path.isdir(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+            elif os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+        finally:
+            bar.close()
+        n = sum(1 for lf in leaves if lf.shape is not None)
+        return f"wrote {out} ({fmt}): {n} tensors, {_human(total)}"
+    finally:
+        src.close()
+
+
+def consolidate(dcp_dir: str, out: str, fmt: str = "torch", **kwargs: Any) -> str:
+    """A DCP directory to one ``torch.save`` file or a HF safetensors directory, streaming."""
+    if not _dcp.is_dcp_dir(dcp_dir):
+        if os.path.isdir(dcp_dir) or not os.path.exists(dcp_dir):
+            _dcp.read_metadata(dcp_dir)  # raises the precise error
+        raise ValueError(f"{dcp_dir} is not a DCP directory; use `convert` for other formats")
+    if fmt == "dcp":
+        raise ValueError("consolidate writes torch or safetensors; use `convert` for DCP output")
+    return convert(dcp_dir, out, fmt=fmt, **kwargs)
+
+
+def _write_torch(path: str, leaves: Sequence[Leaf], bar: Progress) -> None:
+    writer = StreamingTorchSave(path)
+    skeleton: dict[Any, Any] = {}
+    of_placeholder: dict[int, Leaf] = {}
+    for lf in leaves:
+        if lf.shape is not None and lf.dtype is not None:
+            ph = writer.placeholder(lf.shape, lf.dtype)
+            of_placeholder[id(ph)] = lf
+            _set(skeleton, lf.path, ph)
+        else:
+            _set(skeleton, lf.path, lf.load())
+    obj = skeleton[""] if list(skeleton) == [""] else _lists(skeleton)
+    for ph in writer.write_skeleton(obj):
+        lf = of_placeholder[id(ph)]
+        writer.fill(lf.load())
+        _compat.release_freed_memory()
+        bar.step(lf.nbytes)
+    writer.finish(fsync=True)
+
+
+def _set(root: dict[Any, Any], path: Sequence[Any], value: Any) -> None:
+    node = root
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = value
+
+
+def _lists(obj: Any) -> Any:
+    """Turn dicts keyed 0..n-1 (DCP's flattened lists) back into lists."""
+    if isinstance(obj, dict):
+        fixed = {_index(k): _lists(v) for k, v in obj.items()}
+        if fixed and all(isinstance(k, int) for k in fixed) and sorted(fixed) == list(range(len(fixed))):
+            return [fixed[i] for i in range(len(fixed))]
+        return fixed
+    return obj
+
+
+def _index(key: Any) -> Any:
+    return int(key) if isinstance(key, str) and key.isdigit() else key
+
+
+def _write_safetensors(
+    directory: str, src: Source, leaves: Sequence[Leaf], max_shard: int, bar: Progress
+) -> None:
+    for section, prefix in (("model", "model"), ("optim", "optimizer")):
+        chosen = [lf for lf in leaves if src.section(lf) == section]
+        tensors = [lf for lf in chosen if lf.shape is not None and lf.dtype is not None]
+        if not tensors:
+            continue
+        names = {
+            id(lf): src.model_name(lf) if section == "model" else ".".join(str(p) for p in lf.path[1:])
+            for lf in tensors
+        }
+        objects: dict[Any, Any] = {}
+        for lf in chosen:
+            if lf.shape is None:
+                _set(objects, [str(p) for p in lf.path[1:]], _jsonable(lf.load(), lf.name))
+        objects = _lists(objects)
+        entries = [Entry(names[id(lf)], tuple(lf.shape or ()), lf.dtype) for lf in tensors if lf.dtype]
+        writer = ShardedWriter(
+            directory, entries, max_shard, prefix=prefix, fsync=True,
+            index_metadata={"objects": objects} if objects else None,
+        )
+        try:
+            for lf in tensors:
+                writer.write(names[id(lf)], lf.load())
+                _compat.release_freed_memory()
+                bar.step(lf.nbytes)
+            writer.close()
+        finally:
+            writer.abort()
+
+
+def _jsonable(value: Any, name: str) -> Any:
+    try:
+        json.dumps(value)
+        return value
+    except TypeError as e:
+        raise ValueError(
+            f"'{name}' ({type(value).__name__}) cannot be stored in a safetensors index; "
+            "write --format torch instead"
+        ) from e
+
+
+def _write_dcp(directory: str, src: Source, leaves: Sequence[Leaf], bar: Progress) -> None:
+    """Full tensors to DCP (one chunk each; DCP reshards them for any world size on load)."""
+    import torch.distributed.checkpoint as dcp
+
+    state: dict[Any, Any] = {}
+    for lf in leaves:
+        value = _mapped(lf, src) if lf.shape is not None else lf.load()
+        _set(state, lf.path, value)
+    obj = _lists(state)
+    if not isinstance(obj, dict) or "" in obj:
+        raise ValueError(f"{src.path} holds a bare {type(obj).__name__}, not a dict of state")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
+        dcp.save(obj, storage_writer=dcp.FileSystemWriter(directory), no_dist=True)
+    bar.step(sum(lf.nbytes for lf in leaves))
+
+
+def _mapped(lf: Leaf, src: Source) -> torch.Tensor:
+    """A memory-mapped view where the source allows it (torch.save mmap, safetensors)."""
+    if lf.stored is not None:
+        return _map_stored(lf.stored, src)
+    result: torch.Tensor = lf.load()
+    return result
+
+
+def _map_stored(st: _safetensors.StoredTensor, src: Source) -> torch.Tensor:
+    cache = src.__dict__.setdefault("_maps", {})
+    if st.file not in cache:
+        f = open(st.file, "rb")  # noqa: SIM115  (closed by Source.close)
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        cache[st.file] = mm
+        src.closers.append(f.close)
+    mm = cache[st.file]
+    itemsize = torch.empty((), dtype=st.dtype).element_size()
+    if st.nbytes == 0 or st.begin % itemsize:
+        return _safetensors.read_tensor(st)
+    flat = torch.frombuffer(mm, dtype=torch.uint8, count=st.nbytes, offset=st.begin)
+    return flat.view(st.dtype).reshape(st.shape)
