@@ -261,13 +261,15 @@ def test_unsharded_memory_stays_bounded_with_the_gpu_lagging(pool2: DistPool) ->
 # ---------------------------------------------------------------------------
 
 
-# (strategy, use_orig_params, world size) where torch's FSDP1 itself departs from
-# a replicated model on CUDA with CPU offload.  Seen on torch 2.11 (H100):
-# use_orig_params=True with NO_SHARD gives wrong parameters from the first step,
-# on two gloo ranks and on one NCCL rank (where every strategy runs as NO_SHARD).
-# fsdp_wrap is compared with the replicated model in every configuration, and
-# with torch wherever torch agrees.
-TORCH_OFFLOAD_DEVIATES: set[tuple[str, bool, int]] = {("NO_SHARD", True, 2)} | {
+# (strategy, use_orig_params, world size) where torch's FSDP1 itself may depart
+# from a replicated model on CUDA with CPU offload.  Seen on torch 2.11 (H100):
+# use_orig_params=True with NO_SHARD gives wrong parameters from the first step
+# on two gloo ranks, and at world size 1 (NCCL, every strategy runs as NO_SHARD)
+# in one run of three: intermittent, so torch is not held to either outcome
+# there.  fsdp_wrap is compared with the replicated model in every
+# configuration, and with torch wherever torch agrees; torch departing anywhere
+# else fails the test.
+TORCH_OFFLOAD_MAY_DEPART: set[tuple[str, bool, int]] = {("NO_SHARD", True, 2)} | {
     (s, True, 1) for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")}
 
 
@@ -318,10 +320,10 @@ def _offload_matches_torch() -> list[str]:
                     torch_deviates |= bool(errs) and impl == "torch"
                 if not torch_deviates:
                     fails += compare_step(f"{tag} step {step}", names, res[0], res[1])
-            known = (strategy, uop, dist.get_world_size()) in TORCH_OFFLOAD_DEVIATES
-            if torch_deviates != known:
-                fails.append(f"{tag}: torch's FSDP1 {'departs' if torch_deviates else 'no longer departs'}"
-                             " from the replicated model: update TORCH_OFFLOAD_DEVIATES")
+            known = (strategy, uop, dist.get_world_size()) in TORCH_OFFLOAD_MAY_DEPART
+            if torch_deviates and not known:
+                fails.append(f"{tag}: torch's FSDP1 departs from the replicated model here too: "
+                             "check, then add it to TORCH_OFFLOAD_MAY_DEPART")
             bad = [n for n, p in ours.named_parameters()
                    if p.device.type != "cpu" or (p.grad is not None and p.grad.device.type != "cpu")]
             if bad:
