@@ -327,10 +327,12 @@ class FullyShardedDataParallel(nn.Module):
             values = {getattr(st, attr) for st in states}
             if len(values) > 1:
                 raise ValueError(f"Expects one homogeneous value for {attr} but got {values}")
+        if self.world_size > 1:
+            # Compares the flat parameters' dtype and shape too: data replaced on
+            # some ranks only is reported on every rank, before any gather.
+            _runtime.all_gather_unit_signatures(self)
         for h in self._all_handles:
             h.adopt_flat_param_data()
-        if self.world_size > 1:
-            _runtime.all_gather_unit_signatures(self)
         for st in states:
             st._buffer_orig_dtypes = _init.cast_buffers(st)
 
@@ -345,6 +347,7 @@ class FullyShardedDataParallel(nn.Module):
             h.unit_fqn or "<root>",
             tuple((i.fqn, tuple(i.shape)) for i in h.infos),
             str(h.flat_param.dtype),
+            tuple(h.flat_param.shape),
             self.sharding_strategy.name,
             self._use_orig_params,
         )

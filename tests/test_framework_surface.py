@@ -202,3 +202,22 @@ def test_rekey_by_id_with_flat_parameters(pool2: Any) -> None:
         assert "use_orig_params=True" in flat
         assert "_fsdp_wrapped_module" not in flat
         assert orig == "uop=True: ok [0, 1, 2, 3, 4, 5, 6, 7]", orig
+
+
+def _upcast_on_one_rank() -> str:
+    warnings.simplefilter("ignore")
+    _, ours = _pair("FULL_SHARD", False, torch.bfloat16)
+    if dist.get_rank() == 1:
+        for unit in _units(ours):
+            unit._flat_param.data = unit._flat_param.data.float()
+    try:
+        ours(torch.ones(2, 8, dtype=torch.bfloat16))
+    except Exception as e:  # every rank must get here, none may hang
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_flat_parameter_replaced_on_one_rank_only_fails_everywhere(pool2: Any) -> None:
+    for rank, msg in enumerate(pool2.run(_upcast_on_one_rank)):
+        assert "torch.bfloat16" in msg and "torch.float32" in msg, (rank, msg)
+        assert "_fsdp_wrapped_module" not in msg, msg
