@@ -216,6 +216,11 @@ def test_damaged_and_foreign_inputs_get_one_clear_error(tmp_path: Any) -> None:
     open(shard, "wb").write(data[:-10])
     rc, _, err = _ckpt("convert", hf, str(tmp_path / "x"))
     assert rc == 2 and "truncated or corrupt" in err
+    # a .safetensors name for a torch.save file (the default format) is refused up front
+    named = tmp_path / "model.safetensors"
+    rc, _, err = _ckpt("consolidate", good, str(named))
+    assert rc == 2 and "Hugging Face layout" in err and "--format safetensors" in err
+    assert not named.exists()
 
 
 _PEAK_SCRIPT = textwrap.dedent(

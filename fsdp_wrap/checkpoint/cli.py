@@ -90,12 +90,25 @@ def _kwargs(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _check_out_name(out: str, fmt: str | None) -> None:
+    """A ``.safetensors`` name for what would be a torch.save file or a directory
+    of shards is a mistake a user would only find out later: say it now."""
+    if out.endswith(".safetensors"):
+        raise ValueError(
+            f"{out}: safetensors output is a directory in the Hugging Face layout "
+            "(model-0000x-of-0000n.safetensors + model.safetensors.index.json); give a "
+            "directory name and --format safetensors"
+            + ("" if fmt == "safetensors" else f" (the format now is {fmt or 'the default'})"))
+
+
 def _consolidate(args: argparse.Namespace) -> int:
+    _check_out_name(args.out, args.format)
     print(offline.consolidate(args.src, args.out, fmt=args.format, **_kwargs(args)))
     return 0
 
 
 def _convert(args: argparse.Namespace) -> int:
+    _check_out_name(args.out, args.format)
     print(offline.convert(args.src, args.out, fmt=args.format, **_kwargs(args)))
     return 0
 
