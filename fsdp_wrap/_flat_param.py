@@ -21,6 +21,7 @@ in :mod:`fsdp_wrap._layout`; padding holds ``42`` as torch's does.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -40,6 +41,7 @@ from ._layout import (
     collect_unit_params,
     walk_unit_modules,
 )
+from ._writeback import write_back_orig_params
 from .api import ShardingStrategy
 
 __all__ = [
@@ -181,6 +183,9 @@ class FlatParamHandle:
         self.comm_hook: tuple[object, Callable[..., Any]] | None = None
         self._shard_slices = self.layout.shard_slices(rank)
         self._params_registered = False
+        # The forward's views of the original parameters (checked before backward).
+        self.compute_views: list[torch.Tensor] = []
+        self._skip_writeback_check = os.environ.get("FSDP_SKIP_WRITEBACK_CHECK", "") == "1"
         self._release_original_storage()
         if not use_orig_params:
             module._parameters[FLAT_PARAM_NAME] = self.flat_param
@@ -338,6 +343,7 @@ class FlatParamHandle:
         backward use; everything else (state dicts, summon) wants the
         original dtype, which is the default.
         """
+        self.pre_unshard()
         slot = self._slot(full_precision)
         if not self._needs_copy or slot.valid or slot.pending is not None:
             return
@@ -364,6 +370,16 @@ class FlatParamHandle:
         )
         if slot.pending is None:  # completed synchronously
             slot.source, slot.valid = None, True
+
+    def pre_unshard(self) -> None:
+        """Take up original parameters or gradients replaced since the last
+        step (``use_orig_params=True``), as torch does before every unshard."""
+        if (self.use_orig_params and self.state is HandleState.SHARDED
+                and not self._params_registered and not self._skip_writeback_check
+                and write_back_orig_params(self)):
+            for slot in self._gathered.values():
+                slot.wait()
+                slot.free()
 
     def finish_unshard(self, full_precision: bool = True) -> None:
         """Wait for the gather and point ``flat_param`` at the unsharded data."""
@@ -445,6 +461,7 @@ class FlatParamHandle:
                 view = view.detach()
             tensors.append(view)
             self._set_tensor(info.module, info.name, view)
+        self.compute_views = tensors
         for shared in self.shared:
             self._set_tensor(shared.module, shared.name, tensors[shared.index])
 
@@ -679,6 +696,7 @@ class FlatParamHandle:
         rank 0 alone (other ranks get ``None`` and never hold the whole).
         """
         if to_rank0_only:
+            self.pre_unshard()
             src = self._gather_source(self.orig_dtype)
             full: torch.Tensor | None = None
             if not self.uses_sharded_strategy:

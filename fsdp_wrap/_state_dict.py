@@ -454,6 +454,7 @@ def _pre_state_dict_hook(state: FSDP, prefix: str, keep_vars: bool) -> None:
     handle = state._handle
     if handle is None:
         return
+    handle.pre_unshard()  # replaced original parameters are taken up first (as torch)
     if sd_type is StateDictType.FULL_STATE_DICT:
         # Stream: copy this unit's parameters and free it again before any
         # nested unit is gathered, so at most one unit is unsharded at a time

@@ -64,6 +64,9 @@ def summon(
     with_grads: bool = False,
 ) -> Generator[None, None, None]:
     check_options(states, writeback, rank0_only, offload_to_cpu, with_grads)
+    for st in states:
+        if st._handle is not None:
+            st._handle.pre_unshard()  # write-back checks before any collective
     entered: list[tuple[FSDP, torch.Tensor | None, bool]] = []
     try:
         for st in states:
