@@ -503,7 +503,10 @@ def _post_state_dict_hook(
             _sharded_post_state_dict(state, state_dict, prefix)
         else:
             _local_post_state_dict(state, state_dict, prefix)
-        _restore_buffer_dtypes(state, state_dict, prefix)
+        if sd_type is StateDictType.LOCAL_STATE_DICT:
+            _restore_buffer_dtypes(state, state_dict, prefix)
+        else:
+            _copy_cast_buffers(state, state_dict, prefix)
         old = prefix + WRAPPED
         for key in [k for k in state_dict if k.startswith(old)]:
             state_dict[prefix + key[len(old) :]] = state_dict.pop(key)
@@ -521,6 +524,30 @@ def _restore_buffer_dtypes(state: FSDP, state_dict: dict[str, Any], prefix: str)
             state_dict[key] = value.to(dtype)
 
 
+def _copy_cast_buffers(state: FSDP, state_dict: dict[str, Any], prefix: str) -> None:
+    """FULL and SHARDED dicts hold the modules' own buffer tensors, as torch's do;
+    with ``buffer_dtype`` every buffer FSDP manages (not an ignored module's) is
+    saved as a copy in its original dtype, as torch does."""
+    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+
+    if state.mixed_precision.buffer_dtype is None:
+        return
+    for mod_fqn, mod in walk_unit_modules(
+        state._fsdp_wrapped_module, lambda m: isinstance(m, FSDP)
+    ):
+        if mod in state._ignored_modules:
+            continue
+        for name, b in mod._buffers.items():
+            if b is None or name in mod._non_persistent_buffers_set:
+                continue
+            raw = f"{mod_fqn}.{name}" if mod_fqn else name
+            key = prefix + WRAPPED + _rel(raw)
+            value = state_dict.get(key)
+            if isinstance(value, torch.Tensor):
+                dtype = state._buffer_orig_dtypes.get(raw, value.dtype)
+                state_dict[key] = value.to(dtype=dtype, copy=True)
+
+
 def _full_post_state_dict(state: FSDP, state_dict: dict[str, Any], prefix: str) -> None:
     cfg = state._state_dict_config
     rank0_only = isinstance(cfg, FullStateDictConfig) and cfg.rank0_only
@@ -533,13 +560,10 @@ def _full_post_state_dict(state: FSDP, state_dict: dict[str, Any], prefix: str) 
         value = state_dict[key]
         if drop:
             del state_dict[key]
-        elif isinstance(value, torch.Tensor) and rel not in fresh:
-            state_dict[key] = _copy(value, cfg.offload_to_cpu)
-
-
-def _copy(value: torch.Tensor, offload_to_cpu: bool) -> torch.Tensor:
-    value = value.detach()
-    return value.to("cpu", copy=True) if offload_to_cpu else value.clone()
+        elif isinstance(value, torch.Tensor) and rel not in fresh and cfg.offload_to_cpu:
+            # Buffers stay the modules' own tensors (torch's ``buf.detach()``),
+            # moved to CPU if asked.
+            state_dict[key] = value.detach().to("cpu")
 
 
 def _sharded_post_state_dict(state: FSDP, state_dict: dict[str, Any], prefix: str) -> None:
