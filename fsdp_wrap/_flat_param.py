@@ -457,8 +457,8 @@ class FlatParamHandle:
         tensors: list[torch.Tensor] = []
         for info, seg in zip(self.infos, self._info_segment):
             view = views[seg].view(info.shape)
-            if not info.param.requires_grad:
-                view = view.detach()
+            if self.use_orig_params and not info.param.requires_grad:
+                view = view.detach()  # (without, views follow flat_param's requires_grad)
             tensors.append(view)
             self._set_tensor(info.module, info.name, view)
         self.compute_views = tensors
@@ -723,10 +723,14 @@ class FlatParamHandle:
     def register_params(self, tensors: Sequence[torch.Tensor]) -> None:
         """Register the original parameters with ``tensors`` as their data.
 
-        Undone by :meth:`use_sharded_views`.
+        Undone by :meth:`use_sharded_views`.  With ``use_orig_params=False``
+        they take the flat parameter's ``requires_grad`` (frozen after
+        wrapping or not), as torch's fresh Parameters do.
         """
         for info, t in zip(self.infos, tensors):
             info.param.data = t
+            if not self.use_orig_params:
+                info.param.requires_grad_(self.flat_param.requires_grad)
             info.module.__dict__.pop(info.name, None)
             info.module._parameters[info.name] = info.param
         for shared in self.shared:
