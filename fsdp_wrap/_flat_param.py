@@ -161,6 +161,10 @@ class FlatParamHandle:
             if offload_params:
                 self.local_shard = self._to_shard_device(self.local_shard, pin=True)
         self.flat_param = FlatParameter.make(self.local_shard, requires_grad, self.infos)
+        # The shard as ``.data`` (torch's ``_local_shard``): same memory, its own
+        # version counter, so writing into it (summon write-back between a
+        # forward and its backward) does not invalidate the forward's views.
+        self.local_shard = self.flat_param.data
         # Unsharded copies: one in the compute dtype for forward/backward, and
         # (only when that differs from the original dtype) one in full
         # precision for summon_full_params and state dicts.
@@ -640,11 +644,12 @@ class FlatParamHandle:
         if self.use_orig_params:
             self._set_grad_views()
 
-    def _set_unsharded_grad_views(self, grad: torch.Tensor) -> None:
-        """Under ``no_sync`` the original params carry full-shape local gradients."""
+    def _set_unsharded_grad_views(self, grad: torch.Tensor, frozen_too: bool = False) -> None:
+        """Under ``no_sync`` the original params carry full-shape local gradients
+        (``summon_full_params(with_grads=True)``: frozen ones too)."""
         views = grad.split(self._segments)
         for info, seg in zip(self.infos, self._info_segment):
-            if not info.param.requires_grad:
+            if not info.param.requires_grad and not frozen_too:
                 info.param.grad = None
             else:
                 _assign_grad(info.param, views[seg].view(info.shape))
@@ -656,36 +661,6 @@ class FlatParamHandle:
         if self.use_orig_params:
             return [info.param.grad for info in self.infos if info.param.grad is not None]
         return [self.flat_param.grad] if self.flat_param.grad is not None else []
-
-    def gather_full_grad(self) -> torch.Tensor:
-        """The mean gradient of the whole flat parameter (a collective).
-
-        Ranks without a gradient contribute zeros so every rank takes part.
-        """
-        grad = self.flat_param.grad
-        if not self.uses_sharded_strategy:
-            if grad is None:
-                return torch.zeros(self.unpadded_numel, dtype=self.orig_dtype, device=self.device)
-            return grad.detach().to(self.device)
-        local = (
-            torch.zeros(self.shard_numel, dtype=self.orig_dtype, device=self.device)
-            if grad is None or self.has_unreduced_grad
-            else grad.detach().to(self.device)
-        )
-        full = local.new_empty(self.padded_numel)
-        C.all_gather_into(full, local, self.process_group)
-        return full[: self.unpadded_numel]
-
-    def show_full_grads(self, full_grad: torch.Tensor) -> None:
-        """Original params' ``.grad`` become full-shape views of ``full_grad``."""
-        self._set_unsharded_grad_views(full_grad)
-
-    def show_sharded_grads(self) -> None:
-        """Undo :meth:`show_full_grads`."""
-        if self.has_unreduced_grad and self.flat_param.grad is not None:
-            self._set_unsharded_grad_views(self.flat_param.grad)
-        else:
-            self._set_grad_views()
 
     def full_param_copies(self, to_rank0_only: bool, to_cpu: bool) -> list[torch.Tensor] | None:
         """Full-precision copies of the original parameters, one tensor each (a collective).

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tests._options_common import compare_step, loss_of, rank_tag, run_configs, train_step
+from tests._options_common import cmp, compare_step, loss_of, rank_tag, run_configs, train_step
 from tests.models import build, fsdp_api, make_input, new_model
 
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
@@ -78,4 +78,81 @@ def _frozen_sweep(configs: list[dict[str, Any]]) -> list[str]:
 
 def test_frozen_flat_param_shows_frozen_originals_as_in_torch(pool2: Any) -> None:
     fails = [f for r in pool2.run(_frozen_sweep, _frozen_configs()) for f in r]
+    assert not fails, "\n".join(fails[:20])
+
+
+# ------------------------------------------------------------ with_grads
+
+
+def _grads(model: nn.Module) -> list[tuple[str, torch.Tensor | None]]:
+    return [(n.replace("_fsdp_wrapped_module.", ""), None if p.grad is None else p.grad.clone())
+            for n, p in model.named_parameters()]
+
+
+def _cmp_grads(what: str, ref: list[Any], ours: list[Any]) -> list[str]:
+    if [(n, g is None) for n, g in ref] != [(n, g is None) for n, g in ours]:
+        return [f"{what}: (name, .grad is None) torch {[(n, g is None) for n, g in ref]} "
+                f"vs ours {[(n, g is None) for n, g in ours]}"]
+    errs = [cmp(f"{what} {n}", a, b) for (n, a), (_, b) in zip(ref, ours)]
+    return [e for e in errs if e]
+
+
+def _with_grads_run(cfg: dict[str, Any]) -> list[str]:
+    warnings.simplefilter("ignore")
+    tag = f"{rank_tag()} {cfg}"
+    torch.manual_seed(0)
+    name = cfg["model"]
+    base = new_model(name)
+    kw = dict(sharding_strategy=cfg["strategy"], use_orig_params=True)
+    models = {impl: build(name, impl, base, **kw) for impl in ("torch", "ours")}
+    opts = {i: torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1)
+            for i, m in models.items()}
+    gen = torch.Generator().manual_seed(100 + dist.get_rank())
+    fails: list[str] = []
+
+    def look(when: str) -> None:
+        inside = {}
+        for impl, m in models.items():
+            with fsdp_api(impl).FullyShardedDataParallel.summon_full_params(m, with_grads=True):
+                inside[impl] = _grads(m)
+        fails.extend(f"{tag} {when}, inside: {e}" for e in _cmp_grads("", *inside.values()))
+        after = {impl: _grads(m) for impl, m in models.items()}
+        fails.extend(f"{tag} {when}, after: {e}" for e in _cmp_grads("", *after.values()))
+
+    look("before any forward")
+    for step in range(3):
+        x = make_input(name, gen)
+        losses = {i: loss_of(m(x)) for i, m in models.items()}
+        look(f"step {step} between forward and backward")
+        outcome = {}
+        for i, loss in losses.items():
+            try:
+                loss.backward()
+                outcome[i] = "ok"
+            except RuntimeError as e:
+                outcome[i] = f"{type(e).__name__}: {str(e)[:60]}"
+        if outcome["torch"] != outcome["ours"]:
+            return fails + [f"{tag} step {step} backward: torch {outcome['torch']} vs ours {outcome['ours']}"]
+        look(f"step {step} after backward")
+        for o in opts.values():
+            o.step()
+        if step == 1:  # step 2 runs with the gradients of step 1 left in place
+            continue
+        for o in opts.values():
+            o.zero_grad(set_to_none=True)
+        look(f"step {step} after zero_grad")
+    return fails
+
+
+def _with_grads_configs() -> list[dict[str, Any]]:
+    return [dict(strategy=s, model=m)
+            for s, m in itertools.product(STRATEGIES, ("transformer", "frozen_mixed"))]
+
+
+def _with_grads_sweep(configs: list[dict[str, Any]]) -> list[str]:
+    return run_configs(configs, _with_grads_run)
+
+
+def test_summon_with_grads_shows_grads_as_torch(pool2: Any) -> None:
+    fails = [f for r in pool2.run(_with_grads_sweep, _with_grads_configs()) for f in r]
     assert not fails, "\n".join(fails[:20])
