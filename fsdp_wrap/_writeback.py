@@ -8,6 +8,9 @@ such changes into the flat parameter (and flat gradient) before the next
 unshard; so does :func:`write_back_orig_params`, which the handle calls
 before every gather of a sharded unit.
 
+``module.half()`` / ``.to(dtype)`` after wrapping converts the flat
+parameter itself (:func:`flat_param_exposed`), as torch's FSDP1 does.
+
 A unit kept unsharded after forward (``SHARD_GRAD_OP``) computes its backward
 from the forward's views; :func:`check_unchanged_since_forward` fails when one
 of those was replaced before backward, as torch does.
@@ -15,7 +18,9 @@ of those was replaced before backward, as torch does.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Generator
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,7 +28,7 @@ import torch
 if TYPE_CHECKING:
     from ._flat_param import FlatParamHandle
 
-__all__ = ["check_unchanged_since_forward", "write_back_orig_params"]
+__all__ = ["check_unchanged_since_forward", "flat_param_exposed", "write_back_orig_params"]
 
 
 def _where(handle: FlatParamHandle, fqn: str) -> str:
@@ -154,3 +159,33 @@ def check_unchanged_since_forward(handle: FlatParamHandle, views: list[torch.Ten
             "FULL_SHARD, which reshards after forward"
         )
 
+
+
+@contextlib.contextmanager
+def flat_param_exposed(handle: FlatParamHandle | None) -> Generator[None, None, None]:
+    """Register the flat parameter in place of the original ones for a while.
+
+    ``nn.Module._apply`` (``.half()``, ``.to(dtype)``, ``.double()``) then
+    converts the flat parameter (``flat_param.data = fn(flat_param)``); on
+    exit the handle takes the new data up as its shard and the original
+    parameters view it again.  With ``use_orig_params=True`` only, on a
+    sharded unit (as torch's ``_deregister_orig_params_ctx``).
+    """
+    from ._flat_param import FLAT_PARAM_NAME, HandleState
+
+    if handle is None or not handle.use_orig_params or handle.state is not HandleState.SHARDED:
+        yield
+        return
+    handle.pre_unshard()  # take up pending changes before the originals are hidden
+    params = handle.module._parameters
+    for info in handle.infos:
+        info.module._parameters.pop(info.name, None)
+    for shared in handle.shared:
+        shared.module._parameters.pop(shared.name, None)
+    params[FLAT_PARAM_NAME] = handle.flat_param
+    try:
+        yield
+    finally:
+        params.pop(FLAT_PARAM_NAME, None)
+        handle.adopt_flat_param_data()
+        handle.use_sharded_views()
