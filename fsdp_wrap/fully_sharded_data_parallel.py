@@ -305,7 +305,7 @@ class FullyShardedDataParallel(nn.Module):
         parameter is what gets converted, as in torch."""
         from ._writeback import flat_param_exposed
 
-        with flat_param_exposed(self._handle):
+        with flat_param_exposed(self.__dict__.get("_handle")):
             return super()._apply(*args, **kwargs)
 
     def _lazy_init(self) -> None:
