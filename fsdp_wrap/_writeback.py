@@ -91,13 +91,13 @@ def write_back_orig_params(handle: FlatParamHandle) -> bool:
                 continue
             if current is not info.param:
                 # A new Parameter set on the module: it becomes the original.
+                _copy_into(handle, "parameter", i, current.detach(), shard,
+                           not handle.uses_sharded_strategy)
                 handle.infos[i] = info = dataclasses.replace(info, param=current)
                 for shared in handle.shared:
                     if shared.index == i:
                         shared.module._parameters[shared.name] = current
                 wrote = True
-                _copy_into(handle, "parameter", i, current.detach(), shard,
-                           not handle.uses_sharded_strategy)
             elif not _same_storage(current, shard):
                 wrote = True
                 _copy_into(handle, "parameter", i, current.detach(), shard,
@@ -105,7 +105,7 @@ def write_back_orig_params(handle: FlatParamHandle) -> bool:
             _write_back_grad(handle, i, grad_full)
         for shared in handle.shared:
             prim = handle.infos[shared.index]
-            if shared.module._parameters.get(shared.name) is not prim.param:
+            if shared.module._parameters.get(shared.name, prim.param) is not prim.param:
                 raise NotImplementedError(
                     f"{_where(handle, shared.fqn)}: Changing shared parameters is not "
                     f"supported yet: it shares '{prim.fqn}', which must stay the same "
