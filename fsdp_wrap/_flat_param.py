@@ -21,6 +21,7 @@ in :mod:`fsdp_wrap._layout`; padding holds ``42`` as torch's does.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -40,6 +41,7 @@ from ._layout import (
     collect_unit_params,
     walk_unit_modules,
 )
+from ._writeback import write_back_orig_params
 from .api import ShardingStrategy
 
 __all__ = [
@@ -159,6 +161,10 @@ class FlatParamHandle:
             if offload_params:
                 self.local_shard = self._to_shard_device(self.local_shard, pin=True)
         self.flat_param = FlatParameter.make(self.local_shard, requires_grad, self.infos)
+        # The shard as ``.data`` (torch's ``_local_shard``): same memory, its own
+        # version counter, so writing into it (summon write-back between a
+        # forward and its backward) does not invalidate the forward's views.
+        self.local_shard = self.flat_param.data
         # Unsharded copies: one in the compute dtype for forward/backward, and
         # (only when that differs from the original dtype) one in full
         # precision for summon_full_params and state dicts.
@@ -181,6 +187,9 @@ class FlatParamHandle:
         self.comm_hook: tuple[object, Callable[..., Any]] | None = None
         self._shard_slices = self.layout.shard_slices(rank)
         self._params_registered = False
+        # The forward's views of the original parameters (checked before backward).
+        self.compute_views: list[torch.Tensor] = []
+        self._skip_writeback_check = os.environ.get("FSDP_SKIP_WRITEBACK_CHECK", "") == "1"
         self._release_original_storage()
         if not use_orig_params:
             module._parameters[FLAT_PARAM_NAME] = self.flat_param
@@ -338,6 +347,7 @@ class FlatParamHandle:
         backward use; everything else (state dicts, summon) wants the
         original dtype, which is the default.
         """
+        self.pre_unshard()
         slot = self._slot(full_precision)
         if not self._needs_copy or slot.valid or slot.pending is not None:
             return
@@ -364,6 +374,16 @@ class FlatParamHandle:
         )
         if slot.pending is None:  # completed synchronously
             slot.source, slot.valid = None, True
+
+    def pre_unshard(self) -> None:
+        """Take up original parameters or gradients replaced since the last
+        step (``use_orig_params=True``), as torch does before every unshard."""
+        if (self.use_orig_params and self.state is HandleState.SHARDED
+                and not self._params_registered and not self._skip_writeback_check
+                and write_back_orig_params(self)):
+            for slot in self._gathered.values():
+                slot.wait()
+                slot.free()
 
     def finish_unshard(self, full_precision: bool = True) -> None:
         """Wait for the gather and point ``flat_param`` at the unsharded data."""
@@ -441,10 +461,11 @@ class FlatParamHandle:
         tensors: list[torch.Tensor] = []
         for info, seg in zip(self.infos, self._info_segment):
             view = views[seg].view(info.shape)
-            if not info.param.requires_grad:
-                view = view.detach()
+            if self.use_orig_params and not info.param.requires_grad:
+                view = view.detach()  # (without, views follow flat_param's requires_grad)
             tensors.append(view)
             self._set_tensor(info.module, info.name, view)
+        self.compute_views = tensors
         for shared in self.shared:
             self._set_tensor(shared.module, shared.name, tensors[shared.index])
 
@@ -623,11 +644,12 @@ class FlatParamHandle:
         if self.use_orig_params:
             self._set_grad_views()
 
-    def _set_unsharded_grad_views(self, grad: torch.Tensor) -> None:
-        """Under ``no_sync`` the original params carry full-shape local gradients."""
+    def _set_unsharded_grad_views(self, grad: torch.Tensor, frozen_too: bool = False) -> None:
+        """Under ``no_sync`` the original params carry full-shape local gradients
+        (``summon_full_params(with_grads=True)``: frozen ones too)."""
         views = grad.split(self._segments)
         for info, seg in zip(self.infos, self._info_segment):
-            if not info.param.requires_grad:
+            if not info.param.requires_grad and not frozen_too:
                 info.param.grad = None
             else:
                 _assign_grad(info.param, views[seg].view(info.shape))
@@ -640,36 +662,6 @@ class FlatParamHandle:
             return [info.param.grad for info in self.infos if info.param.grad is not None]
         return [self.flat_param.grad] if self.flat_param.grad is not None else []
 
-    def gather_full_grad(self) -> torch.Tensor:
-        """The mean gradient of the whole flat parameter (a collective).
-
-        Ranks without a gradient contribute zeros so every rank takes part.
-        """
-        grad = self.flat_param.grad
-        if not self.uses_sharded_strategy:
-            if grad is None:
-                return torch.zeros(self.unpadded_numel, dtype=self.orig_dtype, device=self.device)
-            return grad.detach().to(self.device)
-        local = (
-            torch.zeros(self.shard_numel, dtype=self.orig_dtype, device=self.device)
-            if grad is None or self.has_unreduced_grad
-            else grad.detach().to(self.device)
-        )
-        full = local.new_empty(self.padded_numel)
-        C.all_gather_into(full, local, self.process_group)
-        return full[: self.unpadded_numel]
-
-    def show_full_grads(self, full_grad: torch.Tensor) -> None:
-        """Original params' ``.grad`` become full-shape views of ``full_grad``."""
-        self._set_unsharded_grad_views(full_grad)
-
-    def show_sharded_grads(self) -> None:
-        """Undo :meth:`show_full_grads`."""
-        if self.has_unreduced_grad and self.flat_param.grad is not None:
-            self._set_unsharded_grad_views(self.flat_param.grad)
-        else:
-            self._set_grad_views()
-
     def full_param_copies(self, to_rank0_only: bool, to_cpu: bool) -> list[torch.Tensor] | None:
         """Full-precision copies of the original parameters, one tensor each (a collective).
 
@@ -679,6 +671,7 @@ class FlatParamHandle:
         rank 0 alone (other ranks get ``None`` and never hold the whole).
         """
         if to_rank0_only:
+            self.pre_unshard()
             src = self._gather_source(self.orig_dtype)
             full: torch.Tensor | None = None
             if not self.uses_sharded_strategy:
@@ -705,10 +698,14 @@ class FlatParamHandle:
     def register_params(self, tensors: Sequence[torch.Tensor]) -> None:
         """Register the original parameters with ``tensors`` as their data.
 
-        Undone by :meth:`use_sharded_views`.
+        Undone by :meth:`use_sharded_views`.  With ``use_orig_params=False``
+        they take the flat parameter's ``requires_grad`` (frozen after
+        wrapping or not), as torch's fresh Parameters do.
         """
         for info, t in zip(self.infos, tensors):
             info.param.data = t
+            if not self.use_orig_params:
+                info.param.requires_grad_(self.flat_param.requires_grad)
             info.module.__dict__.pop(info.name, None)
             info.module._parameters[info.name] = info.param
         for shared in self.shared:

@@ -362,12 +362,14 @@ def cast_buffers(state: Any) -> dict[str, torch.dtype]:
     for mod_fqn, mod in walk_unit_modules(
         state._fsdp_wrapped_module, lambda m: isinstance(m, FSDP)
     ):
+        if mod in state._ignored_modules:
+            continue  # ignored modules' buffers keep their dtype, as in torch
         for name, b in mod._buffers.items():
             if b is None or not b.is_floating_point() or b.dtype == dtype:
                 continue
             fqn = f"{mod_fqn}.{name}" if mod_fqn else name
             orig.setdefault(fqn, b.dtype)
-            mod._buffers[name] = b.to(dtype)
+            b.data = b.to(dtype)  # in place, as torch: references to it see the cast
     return orig
 
 

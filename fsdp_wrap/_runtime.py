@@ -31,6 +31,7 @@ import torch
 from torch.autograd import Variable
 
 from . import _collectives as C
+from ._writeback import check_unchanged_since_forward
 from .api import BackwardPrefetch
 
 if TYPE_CHECKING:
@@ -103,6 +104,9 @@ def root_pre_forward(state: FSDP, args: tuple[Any, ...], kwargs: dict[str, Any])
         return args, kwargs
     for handle in state._all_handles:
         if handle.use_orig_params:
+            # Replaced parameters/gradients are taken up (or refused) before
+            # any collective of this forward.
+            handle.pre_unshard()
             handle.sync_flat_grad_from_orig()
     if state._forward_pending_backward:
         # The previous forward was never followed by a backward (e.g. an
@@ -175,6 +179,10 @@ def _pre_backward_hook(
     state._ran_pre_backward = True
     state.training_state = TrainingState.FORWARD_BACKWARD
     if handle is not None:
+        if (handle.use_orig_params and handle.is_unsharded and handle.uses_sharded_strategy
+                and not handle.reshard_after_forward):
+            # Kept unsharded since forward: the views must be the forward's.
+            check_unchanged_since_forward(handle, handle.compute_views)
         handle.finish_unshard(full_precision=False)
         # Hooks run with grad disabled; reentrant activation checkpointing
         # recomputes the forward through these views and needs them tracked.

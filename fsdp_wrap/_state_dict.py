@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 from . import _collectives, _compat
 from ._flat_param import FLAT_PARAM_NAME, walk_unit_modules
 from ._runtime import TrainingState
+from ._sd_buffers import buffers_in_original_dtype
 from .api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -454,6 +455,7 @@ def _pre_state_dict_hook(state: FSDP, prefix: str, keep_vars: bool) -> None:
     handle = state._handle
     if handle is None:
         return
+    handle.pre_unshard()  # replaced original parameters are taken up first (as torch)
     if sd_type is StateDictType.FULL_STATE_DICT:
         # Stream: copy this unit's parameters and free it again before any
         # nested unit is gathered, so at most one unit is unsharded at a time
@@ -502,22 +504,14 @@ def _post_state_dict_hook(
             _sharded_post_state_dict(state, state_dict, prefix)
         else:
             _local_post_state_dict(state, state_dict, prefix)
-        _restore_buffer_dtypes(state, state_dict, prefix)
+        buffers_in_original_dtype(state, state_dict, prefix,
+                                  local=sd_type is StateDictType.LOCAL_STATE_DICT)
         old = prefix + WRAPPED
         for key in [k for k in state_dict if k.startswith(old)]:
             state_dict[prefix + key[len(old) :]] = state_dict.pop(key)
     finally:
         if state._handle is not None and sd_type is not StateDictType.LOCAL_STATE_DICT:
             state._handle.use_sharded_views()  # copies/chunks were registered by the pre-hook
-
-
-def _restore_buffer_dtypes(state: FSDP, state_dict: dict[str, Any], prefix: str) -> None:
-    """Buffers cast to ``buffer_dtype`` are saved in their original dtype, as torch does."""
-    for rel, dtype in state._buffer_orig_dtypes.items():
-        key = prefix + WRAPPED + rel
-        value = state_dict.get(key)
-        if isinstance(value, torch.Tensor) and value.dtype != dtype:
-            state_dict[key] = value.to(dtype)
 
 
 def _full_post_state_dict(state: FSDP, state_dict: dict[str, Any], prefix: str) -> None:
@@ -532,13 +526,10 @@ def _full_post_state_dict(state: FSDP, state_dict: dict[str, Any], prefix: str) 
         value = state_dict[key]
         if drop:
             del state_dict[key]
-        elif isinstance(value, torch.Tensor) and rel not in fresh:
-            state_dict[key] = _copy(value, cfg.offload_to_cpu)
-
-
-def _copy(value: torch.Tensor, offload_to_cpu: bool) -> torch.Tensor:
-    value = value.detach()
-    return value.to("cpu", copy=True) if offload_to_cpu else value.clone()
+        elif isinstance(value, torch.Tensor) and rel not in fresh and cfg.offload_to_cpu:
+            # Buffers stay the modules' own tensors (torch's ``buf.detach()``),
+            # moved to CPU if asked.
+            state_dict[key] = value.detach().to("cpu")
 
 
 def _sharded_post_state_dict(state: FSDP, state_dict: dict[str, Any], prefix: str) -> None:
@@ -612,6 +603,27 @@ def _pre_load_state_dict_hook(
     strict: bool = True,
     missing_keys: Any = None,
     unexpected_keys: Any = None,
+    error_msgs: list[str] | None = None,
+) -> None:
+    _pre_load_for_type(state, state_dict, prefix, missing_keys, error_msgs)
+    h = state._handle
+    if h is not None and not h.use_orig_params and "_checkpoint_wrapped_module" in h.module._modules:
+        # FSDP(checkpoint_wrapper(m)): the wrapper's load hook would move the key
+        # away from the flat parameter; load it here, hidden until the post-hook.
+        value = state_dict.pop(prefix + WRAPPED + FLAT_PARAM_NAME, None)
+        if (isinstance(value, torch.Tensor) and value.shape == h.local_shard.shape
+                and value.data_ptr() != h.local_shard.data_ptr()):
+            with torch.no_grad():
+                h.local_shard.copy_(value)
+        h.module._parameters.pop(FLAT_PARAM_NAME, None)
+        state.__dict__["_sd_flat_param_hidden"] = True
+
+
+def _pre_load_for_type(
+    state: FSDP,
+    state_dict: dict[str, Any],
+    prefix: str,
+    missing_keys: Any = None,
     error_msgs: list[str] | None = None,
 ) -> None:
     state._lazy_init()
@@ -768,6 +780,8 @@ def _local_pre_load(
 
 
 def _post_load_state_dict_hook(state: FSDP, incompatible_keys: Any) -> None:
+    if state.__dict__.pop("_sd_flat_param_hidden", False) and state._handle is not None:
+        state._handle.module._parameters[FLAT_PARAM_NAME] = state._handle.flat_param
     sd_type = effective_type(state, warn=False)
     if sd_type is StateDictType.LOCAL_STATE_DICT:
         pending = state.__dict__.pop("_sd_local_load", None)

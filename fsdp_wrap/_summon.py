@@ -16,9 +16,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import _collectives as C
 from ._runtime import TrainingState
 
 if TYPE_CHECKING:
+    from ._flat_param import FlatParamHandle
     from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
 
 
@@ -64,6 +66,13 @@ def summon(
     with_grads: bool = False,
 ) -> Generator[None, None, None]:
     check_options(states, writeback, rank0_only, offload_to_cpu, with_grads)
+    for st in states:
+        if st._handle is not None:
+            if st._handle.use_orig_params:
+                # zero_grad(set_to_none=True) on every original parameter
+                # drops the flat gradient (as torch does here)
+                st._handle.sync_flat_grad_from_orig()
+            st._handle.pre_unshard()  # write-back checks before any collective
     entered: list[tuple[FSDP, torch.Tensor | None, bool]] = []
     try:
         for st in states:
@@ -72,7 +81,7 @@ def summon(
             if handle is None:
                 entered.append((st, None, False))
                 continue
-            full_grad = handle.gather_full_grad() if with_grads else None
+            full_grad = _gather_full_grad(handle) if with_grads else None
             handle.finish_unshard(full_precision=True)
             cpu_copy: torch.Tensor | None = None
             shown = not (rank0_only and st.rank != 0)
@@ -83,8 +92,8 @@ def summon(
                 handle.use_unsharded_views(as_params=True, source=cpu_copy)
             else:
                 handle.use_unsharded_views(as_params=True)
-            if full_grad is not None and shown:
-                handle.show_full_grads(full_grad)
+            if with_grads and shown:
+                _show_full_grads(handle, full_grad)
             entered.append((st, cpu_copy, shown))
         yield
     finally:
@@ -98,5 +107,49 @@ def summon(
                         handle.write_back_unsharded()
                 handle.reshard(free=True)
                 if with_grads:
-                    handle.show_sharded_grads()
+                    _show_sharded_grads(handle)
             st.training_state = TrainingState.IDLE
+
+
+# ------------------------------------------------------------ with_grads
+
+
+def _gather_full_grad(handle: FlatParamHandle) -> torch.Tensor | None:
+    """The mean gradient of the whole flat parameter (a collective), or
+    ``None`` when no rank has one (torch then shows no gradients).
+
+    Ranks without a gradient contribute zeros so every rank takes part.
+    """
+    grad = handle.flat_param.grad
+    if not handle.uses_sharded_strategy:
+        return None if grad is None else grad.detach().to(handle.device)
+    missing = torch.tensor([int(grad is None)], device=handle.device)
+    C.all_reduce(missing, handle.process_group)
+    if int(missing.item()) == handle.world_size:
+        return None
+    local = (
+        torch.zeros(handle.shard_numel, dtype=handle.orig_dtype, device=handle.device)
+        if grad is None or handle.has_unreduced_grad
+        else grad.detach().to(handle.device)
+    )
+    full = local.new_empty(handle.padded_numel)
+    C.all_gather_into(full, local, handle.process_group)
+    return full[: handle.unpadded_numel]
+
+
+def _show_full_grads(handle: FlatParamHandle, full_grad: torch.Tensor | None) -> None:
+    """Original params' ``.grad`` become full-shape views of ``full_grad`` (or None);
+    frozen parameters too (zeros), as torch shows them."""
+    if full_grad is None:
+        for info in handle.infos:
+            info.param.grad = None
+    else:
+        handle._set_unsharded_grad_views(full_grad, frozen_too=True)
+
+
+def _show_sharded_grads(handle: FlatParamHandle) -> None:
+    """Undo :func:`_show_full_grads`."""
+    if handle.has_unreduced_grad and handle.flat_param.grad is not None:
+        handle._set_unsharded_grad_views(handle.flat_param.grad)
+    else:
+        handle._set_grad_views()

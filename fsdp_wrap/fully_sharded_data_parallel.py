@@ -300,6 +300,14 @@ class FullyShardedDataParallel(nn.Module):
 
     # ------------------------------------------------------------- lazy init
 
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        """``.half()``/``.to(dtype)``: with ``use_orig_params=True`` the flat
+        parameter is what gets converted, as in torch."""
+        from ._writeback import flat_param_exposed
+
+        with flat_param_exposed(self.__dict__.get("_handle")):
+            return super()._apply(*args, **kwargs)
+
     def _lazy_init(self) -> None:
         """Make the first FSDP instance reached the root of its tree.
 
