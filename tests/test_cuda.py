@@ -265,7 +265,7 @@ def test_unsharded_memory_stays_bounded_with_the_gpu_lagging(pool2: DistPool) ->
 # from a replicated model on CUDA with CPU offload.  Seen on torch 2.11 (H100):
 # use_orig_params=True with NO_SHARD gives wrong parameters from the first step
 # on two gloo ranks, and at world size 1 (NCCL, every strategy runs as NO_SHARD)
-# in one run of three: intermittent, so torch is not held to either outcome
+# in two runs of three: intermittent, so torch is not held to either outcome
 # there.  fsdp_wrap is compared with the replicated model in every
 # configuration, and with torch wherever torch agrees; torch departing anywhere
 # else fails the test.
