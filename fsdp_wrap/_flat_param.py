@@ -170,10 +170,6 @@ class FlatParamHandle:
         # precision for summon_full_params and state dicts.
         self._gathered = {False: _Gathered(), True: _Gathered()}
         self._current: _Gathered | None = None
-        # NO_SHARD needs a separate unsharded copy only to cast or move it.
-        self._needs_copy = (
-            self.uses_sharded_strategy or self.compute_dtype != dtype or self.shard_device != device
-        )
         self.state = HandleState.SHARDED
         # Gradient bookkeeping: a sharded gradient parked while a new unsharded
         # one accumulates, and whether .grad holds an unreduced (no_sync) grad.
@@ -226,8 +222,6 @@ class FlatParamHandle:
             self.reduce_dtype = reduce_dtype or param_dtype or data.dtype
             self._reduce_spec = dataclasses.replace(self._reduce_spec,
                                                     reduce_dtype=self.reduce_dtype)
-            self._needs_copy = (self.uses_sharded_strategy or self.compute_dtype != data.dtype
-                                or self.shard_device != self.device)
             self._gathered = {False: _Gathered(), True: _Gathered()}
             if not self.use_orig_params:
                 # The modules' between-steps views take the new dtype: views of
@@ -292,6 +286,13 @@ class FlatParamHandle:
             shared.module.__dict__[shared.name] = tensors[shared.index]
 
     # Sizes come from the layout (names kept: the state-dict code reads them).
+    @property
+    def _needs_copy(self) -> bool:
+        """Whether unsharded data lives apart from the shard: always when sharded;
+        NO_SHARD only to cast or move it."""
+        return (self.uses_sharded_strategy or self.compute_dtype != self.orig_dtype
+                or self.shard_device != self.device)
+
     @property
     def unpadded_numel(self) -> int:
         return self.layout.unpadded_numel

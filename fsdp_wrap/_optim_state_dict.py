@@ -699,29 +699,21 @@ def flatten_sharded_optim_state_dict(
     )
 
 
-def _param_fqns(model: nn.Module) -> dict[int, str]:
-    """``id(param) -> first clean FQN`` for plain and FSDP models."""
+def _param_names(model: nn.Module, params: list[torch.Tensor]) -> list[str]:
+    """Each parameter's clean FQN (the first, for shared ones), for plain and FSDP models.
+
+    Parameter ids and names map one to one only without flat parameters of
+    several originals: those raise (torch's FSDP1 raises here too).
+    """
     from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
 
-    out: dict[int, str] = {}
     if FSDP.fsdp_modules(model):
-        for pid, (_, _, fqns) in _index(model).where.items():
-            out[pid] = fqns[0]
-    for name, p in model.named_parameters():
-        out.setdefault(id(p), SD.clean_key(name))
-    return out
-
-
-def _check_one_name_per_param(model: nn.Module, params: list[torch.Tensor]) -> None:
-    """Parameter ids and names map one to one only without flat parameters of
-    several originals (torch's FSDP1 raises here too)."""
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
-
-    if not FSDP.fsdp_modules(model):
-        return
-    where = _index(model).where
+        where = _index(model).where  # also lists the parameters outside FSDP
+    else:
+        where = {id(p): (-1, -1, [SD.clean_key(n)]) for n, p in model.named_parameters()}
+    names = []
     for p in params:
-        u, k, fqns = where.get(id(p), (-1, -1, []))
+        _, k, fqns = where[id(p)]
         if k < 0 and len(fqns) > 1:
             raise RuntimeError(
                 f"rank {dist.get_rank() if dist.is_initialized() else 0}: rekey_optim_state_dict "
@@ -731,6 +723,8 @@ def _check_one_name_per_param(model: nn.Module, params: list[torch.Tensor]) -> N
                 "optimizer steps the original parameters, or keep the state dict keyed by name "
                 "(OptimStateKeyType.PARAM_NAME)."
             )
+        names.append(fqns[0])
+    return names
 
 
 def rekey_optim_state_dict(
@@ -754,9 +748,7 @@ def rekey_optim_state_dict(
     if (key_type == "PARAM_NAME" and all(names)) or (key_type == "PARAM_ID" and all(ids)):
         return osd
     params = [p for g in _groups_from(model, optim_input, optim) for p in g]
-    _check_one_name_per_param(model, params)
-    fqn_of = _param_fqns(model)
-    id_to_name = [fqn_of[id(p)] for p in params]
+    id_to_name = _param_names(model, params)
     new: dict[str, Any] = {"param_groups": copy.deepcopy(osd["param_groups"])}
     if key_type == "PARAM_NAME":
         new["state"] = {id_to_name[k]: v for k, v in osd["state"].items()}

@@ -25,7 +25,7 @@ SCRIPTS = os.path.join(ROOT, "tests", "frameworks")
 pytestmark = pytest.mark.slow
 
 
-def _launch(script: str, tmp_path: Any, port: int) -> list[dict[str, Any]]:
+def _launch(script: str, tmp_path: Any) -> list[dict[str, Any]]:
     # CPU ranks: on a machine with one GPU, Accelerate would otherwise give
     # rank 1 a CUDA device that does not exist.
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
@@ -33,8 +33,9 @@ def _launch(script: str, tmp_path: Any, port: int) -> list[dict[str, Any]]:
     env.pop("FSDP_WRAP_INSTALL", None)
     # This checkout's fsdp_wrap, installed or not.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(port), os.path.join(SCRIPTS, script), str(tmp_path)]
+    # --standalone: torchrun picks a free port itself.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(SCRIPTS, script), str(tmp_path)]
     proc = subprocess.run(cmd, cwd=SCRIPTS, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
     out = []
@@ -42,14 +43,6 @@ def _launch(script: str, tmp_path: Any, port: int) -> list[dict[str, Any]]:
         with open(tmp_path / f"rank{rank}.json") as f:
             out.append(json.load(f))
     return out
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _close(a: list[float], b: list[float], rtol: float = 1e-5) -> bool:
@@ -60,7 +53,7 @@ def _close(a: list[float], b: list[float], rtol: float = 1e-5) -> bool:
 def test_accelerate(tmp_path: Any) -> None:
     pytest.importorskip("accelerate")
     pytest.importorskip("transformers")
-    for r in _launch("accelerate_run.py", tmp_path, _free_port()):
+    for r in _launch("accelerate_run.py", tmp_path):
         for name in ("sharded", "full_bf16_loaded"):
             ours, theirs = f"ours/{name}", f"torch/{name}"
             assert r[ours + "/class"] == "fsdp_wrap.fully_sharded_data_parallel", r
@@ -81,7 +74,7 @@ def test_accelerate(tmp_path: Any) -> None:
 def test_transformers_trainer(tmp_path: Any) -> None:
     pytest.importorskip("accelerate")
     pytest.importorskip("transformers")
-    for r in _launch("trainer_run.py", tmp_path, _free_port()):
+    for r in _launch("trainer_run.py", tmp_path):
         torch_run = "torch/SHARDED_STATE_DICT/True"
         assert r[torch_run + "/class"].startswith("torch.distributed.fsdp")
         for run in ("ours/SHARDED_STATE_DICT/True", "ours/FULL_STATE_DICT/False"):
@@ -102,7 +95,7 @@ def test_transformers_trainer(tmp_path: Any) -> None:
 
 def test_lightning_fabric_and_trainer(tmp_path: Any) -> None:
     pytest.importorskip("lightning")
-    for r in _launch("lightning_run.py", tmp_path, _free_port()):
+    for r in _launch("lightning_run.py", tmp_path):
         fabric = [k.rsplit("/", 1)[0] for k in r if k.startswith("fabric/") and k.endswith("/train")]
         assert len(fabric) == 4, fabric
         for run in fabric:
@@ -123,7 +116,7 @@ def test_lightning_fabric_and_trainer(tmp_path: Any) -> None:
 
 
 def test_dcp_state_dict_helpers_and_torch_compile(tmp_path: Any) -> None:
-    for r in _launch("dcp_compile_run.py", tmp_path, _free_port()):
+    for r in _launch("dcp_compile_run.py", tmp_path):
         rows = [k.rsplit("/", 1)[0] for k in r if k.startswith("dcp/ours/") and k.endswith("/train")]
         assert len(rows) == 5, rows
         for row in rows:

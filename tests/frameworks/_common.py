@@ -14,6 +14,7 @@ import warnings
 from typing import Any
 
 import torch
+import torch.nn as nn
 
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
@@ -51,6 +52,21 @@ def accelerate_on_cpu() -> None:
     ps = PartialState(backend="gloo")
     ps.distributed_type = DistributedType.MULTI_GPU
     ps.device = torch.device("cpu")
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.l(x))
+
+
+def mlp() -> nn.Module:
+    """Two ``Block`` units and a head: the non-HF scripts' model (seeded)."""
+    torch.manual_seed(0)
+    return nn.Sequential(Block(), Block(), nn.Linear(16, 4))
 
 
 def tiny_gpt2(dtype: torch.dtype = torch.float32) -> torch.nn.Module:

@@ -19,24 +19,14 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from _common import OUT, RANK, record, use_fsdp_wrap, write_results
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.l = nn.Linear(16, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.l(x))
+from _common import OUT, RANK, Block, mlp, record, use_fsdp_wrap, write_results
 
 
 def build(uop: bool, compile_blocks: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    torch.manual_seed(0)
-    net = nn.Sequential(Block(), Block(), nn.Linear(16, 4))
+    net = mlp()
     if compile_blocks:
         for b in net[:2]:
             b.compile()
@@ -80,7 +70,7 @@ def dcp_run(impl: str, full: bool, uop: bool, offload: bool = False) -> None:
             want = model(x)
     if full and (RANK == 0 or not offload):
         msd, osd = copy.deepcopy(msd), copy.deepcopy(osd)
-        plain = nn.Sequential(Block(), Block(), nn.Linear(16, 4))
+        plain = mlp()
         plain.load_state_dict(msd)  # strict: every key, every shape
         with torch.no_grad():
             record(key + "/plain_vs_model", (plain(x) - want).abs().max().item())

@@ -23,24 +23,19 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from _common import OUT, RANK, full_params_match, record, use_fsdp_wrap, write_results
+from _common import (
+    OUT,
+    RANK,
+    Block,
+    full_params_match,
+    record,
+    use_fsdp_wrap,
+    write_results,
+)
+from _common import mlp as net
 
 # (result key, steps of micro-batches, use_orig_params, clip): replayed on torch's FSDP1.
 REPLAYS: list[tuple[str, list[list[torch.Tensor]], bool, bool]] = []
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.l = nn.Linear(16, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.l(x))
-
-
-def net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(Block(), Block(), nn.Linear(16, 4))
 
 
 def batch(step: int, micro: int = 0) -> torch.Tensor:
