@@ -118,7 +118,7 @@ setup(
     cmdclass=_cmdclass(),
     entry_points={
         "console_scripts": [
-            "fsdp-wrap-demo = fsdp_wrap.demo:main",
+            "fsdp-wrap-demo = fsdp_wrap.demo:entry",
             "fsdp-wrap = fsdp_wrap.cli:main",
         ]
     },

@@ -36,6 +36,8 @@ from _bench_models import (  # noqa: E402
 )
 from _live_bytes import live_bytes  # noqa: E402
 
+from fsdp_wrap._teardown import exit_now  # noqa: E402
+
 
 class _Sampler(TorchDispatchMode):
     def __init__(self) -> None:
@@ -67,7 +69,9 @@ def _worker(rank: int, port: int, framework: str, strategy: str, orig: bool) -> 
         loss_fn(model(batches[1])).backward()
     if rank == 0:
         print(f"{framework} {strategy} orig={orig}: peak {(sampler.peak - base) / unit:.2f} units")
+    dist.barrier()
     dist.destroy_process_group()
+    exit_now()  # see fsdp_wrap/_teardown.py: gloo's threads vs interpreter shutdown
 
 
 def main() -> None:

@@ -1,8 +1,7 @@
 """``python -m fsdp_wrap`` runs the demo (see :mod:`fsdp_wrap.demo`)."""
 
-import sys
 
-from fsdp_wrap.demo import main
+from fsdp_wrap.demo import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -62,6 +62,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ._teardown import exit_now
+
 MODEL_SIZES: dict[str, tuple[int, int]] = {  # name -> (layers, width)
     "tiny": (2, 64),
     "small": (4, 128),
@@ -552,8 +554,7 @@ def _spawned_worker(rank: int, s: Settings, port: int, ckpt_dir: str) -> None:
         dist.barrier()  # nobody tears the group down while a peer still talks to it
     finally:
         dist.destroy_process_group()
-    if code:
-        sys.exit(code)
+    exit_now(code)  # no interpreter shutdown racing gloo's threads (see _teardown)
 
 
 def _backend(s: Settings) -> str:
@@ -630,5 +631,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def entry() -> None:
+    """``python -m fsdp_wrap`` and ``python -m fsdp_wrap.demo``."""
+    code = main()
+    if _under_torchrun():
+        exit_now(code)  # this process is a rank: leave without finalising (see _teardown)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -19,7 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from _common import OUT, RANK, Block, mlp, record, use_fsdp_wrap, write_results
+from _common import OUT, RANK, Block, exit_now, mlp, record, use_fsdp_wrap, write_results
 
 
 def build(uop: bool, compile_blocks: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -132,3 +132,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # see fsdp_wrap/_teardown.py: gloo's threads vs interpreter shutdown

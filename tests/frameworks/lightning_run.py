@@ -27,6 +27,7 @@ from _common import (
     OUT,
     RANK,
     Block,
+    exit_now,
     full_params_match,
     record,
     use_fsdp_wrap,
@@ -205,3 +206,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # see fsdp_wrap/_teardown.py: gloo's threads vs interpreter shutdown

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from _common import (
     OUT,
     accelerate_on_cpu,
+    exit_now,
     full_params_match,
     record,
     tiny_gpt2,
@@ -89,3 +90,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # see fsdp_wrap/_teardown.py: gloo's threads vs interpreter shutdown
