@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import warnings
 from collections.abc import Generator, Iterable, Iterator
 from enum import Enum, auto
@@ -146,6 +147,7 @@ class FullyShardedDataParallel(nn.Module):
         self.forward_prefetch = forward_prefetch
         self.limit_all_gathers = limit_all_gathers
         self._use_orig_params = use_orig_params
+        self._use_full_prec_in_eval = os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL", "") == "1"
         self._sync_module_states = sync_module_states
         self.training_state = TrainingState.IDLE
         self._is_root: bool | None = None
@@ -212,9 +214,12 @@ class FullyShardedDataParallel(nn.Module):
         self.params = [self._handle.flat_param] if self._handle is not None else []
         self._fsdp_wrapped_module = module
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            # Names, not the repr: a child unit's repr spells out FSDP's internals.
+            children = [clean_fqn(n) for n, _ in module.named_children()]
             warnings.warn(
-                "FSDP will not all-gather parameters for containers that do not implement "
-                f"forward: {module}",
+                f"[rank {self.rank}] FSDP will not all-gather parameters for containers that do "
+                f"not implement forward: {type(module).__name__} (children {children}); wrap its "
+                "children, or a module whose forward uses them, instead",
                 stacklevel=2,
             )
         self._state_dict_type = StateDictType.FULL_STATE_DICT
@@ -292,6 +297,10 @@ class FullyShardedDataParallel(nn.Module):
     def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:  # type: ignore[override]
         """``nn.Module.apply`` with this unit's parameters gathered and written back."""
         uninitialised = self._is_root is None
+        self._assert_state(
+            TrainingState.IDLE,
+            fix="call apply() outside summon_full_params and outside forward/backward",
+        )
         with _summon.summon([self], writeback=True):
             super().apply(fn)
         if uninitialised and self._is_root:
@@ -331,10 +340,8 @@ class FullyShardedDataParallel(nn.Module):
         self._all_fsdp_states = states
         self._all_handles = [st._handle for st in states if st._handle is not None]
         self._state_of = {st._handle: st for st in states if st._handle is not None}
-        for attr in ("_use_orig_params", "limit_all_gathers"):
-            values = {getattr(st, attr) for st in states}
-            if len(values) > 1:
-                raise ValueError(f"Expects one homogeneous value for {attr} but got {values}")
+        _check_homogeneous(self, states, fqn_of)
+        _check_optim_in_backward(self, states, fqn_of)
         if self.world_size > 1:
             # Compares the flat parameters' dtype and shape too: data replaced on
             # some ranks only is reported on every rank, before any gather.
@@ -382,12 +389,15 @@ class FullyShardedDataParallel(nn.Module):
             for st, prev in zip(states, previous):
                 st._sync_gradients = prev
 
-    def _assert_state(self, state: TrainingState | list[TrainingState]) -> None:
+    def _assert_state(self, state: TrainingState | list[TrainingState], fix: str = "") -> None:
+        """ValueError (torch's type) unless this unit is in one of ``state``."""
         allowed = state if isinstance(state, list) else [state]
         if self.training_state not in allowed:
-            raise RuntimeError(
-                f"[rank {self.rank}] FSDP unit expects to be in state {allowed} but is in "
-                f"{self.training_state}"
+            fqn = self._handle.unit_fqn if self._handle is not None else ""
+            raise ValueError(
+                f"[rank {self.rank}] FSDP unit '{fqn or '<root>'}' expected to be in states "
+                f"{allowed} but current state is {self.training_state}"
+                + (f"; {fix}" if fix else "")
             )
 
     # ------------------------------------------------------- clip_grad_norm_
@@ -552,12 +562,15 @@ class FullyShardedDataParallel(nn.Module):
         rank0_only: bool = True,
         group: Any = None,
     ) -> dict[str, Any]:
+        _warn_legacy_optim("full_optim_state_dict", "optim_state_dict")
+        _warn_optim_input(optim_input)
         return _osd.full_optim_state_dict(model, optim, optim_input, rank0_only, group)
 
     @staticmethod
     def sharded_optim_state_dict(
         model: nn.Module, optim: torch.optim.Optimizer, group: Any = None
     ) -> dict[str, Any]:
+        _warn_legacy_optim("sharded_optim_state_dict", "optim_state_dict")
         return _osd.sharded_optim_state_dict(model, optim, group)
 
     @staticmethod
@@ -567,6 +580,8 @@ class FullyShardedDataParallel(nn.Module):
         optim_input: Any = None,
         optim: torch.optim.Optimizer | None = None,
     ) -> dict[str, Any]:
+        _warn_legacy_optim("shard_full_optim_state_dict", "optim_state_dict_to_load")
+        _warn_optim_input(optim_input)
         return _osd.shard_full_optim_state_dict(full_optim_state_dict, model, optim_input, optim)
 
     @staticmethod
@@ -577,6 +592,8 @@ class FullyShardedDataParallel(nn.Module):
         optim: torch.optim.Optimizer | None = None,
         group: Any = None,
     ) -> dict[str, Any]:
+        _warn_legacy_optim("scatter_full_optim_state_dict", "optim_state_dict_to_load")
+        _warn_optim_input(optim_input)
         return _osd.scatter_full_optim_state_dict(
             full_optim_state_dict, model, optim_input, optim, group
         )
@@ -585,6 +602,7 @@ class FullyShardedDataParallel(nn.Module):
     def flatten_sharded_optim_state_dict(
         sharded_optim_state_dict: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
     ) -> dict[str, Any]:
+        _warn_legacy_optim("flatten_sharded_optim_state_dict", "optim_state_dict_to_load")
         return _osd.flatten_sharded_optim_state_dict(sharded_optim_state_dict, model, optim)
 
     @staticmethod
@@ -595,6 +613,7 @@ class FullyShardedDataParallel(nn.Module):
         optim_input: Any = None,
         optim: torch.optim.Optimizer | None = None,
     ) -> dict[str, Any]:
+        _warn_optim_input(optim_input)
         return _osd.rekey_optim_state_dict(
             optim_state_dict, optim_state_key_type, model, optim_input, optim
         )
@@ -637,6 +656,74 @@ class FullyShardedDataParallel(nn.Module):
 def clean_fqn(name: str) -> str:
     """Drop every ``_fsdp_wrapped_module.`` segment from a name."""
     return name.replace(f"{FSDP_WRAPPED_MODULE}.", "").replace(FSDP_WRAPPED_MODULE, "")
+
+
+def _warn_optim_input(optim_input: Any) -> None:
+    if optim_input is not None:
+        warnings.warn(
+            "The `optim_input` argument is deprecated and will be removed after PyTorch 1.13. "
+            "You may remove it from your code without changing its functionality (pass "
+            "optim=... instead).",
+            FutureWarning,
+            stacklevel=3,
+        )
+
+
+def _warn_legacy_optim(curr: str, new: str) -> None:
+    warnings.warn(
+        f"``FullyShardedDataParallel.{curr}``is being deprecated and is replaced by "
+        f"``FullyShardedDataParallel.{new}``. ``FullyShardedDataParallel.{curr}`` may be "
+        "removed after PyTorch 2.2.",
+        FutureWarning,
+        stacklevel=3,
+    )
+
+
+# Options every unit of one tree must share (torch's HOMOGENEOUS_ATTR_NAMES).
+_HOMOGENEOUS = (
+    ("_use_orig_params", "use_orig_params"),
+    ("limit_all_gathers", "limit_all_gathers"),
+    ("_use_full_prec_in_eval", "FSDP_USE_FULL_PREC_IN_EVAL"),
+)
+
+
+def _check_homogeneous(
+    root: FullyShardedDataParallel,
+    states: list[FullyShardedDataParallel],
+    fqn_of: dict[int, str],
+) -> None:
+    """ValueError, at lazy init before any collective, if units disagree on an option."""
+    for attr, option in _HOMOGENEOUS:
+        values = {getattr(st, attr) for st in states}
+        if len(values) > 1:
+            per_unit = ", ".join(
+                f"'{fqn_of.get(id(st), '') or '<root>'}': {getattr(st, attr)}" for st in states
+            )
+            raise ValueError(
+                f"[rank {root.rank}] Expects one homogeneous value for {attr} but got {values} "
+                f"({option} per FSDP unit: {per_unit}); construct every nested "
+                f"FullyShardedDataParallel of this root with the same {option}"
+            )
+
+
+def _check_optim_in_backward(
+    root: FullyShardedDataParallel,
+    states: list[FullyShardedDataParallel],
+    fqn_of: dict[int, str],
+) -> None:
+    """``_apply_optimizer_in_backward`` on flat parameters is refused, as in torch."""
+    flat = [
+        f"'{fqn_of.get(id(st), '') or '<root>'}'"
+        for st in states
+        if st._handle is not None and hasattr(st._handle.flat_param, "_in_backward_optimizers")
+    ]
+    if flat:
+        raise RuntimeError(
+            f"[rank {root.rank}] FSDP optimizer in backward only supported with "
+            f"use_orig_params=True! _apply_optimizer_in_backward was given the flat parameters "
+            f"of FSDP units {', '.join(flat)}; wrap with use_orig_params=True and pass the "
+            "model's parameters, or step a regular optimizer after backward"
+        )
 
 
 def _grad_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
