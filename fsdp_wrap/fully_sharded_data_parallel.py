@@ -24,8 +24,9 @@ from . import _collectives as C
 from . import _init, _runtime, _state_dict, _summon
 from . import _optim_state_dict as _osd
 from ._compat import coerce_dataclass, coerce_enum, run_eagerly_under_dynamo
+from ._exec_order import ExecOrder
 from ._flat_param import FlatParamHandle, collect_unit_params
-from ._runtime import ExecOrder, TrainingState
+from ._runtime import TrainingState
 from .api import (
     BackwardPrefetch,
     CPUOffload,
