@@ -81,6 +81,8 @@ def pre_forward(state: FSDP, handle: FlatParamHandle | None) -> None:
     if handle is None:
         return
     root = state._root
+    if root._exec_order.order_check is not None and state.training:
+        root._exec_order.order_check.check(handle)
     root._exec_order.record_pre_forward(handle)
     handle.finish_unshard(full_precision=False)
     if state.forward_prefetch:
@@ -223,6 +225,8 @@ def finalize_units(root: FSDP, free_all: bool) -> None:
     root._final_callback_queued = False
     root._forward_pending_backward = False
     root._exec_order.next_iteration()
+    if not free_all and root._exec_order.order_check is not None:
+        root._exec_order.order_check.end_of_iteration()
 
 
 # ----------------------------------------------------------------- helpers

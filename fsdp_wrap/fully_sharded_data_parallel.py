@@ -24,7 +24,7 @@ from . import _collectives as C
 from . import _init, _runtime, _state_dict, _summon
 from . import _optim_state_dict as _osd
 from ._compat import coerce_dataclass, coerce_enum, run_eagerly_under_dynamo
-from ._exec_order import ExecOrder
+from ._exec_order import ExecOrder, ForwardOrderCheck
 from ._flat_param import FlatParamHandle, collect_unit_params
 from ._runtime import TrainingState
 from .api import (
@@ -347,6 +347,10 @@ class FullyShardedDataParallel(nn.Module):
             # Compares the flat parameters' dtype and shape too: data replaced on
             # some ranks only is reported on every rank, before any gather.
             _runtime.all_gather_unit_signatures(self)
+            if dist.get_debug_level() == dist.DebugLevel.DETAIL:
+                self._exec_order.order_check = ForwardOrderCheck(
+                    self._all_handles, self.process_group, self.rank, self.world_size
+                )
         for h in self._all_handles:
             h.adopt_flat_param_data()
         for st in states:
