@@ -186,6 +186,7 @@ class FlatParamHandle:
         # The forward's views of the original parameters (checked before backward).
         self.compute_views: list[torch.Tensor] = []
         self._skip_writeback_check = os.environ.get("FSDP_SKIP_WRITEBACK_CHECK", "") == "1"
+        self._use_full_prec_in_eval = os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL", "") == "1"
         self._release_original_storage()
         if not use_orig_params:
             module._parameters[FLAT_PARAM_NAME] = self.flat_param
@@ -292,6 +293,16 @@ class FlatParamHandle:
         NO_SHARD only to cast or move it."""
         return (self.uses_sharded_strategy or self.compute_dtype != self.orig_dtype
                 or self.shard_device != self.device)
+
+    @property
+    def computes_in_full_precision(self) -> bool:
+        """Mixed precision is skipped: ``FSDP_USE_FULL_PREC_IN_EVAL=1`` and the
+        module in ``eval()`` (torch's ``_force_full_precision`` outside summon)."""
+        return (
+            self._use_full_prec_in_eval
+            and not self.module.training
+            and (self.compute_dtype, self.reduce_dtype) != (self.orig_dtype, self.orig_dtype)
+        )
 
     @property
     def unpadded_numel(self) -> int:

@@ -407,6 +407,21 @@ def cast_buffers(state: Any) -> dict[str, torch.dtype]:
     return orig
 
 
+def restore_buffer_dtypes(state: Any) -> None:
+    """Undo :func:`cast_buffers`: the unit's cast buffers back in their original dtypes."""
+    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+
+    if not state._buffer_orig_dtypes:
+        return
+    for mod_fqn, mod in walk_unit_modules(
+        state._fsdp_wrapped_module, lambda m: isinstance(m, FSDP)
+    ):
+        for name, b in mod._buffers.items():
+            dtype = state._buffer_orig_dtypes.get(f"{mod_fqn}.{name}" if mod_fqn else name)
+            if b is not None and dtype is not None and b.dtype != dtype:
+                b.data = b.to(dtype)
+
+
 def annotate_for_dynamo(module: nn.Module, ignored: set[nn.Module], use_orig_params: bool) -> None:
     """Mark the modules this unit manages the way TorchDynamo expects of FSDP.
 

@@ -31,6 +31,7 @@ import torch
 from torch.autograd import Variable
 
 from . import _collectives as C
+from . import _init
 from ._writeback import check_unchanged_since_forward
 from .api import BackwardPrefetch
 
@@ -65,6 +66,7 @@ def root_pre_forward(state: FSDP, args: tuple[Any, ...], kwargs: dict[str, Any])
             # any collective of this forward.
             handle.pre_unshard()
             handle.sync_flat_grad_from_orig()
+    _buffers_for_eval(state)
     if state._forward_pending_backward:
         # The previous forward was never followed by a backward (e.g. an
         # evaluation forward with grad enabled).  Free what it kept: the shards
@@ -73,6 +75,22 @@ def root_pre_forward(state: FSDP, args: tuple[Any, ...], kwargs: dict[str, Any])
     if state.compute_device.type != "cpu":
         args, kwargs = _to_device((args, kwargs), state.compute_device)
     return args, kwargs
+
+
+def _buffers_for_eval(root: FSDP) -> None:
+    """``FSDP_USE_FULL_PREC_IN_EVAL=1``: buffers in their original dtypes while the
+    model is in ``eval()``, cast back to ``buffer_dtype`` once it trains again
+    (torch decides on the root's unit, or on any unit if the root has none)."""
+    handles = [root._handle] if root._handle is not None else root._all_handles
+    full = any(h.computes_in_full_precision for h in handles)
+    if full == root._buffers_in_full_precision:
+        return
+    for st in root._all_fsdp_states:
+        if full:
+            _init.restore_buffer_dtypes(st)
+        else:
+            _init.cast_buffers(st)
+    root._buffers_in_full_precision = full
 
 
 def pre_forward(state: FSDP, handle: FlatParamHandle | None) -> None:
@@ -84,11 +102,11 @@ def pre_forward(state: FSDP, handle: FlatParamHandle | None) -> None:
     if root._exec_order.order_check is not None and state.training:
         root._exec_order.order_check.check(handle)
     root._exec_order.record_pre_forward(handle)
-    handle.finish_unshard(full_precision=False)
+    handle.finish_unshard(full_precision=handle.computes_in_full_precision)
     if state.forward_prefetch:
         nxt = root._exec_order.next_in_forward(handle)
         if nxt is not None:
-            nxt.start_unshard(full_precision=False)
+            nxt.start_unshard(full_precision=nxt.computes_in_full_precision)
     handle.use_unsharded_views(track_graph=True)
 
 
@@ -142,7 +160,7 @@ def _pre_backward_hook(
                 and not handle.reshard_after_forward):
             # Kept unsharded since forward: the views must be the forward's.
             check_unchanged_since_forward(handle, handle.compute_views)
-        handle.finish_unshard(full_precision=False)
+        handle.finish_unshard(full_precision=handle.computes_in_full_precision)
         # Hooks run with grad disabled; reentrant activation checkpointing
         # recomputes the forward through these views and needs them tracked.
         with torch.enable_grad():
@@ -187,7 +205,7 @@ def _prefetch_backward(state: FSDP, handle: FlatParamHandle) -> None:
     root = state._root
     nxt = root._exec_order.next_in_backward(handle)
     if nxt is not None and not root._state_of[nxt]._ran_pre_backward:
-        nxt.start_unshard(full_precision=False)
+        nxt.start_unshard(full_precision=nxt.computes_in_full_precision)
 
 
 def _queue_final_callback(root: FSDP) -> None:

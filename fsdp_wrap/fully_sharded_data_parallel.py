@@ -149,6 +149,7 @@ class FullyShardedDataParallel(nn.Module):
         self.limit_all_gathers = limit_all_gathers
         self._use_orig_params = use_orig_params
         self._use_full_prec_in_eval = os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL", "") == "1"
+        self._buffers_in_full_precision = False  # (root) see _runtime._buffers_for_eval
         self._sync_module_states = sync_module_states
         self.training_state = TrainingState.IDLE
         self._is_root: bool | None = None
@@ -262,7 +263,8 @@ class FullyShardedDataParallel(nn.Module):
         mp = self.mixed_precision
         # The root casts for cast_root_forward_inputs; every unit, the root
         # included, casts for cast_forward_inputs (torch's rule).
-        if mp.param_dtype is not None and (
+        full_precision = self._use_full_prec_in_eval and not self._fsdp_wrapped_module.training
+        if mp.param_dtype is not None and not full_precision and (
             mp.cast_forward_inputs or (self._is_root and mp.cast_root_forward_inputs)
         ):
             args, kwargs = _runtime.cast_floating((args, kwargs), mp.param_dtype)
