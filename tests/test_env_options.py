@@ -106,3 +106,61 @@ def test_full_precision_in_eval_matches_torch(pool2: Any) -> None:
             # Training again: back to low precision, buffers cast again.
             assert ours["train_out_dtype"] == ref["train_out_dtype"] == torch.bfloat16
             assert ours["train_buffer_dtype"] == ref["train_buffer_dtype"] == torch.bfloat16
+
+
+# ---------------------------------------------------------------------------
+# FSDP_USE_UNSAFE_SETATTR
+# ---------------------------------------------------------------------------
+
+
+class LoggingLinear(nn.Linear):
+    """Records every name its own __setattr__/__delattr__ override is called for."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            self.__dict__.setdefault("_log", []).append(("set", name))
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        self.__dict__.setdefault("_log", []).append(("del", name))
+        super().__delattr__(name)
+
+
+def _setattr_run(impl: str, flag: str | None, uop: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    base = nn.Sequential(LoggingLinear(4, 4), nn.ReLU(), LoggingLinear(4, 2))
+    with _env("FSDP_USE_UNSAFE_SETATTR", flag):
+        model = fsdp_cls(impl)(
+            base, auto_wrap_policy=wrap_api(impl).ModuleWrapPolicy({LoggingLinear}),
+            **fsdp_kwargs(impl, use_orig_params=uop),
+        )
+    layers = [m for m in model.modules() if isinstance(m, LoggingLinear)]
+    for m in layers:
+        m.__dict__["_log"] = []  # construction is not what is compared
+    model(torch.randn(3, 4)).sum().backward()
+    seen = sorted({entry for m in layers for entry in m.__dict__["_log"]})
+    with fsdp_cls(impl).summon_full_params(model):
+        pass
+    weight = layers[0].weight
+    return {"seen": seen, "weight_shape": tuple(weight.shape)}
+
+
+def _setattr_all() -> dict[str, Any]:
+    return {
+        f"{impl}-{flag}-{uop}": _setattr_run(impl, flag, uop)
+        for impl in ("torch", "ours") for flag in (None, "1") for uop in (False, True)
+    }
+
+
+def test_setattr_override_called_unless_unsafe(pool2: Any) -> None:
+    for res in pool2.run(_setattr_all):
+        for uop in (False, True):
+            safe_ref, safe = res[f"torch-None-{uop}"], res[f"ours-None-{uop}"]
+            unsafe_ref, unsafe = res[f"torch-1-{uop}"], res[f"ours-1-{uop}"]
+            # Default: the override sees the swaps of weight and bias (both calls).
+            assert ("set", "weight") in safe_ref["seen"] and ("del", "bias") in safe_ref["seen"]
+            assert safe["seen"] == safe_ref["seen"], (uop, safe, safe_ref)
+            # FSDP_USE_UNSAFE_SETATTR=1: the override is bypassed.
+            assert unsafe_ref["seen"] == unsafe["seen"] == [], (uop, unsafe, unsafe_ref)
+            assert safe["weight_shape"] == safe_ref["weight_shape"], (uop, safe, safe_ref)
+            assert unsafe["weight_shape"] == unsafe_ref["weight_shape"], (uop, unsafe, unsafe_ref)
