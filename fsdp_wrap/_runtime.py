@@ -185,8 +185,25 @@ def make_post_backward_hook(state: FSDP, handle: FlatParamHandle) -> Callable[[t
         if state.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             _prefetch_backward(state, handle)
         handle.reduce_gradient(sync)
+        if sync and state._optims_in_backward:
+            _step_optimizers_in_backward(handle)
 
     return post_backward
+
+
+def _step_optimizers_in_backward(handle: FlatParamHandle) -> None:
+    """``_apply_optimizer_in_backward`` (``use_orig_params=True``): step each
+    original parameter's optimizers on its reduced sharded gradient now, then
+    free that gradient, as torch does after the reduce-scatter."""
+    for param in handle.params:
+        optims = getattr(param, "_in_backward_optimizers", None)
+        if param.grad is None or not optims:
+            continue  # (no gradient: not in this rank's shard, or unused)
+        for optim in optims:
+            optim.step()
+        for optim in optims:
+            optim.zero_grad(set_to_none=True)
+    handle.sync_flat_grad_from_orig()  # drops the flat gradient once no view is left
 
 
 def make_early_free_hook(state: FSDP, handle: FlatParamHandle) -> Callable[[], None]:

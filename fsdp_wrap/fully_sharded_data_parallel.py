@@ -150,6 +150,7 @@ class FullyShardedDataParallel(nn.Module):
         self._use_orig_params = use_orig_params
         self._use_full_prec_in_eval = os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL", "") == "1"
         self._buffers_in_full_precision = False  # (root) see _runtime._buffers_for_eval
+        self._optims_in_backward = False  # set at lazy init (_apply_optimizer_in_backward)
         self._sync_module_states = sync_module_states
         self.training_state = TrainingState.IDLE
         self._is_root: bool | None = None
@@ -345,6 +346,10 @@ class FullyShardedDataParallel(nn.Module):
         self._state_of = {st._handle: st for st in states if st._handle is not None}
         _check_homogeneous(self, states, fqn_of)
         _check_optim_in_backward(self, states, fqn_of)
+        for st in states:
+            st._optims_in_backward = st._handle is not None and any(
+                hasattr(p, "_in_backward_optimizers") for p in st._handle.params
+            )
         if self.world_size > 1:
             # Compares the flat parameters' dtype and shape too: data replaced on
             # some ranks only is reported on every rank, before any gather.
