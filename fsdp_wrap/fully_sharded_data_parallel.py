@@ -332,8 +332,11 @@ class FullyShardedDataParallel(nn.Module):
         if self._is_root is not None:
             return
         states = FullyShardedDataParallel.fsdp_modules(self)
-        self._is_root = True
         fqn_of = {id(m): clean_fqn(n) for n, m in self.named_modules() if m in states}
+        # Local checks first, so a refused tree stays uninitialised (no root set).
+        _check_homogeneous(self, states, fqn_of)
+        _check_optim_in_backward(self, states, fqn_of)
+        self._is_root = True
         for st in states:
             if st is not self:
                 st._is_root = False
@@ -344,8 +347,6 @@ class FullyShardedDataParallel(nn.Module):
         self._all_fsdp_states = states
         self._all_handles = [st._handle for st in states if st._handle is not None]
         self._state_of = {st._handle: st for st in states if st._handle is not None}
-        _check_homogeneous(self, states, fqn_of)
-        _check_optim_in_backward(self, states, fqn_of)
         for st in states:
             st._optims_in_backward = st._handle is not None and any(
                 hasattr(p, "_in_backward_optimizers") for p in st._handle.params

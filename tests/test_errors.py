@@ -469,6 +469,29 @@ def test_ranks_with_different_units_fail_on_every_rank(pool2: Any, uop: bool) ->
         assert "(6, 3)" in msg or "(8, 3)" in msg or "6" in msg, msg
 
 
+def _refused_tree_stays_refused() -> list[str]:
+    m = _lin_pair()
+    m[2] = fsdp_cls("ours")(m[2], **fsdp_kwargs("ours", use_orig_params=True))
+    model = fsdp_cls("ours")(m, **fsdp_kwargs("ours"))
+    messages = []
+    for _ in range(2):
+        try:
+            model(torch.randn(2, 3))
+            messages.append("no error")
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_disagreeing_units_refused_again_on_retry(pool2: Any) -> None:
+    # The check runs before the root is set, so a second forward is refused too
+    # (instead of running a half-initialised tree).
+    for messages in pool2.run(_refused_tree_stays_refused):
+        assert all("Expects one homogeneous value for _use_orig_params" in m for m in messages), (
+            messages
+        )
+
+
 # ---------------------------------------------------------------------------
 # params on two devices (needs a GPU)
 # ---------------------------------------------------------------------------
