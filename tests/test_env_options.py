@@ -16,6 +16,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -56,7 +57,7 @@ class Scaled(nn.Module):
         return self.l2(torch.relu(self.l1(x))) * self.scale
 
 
-def _eval_run(impl: str, flag: str | None) -> dict[str, Any]:
+def _eval_run(impl: str, flag: str | None, strategy: str, uop: bool) -> dict[str, Any]:
     api = fsdp_api(impl)
     mp = api.MixedPrecision(
         param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16
@@ -66,7 +67,7 @@ def _eval_run(impl: str, flag: str | None) -> dict[str, Any]:
     with _env("FSDP_USE_FULL_PREC_IN_EVAL", flag):
         model = fsdp_cls(impl)(
             base, mixed_precision=mp, auto_wrap_policy=wrap_api(impl).ModuleWrapPolicy({nn.Linear}),
-            **fsdp_kwargs(impl),
+            **fsdp_kwargs(impl, sharding_strategy=strategy, use_orig_params=uop),
         )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
@@ -87,15 +88,19 @@ def _eval_run(impl: str, flag: str | None) -> dict[str, Any]:
     return out
 
 
-def _full_prec_in_eval() -> dict[str, dict[str, Any]]:
+CONFIGS = [("FULL_SHARD", False), ("SHARD_GRAD_OP", True), ("NO_SHARD", False)]
+
+
+def _full_prec_in_eval(strategy: str, uop: bool) -> dict[str, dict[str, Any]]:
     return {
-        f"{impl}-{flag}": _eval_run(impl, flag)
+        f"{impl}-{flag}": _eval_run(impl, flag, strategy, uop)
         for impl in ("torch", "ours") for flag in (None, "1")
     }
 
 
-def test_full_precision_in_eval_matches_torch(pool2: Any) -> None:
-    for res in pool2.run(_full_prec_in_eval):
+@pytest.mark.parametrize("strategy,uop", CONFIGS)
+def test_full_precision_in_eval_matches_torch(pool2: Any, strategy: str, uop: bool) -> None:
+    for res in pool2.run(_full_prec_in_eval, strategy, uop):
         for flag, dtype in ((None, torch.bfloat16), ("1", torch.float32)):
             ref, ours = res[f"torch-{flag}"], res[f"ours-{flag}"]
             assert ref["eval_out"].dtype == dtype, (flag, ref["eval_out"].dtype)
