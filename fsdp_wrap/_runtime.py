@@ -81,6 +81,8 @@ def _buffers_for_eval(root: FSDP) -> None:
     """``FSDP_USE_FULL_PREC_IN_EVAL=1``: buffers in their original dtypes while the
     model is in ``eval()``, cast back to ``buffer_dtype`` once it trains again
     (torch decides on the root's unit, or on any unit if the root has none)."""
+    if not root._use_full_prec_in_eval:
+        return  # (the flag is the same on every unit: checked at lazy init)
     handles = [root._handle] if root._handle is not None else root._all_handles
     full = any(h.computes_in_full_precision for h in handles)
     if full == root._buffers_in_full_precision:
