@@ -142,3 +142,41 @@ def test_not_checked_unless_detail(pool2: Any) -> None:
     for check, calls in pool2.run(_not_detail):
         assert check is None
         assert len(calls) == 2, calls  # one unshard per unit, no order-check gathers
+
+
+class Reused(TwoBlocks):
+    """``first`` runs twice in every forward (a shared block)."""
+
+    def forward(self, x: torch.Tensor, flip: bool = False) -> torch.Tensor:
+        return self.first(self.second(self.first(x)))
+
+
+def _reused(impl: str) -> list[int]:
+    def run() -> list[int]:
+        torch.manual_seed(0)
+        model = fsdp_cls(impl)(
+            Reused(), auto_wrap_policy=wrap_api(impl).ModuleWrapPolicy({nn.Linear}),
+            **fsdp_kwargs(impl),
+        )
+        counts = []
+        for _ in range(3):
+            with warnings.catch_warnings(record=True) as rec:
+                warnings.simplefilter("always")
+                model(torch.randn(2, 4)).sum().backward()
+            counts.append(sum(LATER in str(w.message) for w in rec))
+        return counts
+
+    return _with_debug(dist.DebugLevel.DETAIL, run)
+
+
+def _reused_both() -> dict[str, list[int]]:
+    return {impl: _reused(impl) for impl in ("torch", "ours")}
+
+
+def test_unit_run_twice_per_forward_is_not_a_change_of_order(pool2: Any) -> None:
+    # Deliberate difference (README): torch records a unit's first run only, so
+    # the second run of a reused unit warns from the second iteration on,
+    # although nothing changed; ours records every run of the first iteration.
+    for out in pool2.run(_reused_both):
+        assert out["torch"] == [0, 1, 0], out
+        assert out["ours"] == [0, 0, 0], out
