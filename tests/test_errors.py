@@ -221,6 +221,19 @@ def _case_mixed_limit_all_gathers(impl: str) -> None:
     _nested_disagreeing(impl, limit_all_gathers=False)
 
 
+def _case_mixed_full_prec_in_eval(impl: str) -> None:
+    import os
+
+    m = _lin_pair()
+    cls = fsdp_cls(impl)
+    os.environ["FSDP_USE_FULL_PREC_IN_EVAL"] = "1"
+    try:
+        m[2] = cls(m[2], **fsdp_kwargs(impl))
+    finally:
+        del os.environ["FSDP_USE_FULL_PREC_IN_EVAL"]
+    cls(m, **fsdp_kwargs(impl))(torch.randn(2, 3))
+
+
 def _case_local_state_dict_with_mesh(impl: str) -> None:
     api = fsdp_api(impl)
     m = fsdp_cls(impl)(
@@ -282,6 +295,10 @@ EXPECTED: dict[str, tuple[str, list[str]]] = {
     "mixed_limit_all_gathers": (
         "Expects one homogeneous value for limit_all_gathers but got {False, True}",
         ["rank", "'2': False", "'<root>': True", "same limit_all_gathers"],
+    ),
+    "mixed_full_prec_in_eval": (
+        "Expects one homogeneous value for _use_full_prec_in_eval but got {False, True}",
+        ["rank", "'2': True", "FSDP_USE_FULL_PREC_IN_EVAL"],
     ),
     "local_state_dict_with_mesh": (
         "Found state_dict_type LOCAL_STATE_DICT. DeviceMesh is not compatible with "
