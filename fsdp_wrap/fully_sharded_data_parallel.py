@@ -407,8 +407,9 @@ class FullyShardedDataParallel(nn.Module):
         allowed = state if isinstance(state, list) else [state]
         if self.training_state not in allowed:
             fqn = self._handle.unit_fqn if self._handle is not None else ""
+            unit = "root FSDP unit" if self._is_root else f"FSDP unit '{fqn}'" if fqn else "FSDP unit"
             raise ValueError(
-                f"[rank {self.rank}] FSDP unit '{fqn or '<root>'}' expected to be in states "
+                f"[rank {self.rank}] {unit} expected to be in states "
                 f"{allowed} but current state is {self.training_state}"
                 + (f"; {fix}" if fix else "")
             )
