@@ -56,9 +56,9 @@ def check_not_wrapped(
         names = ", ".join(f"'{n}'" if n else "the root module itself" for n in found)
         cls_name = getattr(wrapper_cls, "__name__", str(wrapper_cls))
         raise ValueError(
-            f"{_rank_tag()}{key_phrase.format(names=names, cls=cls_name)}. Either wrap by hand "
-            "only, or give auto_wrap_policy the unwrapped module; to keep a hand-wrapped unit, "
-            "put it in ignored_modules."
+            f"{_rank_tag()}{key_phrase.format(names=names, cls=cls_name)}. Either give "
+            "auto_wrap_policy a module with no FSDP inside (let the policy make those units), "
+            "or wrap every unit by hand and the root without auto_wrap_policy."
         )
 
 

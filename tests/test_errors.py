@@ -280,7 +280,7 @@ def _run_cases(names: list[str]) -> dict[str, dict[str, Outcome]]:
 EXPECTED: dict[str, tuple[str, list[str]]] = {
     "already_wrapped_child": (
         "FSDP auto wrapping requires modules to not already have FSDP applied",
-        ["rank", "'0'", "ignored_modules"],
+        ["rank", "'0'", "without auto_wrap_policy"],
     ),
     "param_init_fn_not_callable": ("to be callable but got <class 'int'>", ["rank", "lambda m"]),
     "apply_in_summon": (
