@@ -186,6 +186,10 @@ class FlatParamHandle:
         # The forward's views of the original parameters (checked before backward).
         self.compute_views: list[torch.Tensor] = []
         self._skip_writeback_check = os.environ.get("FSDP_SKIP_WRITEBACK_CHECK", "") == "1"
+        self._use_full_prec_in_eval = os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL", "") == "1"
+        # Swapping views calls a module's own __setattr__/__delattr__ override,
+        # as torch does, unless FSDP_USE_UNSAFE_SETATTR=1.
+        self._safe_setattr = os.environ.get("FSDP_USE_UNSAFE_SETATTR", "") != "1"
         self._release_original_storage()
         if not use_orig_params:
             module._parameters[FLAT_PARAM_NAME] = self.flat_param
@@ -292,6 +296,16 @@ class FlatParamHandle:
         NO_SHARD only to cast or move it."""
         return (self.uses_sharded_strategy or self.compute_dtype != self.orig_dtype
                 or self.shard_device != self.device)
+
+    @property
+    def computes_in_full_precision(self) -> bool:
+        """Mixed precision is skipped: ``FSDP_USE_FULL_PREC_IN_EVAL=1`` and the
+        module in ``eval()`` (torch's ``_force_full_precision`` outside summon)."""
+        return (
+            self._use_full_prec_in_eval
+            and not self.module.training
+            and (self.compute_dtype, self.reduce_dtype) != (self.orig_dtype, self.orig_dtype)
+        )
 
     @property
     def unpadded_numel(self) -> int:
@@ -500,12 +514,32 @@ class FlatParamHandle:
         self._open_graphs = 0
 
     def _set_tensor(self, module: nn.Module, name: str, tensor: torch.Tensor) -> None:
-        # Plain dict writes: nn.Module.__setattr__ would reject a non-Parameter
-        # under a parameter name, and costs a lot per step.
+        # Then plain dict writes: cheaper than nn.Module.__setattr__ every step.
+        self._call_setattr_override(module, name, tensor)
         if self.use_orig_params:
+            module.__dict__.pop(name, None)
             module._parameters[name] = tensor  # type: ignore[assignment]
         else:
             module.__dict__[name] = tensor
+
+    def _set_param(self, module: nn.Module, name: str, param: nn.Parameter) -> None:
+        self._call_setattr_override(module, name, param)
+        module.__dict__.pop(name, None)
+        module._parameters[name] = param
+
+    def _call_setattr_override(self, module: nn.Module, name: str, value: torch.Tensor) -> None:
+        """Let a module class that overrides ``__setattr__``/``__delattr__`` see
+        the swap, as torch's default does (delattr, then setattr); the caller
+        then puts ``value`` where this handle keeps it.  Modules without an
+        override take only the plain dict writes (same result, no cost)."""
+        cls = type(module)
+        if not self._safe_setattr or (
+            cls.__setattr__ is nn.Module.__setattr__ and cls.__delattr__ is nn.Module.__delattr__
+        ):
+            return
+        if hasattr(module, name):
+            delattr(module, name)
+        setattr(module, name, value)
 
     def use_sharded_views(self) -> None:
         """Return the module to its between-steps form.
@@ -535,9 +569,9 @@ class FlatParamHandle:
             else:
                 data = self.local_shard[:0]
             info.param.data = data
-            info.module._parameters[info.name] = info.param
+            self._set_param(info.module, info.name, info.param)
         for shared in self.shared:
-            shared.module._parameters[shared.name] = self.infos[shared.index].param
+            self._set_param(shared.module, shared.name, self.infos[shared.index].param)
 
     def _set_grad_views(self) -> None:
         """Original params' ``.grad`` become views of the sharded flat gradient."""
@@ -707,11 +741,9 @@ class FlatParamHandle:
             info.param.data = t
             if not self.use_orig_params:
                 info.param.requires_grad_(self.flat_param.requires_grad)
-            info.module.__dict__.pop(info.name, None)
-            info.module._parameters[info.name] = info.param
+            self._set_param(info.module, info.name, info.param)
         for shared in self.shared:
-            shared.module.__dict__.pop(shared.name, None)
-            shared.module._parameters[shared.name] = self.infos[shared.index].param
+            self._set_param(shared.module, shared.name, self.infos[shared.index].param)
         self.module._parameters.pop(FLAT_PARAM_NAME, None)
         self._params_registered = True
 

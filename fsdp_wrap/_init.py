@@ -36,6 +36,32 @@ def _rank_tag() -> str:
     return f"[rank {dist.get_rank()}] " if dist.is_initialized() else ""
 
 
+def check_not_wrapped(
+    root: nn.Module, wrapper_cls: Any, ignored: Iterable[nn.Module], key_phrase: str
+) -> None:
+    """ValueError naming every ``wrapper_cls`` instance already in ``root``'s tree.
+
+    ``key_phrase`` (torch's wording) is formatted with ``names`` and ``cls``.
+
+    Names are clean FQNs (``''`` is ``root`` itself); module reprs are not
+    printed, since those of wrapped units spell out FSDP's internals.
+    """
+    skip = set(ignored)
+    found = [
+        name.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "")
+        for name, m in root.named_modules()
+        if m not in skip and isinstance(m, wrapper_cls)
+    ]
+    if found:
+        names = ", ".join(f"'{n}'" if n else "the root module itself" for n in found)
+        cls_name = getattr(wrapper_cls, "__name__", str(wrapper_cls))
+        raise ValueError(
+            f"{_rank_tag()}{key_phrase.format(names=names, cls=cls_name)}. Either give "
+            "auto_wrap_policy a module with no FSDP inside (let the policy make those units), "
+            "or wrap every unit by hand and the root without auto_wrap_policy."
+        )
+
+
 def resolve_ignored(
     module: nn.Module,
     ignored_modules: Iterable[nn.Module] | None,
@@ -254,6 +280,14 @@ def materialize_meta(
     called on each; without one, each module holding tensors directly gets
     ``to_empty(device, recurse=False)`` and ``reset_parameters()``.
     """
+    if param_init_fn is not None and not callable(param_init_fn):
+        # Checked on every construction, meta-device or not (torch only checks
+        # when it would call it): a typo should not wait for the meta model.
+        raise ValueError(
+            f"[rank {rank}] Expected {param_init_fn} to be callable but got "
+            f"{type(param_init_fn)}: pass param_init_fn as a function of one module "
+            "(e.g. lambda m: m.to_empty(device=..., recurse=False)), or None"
+        )
     if not any(t.is_meta for _, t in _unit_tensors(module, stop, ignored)):
         return
     queue, order = [module], []
@@ -371,6 +405,21 @@ def cast_buffers(state: Any) -> dict[str, torch.dtype]:
             orig.setdefault(fqn, b.dtype)
             b.data = b.to(dtype)  # in place, as torch: references to it see the cast
     return orig
+
+
+def restore_buffer_dtypes(state: Any) -> None:
+    """Undo :func:`cast_buffers`: the unit's cast buffers back in their original dtypes."""
+    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+
+    if not state._buffer_orig_dtypes:
+        return
+    for mod_fqn, mod in walk_unit_modules(
+        state._fsdp_wrapped_module, lambda m: isinstance(m, FSDP)
+    ):
+        for name, b in mod._buffers.items():
+            dtype = state._buffer_orig_dtypes.get(f"{mod_fqn}.{name}" if mod_fqn else name)
+            if b is not None and dtype is not None and b.dtype != dtype:
+                b.data = b.to(dtype)
 
 
 def annotate_for_dynamo(module: nn.Module, ignored: set[nn.Module], use_orig_params: bool) -> None:

@@ -31,6 +31,7 @@ import torch
 from torch.autograd import Variable
 
 from . import _collectives as C
+from . import _init
 from ._writeback import check_unchanged_since_forward
 from .api import BackwardPrefetch
 
@@ -45,49 +46,6 @@ class TrainingState(Enum):
     IDLE = auto()
     FORWARD_BACKWARD = auto()
     SUMMON_FULL_PARAMS = auto()
-
-
-class ExecOrder:
-    """Unit order the prefetches follow; owned by the root.
-
-    Forward prefetch uses the pre-forward order of the first iteration;
-    backward prefetch uses this iteration's post-forward order reversed.
-    """
-
-    def __init__(self) -> None:
-        self.forward_order: list[FlatParamHandle] = []
-        self.forward_index: dict[FlatParamHandle, int] = {}
-        self.forward_frozen = False
-        self.post_forward_order: list[FlatParamHandle] = []
-        self.post_forward_index: dict[FlatParamHandle, int] = {}
-
-    def record_pre_forward(self, handle: FlatParamHandle) -> None:
-        if not self.forward_frozen and handle not in self.forward_index:
-            self.forward_index[handle] = len(self.forward_order)
-            self.forward_order.append(handle)
-
-    def record_post_forward(self, handle: FlatParamHandle) -> None:
-        if handle not in self.post_forward_index:
-            self.post_forward_index[handle] = len(self.post_forward_order)
-            self.post_forward_order.append(handle)
-
-    def next_in_forward(self, handle: FlatParamHandle) -> FlatParamHandle | None:
-        i = self.forward_index.get(handle)
-        if not self.forward_frozen or i is None or i + 1 >= len(self.forward_order):
-            return None
-        return self.forward_order[i + 1]
-
-    def next_in_backward(self, handle: FlatParamHandle) -> FlatParamHandle | None:
-        i = self.post_forward_index.get(handle)
-        if i is None or i == 0:
-            return None
-        return self.post_forward_order[i - 1]
-
-    def next_iteration(self) -> None:
-        if self.forward_order:
-            self.forward_frozen = True
-        self.post_forward_order.clear()
-        self.post_forward_index.clear()
 
 
 # ----------------------------------------------------------------- forward
@@ -108,6 +66,7 @@ def root_pre_forward(state: FSDP, args: tuple[Any, ...], kwargs: dict[str, Any])
             # any collective of this forward.
             handle.pre_unshard()
             handle.sync_flat_grad_from_orig()
+    _buffers_for_eval(state)
     if state._forward_pending_backward:
         # The previous forward was never followed by a backward (e.g. an
         # evaluation forward with grad enabled).  Free what it kept: the shards
@@ -118,18 +77,38 @@ def root_pre_forward(state: FSDP, args: tuple[Any, ...], kwargs: dict[str, Any])
     return args, kwargs
 
 
+def _buffers_for_eval(root: FSDP) -> None:
+    """``FSDP_USE_FULL_PREC_IN_EVAL=1``: buffers in their original dtypes while the
+    model is in ``eval()``, cast back to ``buffer_dtype`` once it trains again
+    (torch decides on the root's unit, or on any unit if the root has none)."""
+    if not root._use_full_prec_in_eval:
+        return  # (the flag is the same on every unit: checked at lazy init)
+    handles = [root._handle] if root._handle is not None else root._all_handles
+    full = any(h.computes_in_full_precision for h in handles)
+    if full == root._buffers_in_full_precision:
+        return
+    for st in root._all_fsdp_states:
+        if full:
+            _init.restore_buffer_dtypes(st)
+        else:
+            _init.cast_buffers(st)
+    root._buffers_in_full_precision = full
+
+
 def pre_forward(state: FSDP, handle: FlatParamHandle | None) -> None:
     """Gather this unit's parameters and expose them as unsharded views."""
     state.training_state = TrainingState.FORWARD_BACKWARD
     if handle is None:
         return
     root = state._root
+    if root._exec_order.order_check is not None and state.training:
+        root._exec_order.order_check.check(handle)
     root._exec_order.record_pre_forward(handle)
-    handle.finish_unshard(full_precision=False)
+    handle.finish_unshard(full_precision=handle.computes_in_full_precision)
     if state.forward_prefetch:
         nxt = root._exec_order.next_in_forward(handle)
         if nxt is not None:
-            nxt.start_unshard(full_precision=False)
+            nxt.start_unshard(full_precision=nxt.computes_in_full_precision)
     handle.use_unsharded_views(track_graph=True)
 
 
@@ -183,7 +162,7 @@ def _pre_backward_hook(
                 and not handle.reshard_after_forward):
             # Kept unsharded since forward: the views must be the forward's.
             check_unchanged_since_forward(handle, handle.compute_views)
-        handle.finish_unshard(full_precision=False)
+        handle.finish_unshard(full_precision=handle.computes_in_full_precision)
         # Hooks run with grad disabled; reentrant activation checkpointing
         # recomputes the forward through these views and needs them tracked.
         with torch.enable_grad():
@@ -208,8 +187,25 @@ def make_post_backward_hook(state: FSDP, handle: FlatParamHandle) -> Callable[[t
         if state.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             _prefetch_backward(state, handle)
         handle.reduce_gradient(sync)
+        if sync and state._optims_in_backward:
+            _step_optimizers_in_backward(handle)
 
     return post_backward
+
+
+def _step_optimizers_in_backward(handle: FlatParamHandle) -> None:
+    """``_apply_optimizer_in_backward`` (``use_orig_params=True``): step each
+    original parameter's optimizers on its reduced sharded gradient now, then
+    free that gradient, as torch does after the reduce-scatter."""
+    for param in handle.params:
+        optims = getattr(param, "_in_backward_optimizers", None)
+        if param.grad is None or not optims:
+            continue  # (no gradient: not in this rank's shard, or unused)
+        for optim in optims:
+            optim.step()
+        for optim in optims:
+            optim.zero_grad(set_to_none=True)
+    handle.sync_flat_grad_from_orig()  # drops the flat gradient once no view is left
 
 
 def make_early_free_hook(state: FSDP, handle: FlatParamHandle) -> Callable[[], None]:
@@ -228,7 +224,7 @@ def _prefetch_backward(state: FSDP, handle: FlatParamHandle) -> None:
     root = state._root
     nxt = root._exec_order.next_in_backward(handle)
     if nxt is not None and not root._state_of[nxt]._ran_pre_backward:
-        nxt.start_unshard(full_precision=False)
+        nxt.start_unshard(full_precision=nxt.computes_in_full_precision)
 
 
 def _queue_final_callback(root: FSDP) -> None:
@@ -266,6 +262,8 @@ def finalize_units(root: FSDP, free_all: bool) -> None:
     root._final_callback_queued = False
     root._forward_pending_backward = False
     root._exec_order.next_iteration()
+    if not free_all and root._exec_order.order_check is not None:
+        root._exec_order.order_check.end_of_iteration()
 
 
 # ----------------------------------------------------------------- helpers

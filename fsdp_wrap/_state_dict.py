@@ -413,9 +413,9 @@ def effective_type(state: FSDP, warn: bool = True) -> StateDictType:
         return StateDictType.FULL_STATE_DICT
     if sd_type is StateDictType.LOCAL_STATE_DICT and state._device_mesh is not None:
         raise RuntimeError(
-            "Found state_dict_type LOCAL_STATE_DICT. DeviceMesh is not compatible with "
-            "LOCAL_STATE_DICT. Please set state_dict_type to SHARDED_STATE_DICT to get DTensor "
-            "state_dict."
+            f"[rank {state.rank}] Found state_dict_type LOCAL_STATE_DICT. DeviceMesh is not "
+            "compatible with LOCAL_STATE_DICT. Please set state_dict_type to SHARDED_STATE_DICT "
+            "to get DTensor state_dict (the model was wrapped with a device_mesh)."
         )
     return sd_type
 

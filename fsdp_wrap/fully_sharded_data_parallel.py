@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import warnings
 from collections.abc import Generator, Iterable, Iterator
 from enum import Enum, auto
@@ -23,8 +24,9 @@ from . import _collectives as C
 from . import _init, _runtime, _state_dict, _summon
 from . import _optim_state_dict as _osd
 from ._compat import coerce_dataclass, coerce_enum, run_eagerly_under_dynamo
+from ._exec_order import ExecOrder, ForwardOrderCheck
 from ._flat_param import FlatParamHandle, collect_unit_params
-from ._runtime import ExecOrder, TrainingState
+from ._runtime import TrainingState
 from .api import (
     BackwardPrefetch,
     CPUOffload,
@@ -146,6 +148,9 @@ class FullyShardedDataParallel(nn.Module):
         self.forward_prefetch = forward_prefetch
         self.limit_all_gathers = limit_all_gathers
         self._use_orig_params = use_orig_params
+        self._use_full_prec_in_eval = os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL", "") == "1"
+        self._buffers_in_full_precision = False  # (root) see _runtime._buffers_for_eval
+        self._optims_in_backward = False  # set at lazy init (_apply_optimizer_in_backward)
         self._sync_module_states = sync_module_states
         self.training_state = TrainingState.IDLE
         self._is_root: bool | None = None
@@ -212,9 +217,12 @@ class FullyShardedDataParallel(nn.Module):
         self.params = [self._handle.flat_param] if self._handle is not None else []
         self._fsdp_wrapped_module = module
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            # Names, not the repr: a child unit's repr spells out FSDP's internals.
+            children = [clean_fqn(n) for n, _ in module.named_children()]
             warnings.warn(
-                "FSDP will not all-gather parameters for containers that do not implement "
-                f"forward: {module}",
+                f"[rank {self.rank}] FSDP will not all-gather parameters for containers that do "
+                f"not implement forward: {type(module).__name__} (children {children}); wrap its "
+                "children, or a module whose forward uses them, instead",
                 stacklevel=2,
             )
         self._state_dict_type = StateDictType.FULL_STATE_DICT
@@ -256,7 +264,8 @@ class FullyShardedDataParallel(nn.Module):
         mp = self.mixed_precision
         # The root casts for cast_root_forward_inputs; every unit, the root
         # included, casts for cast_forward_inputs (torch's rule).
-        if mp.param_dtype is not None and (
+        full_precision = self._use_full_prec_in_eval and not self._fsdp_wrapped_module.training
+        if mp.param_dtype is not None and not full_precision and (
             mp.cast_forward_inputs or (self._is_root and mp.cast_root_forward_inputs)
         ):
             args, kwargs = _runtime.cast_floating((args, kwargs), mp.param_dtype)
@@ -292,6 +301,10 @@ class FullyShardedDataParallel(nn.Module):
     def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:  # type: ignore[override]
         """``nn.Module.apply`` with this unit's parameters gathered and written back."""
         uninitialised = self._is_root is None
+        self._assert_state(
+            TrainingState.IDLE,
+            fix="call apply() outside summon_full_params and outside forward/backward",
+        )
         with _summon.summon([self], writeback=True):
             super().apply(fn)
         if uninitialised and self._is_root:
@@ -319,8 +332,11 @@ class FullyShardedDataParallel(nn.Module):
         if self._is_root is not None:
             return
         states = FullyShardedDataParallel.fsdp_modules(self)
-        self._is_root = True
         fqn_of = {id(m): clean_fqn(n) for n, m in self.named_modules() if m in states}
+        # Local checks first, so a refused tree stays uninitialised (no root set).
+        _check_homogeneous(self, states, fqn_of)
+        _check_optim_in_backward(self, states, fqn_of)
+        self._is_root = True
         for st in states:
             if st is not self:
                 st._is_root = False
@@ -331,14 +347,18 @@ class FullyShardedDataParallel(nn.Module):
         self._all_fsdp_states = states
         self._all_handles = [st._handle for st in states if st._handle is not None]
         self._state_of = {st._handle: st for st in states if st._handle is not None}
-        for attr in ("_use_orig_params", "limit_all_gathers"):
-            values = {getattr(st, attr) for st in states}
-            if len(values) > 1:
-                raise ValueError(f"Expects one homogeneous value for {attr} but got {values}")
+        for st in states:
+            st._optims_in_backward = st._handle is not None and any(
+                hasattr(p, "_in_backward_optimizers") for p in st._handle.params
+            )
         if self.world_size > 1:
             # Compares the flat parameters' dtype and shape too: data replaced on
             # some ranks only is reported on every rank, before any gather.
             _runtime.all_gather_unit_signatures(self)
+            if dist.get_debug_level() == dist.DebugLevel.DETAIL:
+                self._exec_order.order_check = ForwardOrderCheck(
+                    self._all_handles, self.process_group, self.rank, self.world_size
+                )
         for h in self._all_handles:
             h.adopt_flat_param_data()
         for st in states:
@@ -382,12 +402,16 @@ class FullyShardedDataParallel(nn.Module):
             for st, prev in zip(states, previous):
                 st._sync_gradients = prev
 
-    def _assert_state(self, state: TrainingState | list[TrainingState]) -> None:
+    def _assert_state(self, state: TrainingState | list[TrainingState], fix: str = "") -> None:
+        """ValueError (torch's type) unless this unit is in one of ``state``."""
         allowed = state if isinstance(state, list) else [state]
         if self.training_state not in allowed:
-            raise RuntimeError(
-                f"[rank {self.rank}] FSDP unit expects to be in state {allowed} but is in "
-                f"{self.training_state}"
+            fqn = self._handle.unit_fqn if self._handle is not None else ""
+            unit = "root FSDP unit" if self._is_root else f"FSDP unit '{fqn}'" if fqn else "FSDP unit"
+            raise ValueError(
+                f"[rank {self.rank}] {unit} expected to be in states "
+                f"{allowed} but current state is {self.training_state}"
+                + (f"; {fix}" if fix else "")
             )
 
     # ------------------------------------------------------- clip_grad_norm_
@@ -552,12 +576,15 @@ class FullyShardedDataParallel(nn.Module):
         rank0_only: bool = True,
         group: Any = None,
     ) -> dict[str, Any]:
+        _warn_legacy_optim("full_optim_state_dict", "optim_state_dict")
+        _warn_optim_input(optim_input)
         return _osd.full_optim_state_dict(model, optim, optim_input, rank0_only, group)
 
     @staticmethod
     def sharded_optim_state_dict(
         model: nn.Module, optim: torch.optim.Optimizer, group: Any = None
     ) -> dict[str, Any]:
+        _warn_legacy_optim("sharded_optim_state_dict", "optim_state_dict")
         return _osd.sharded_optim_state_dict(model, optim, group)
 
     @staticmethod
@@ -567,6 +594,8 @@ class FullyShardedDataParallel(nn.Module):
         optim_input: Any = None,
         optim: torch.optim.Optimizer | None = None,
     ) -> dict[str, Any]:
+        _warn_legacy_optim("shard_full_optim_state_dict", "optim_state_dict_to_load")
+        _warn_optim_input(optim_input)
         return _osd.shard_full_optim_state_dict(full_optim_state_dict, model, optim_input, optim)
 
     @staticmethod
@@ -577,6 +606,8 @@ class FullyShardedDataParallel(nn.Module):
         optim: torch.optim.Optimizer | None = None,
         group: Any = None,
     ) -> dict[str, Any]:
+        _warn_legacy_optim("scatter_full_optim_state_dict", "optim_state_dict_to_load")
+        _warn_optim_input(optim_input)
         return _osd.scatter_full_optim_state_dict(
             full_optim_state_dict, model, optim_input, optim, group
         )
@@ -585,6 +616,7 @@ class FullyShardedDataParallel(nn.Module):
     def flatten_sharded_optim_state_dict(
         sharded_optim_state_dict: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
     ) -> dict[str, Any]:
+        _warn_legacy_optim("flatten_sharded_optim_state_dict", "optim_state_dict_to_load")
         return _osd.flatten_sharded_optim_state_dict(sharded_optim_state_dict, model, optim)
 
     @staticmethod
@@ -595,6 +627,7 @@ class FullyShardedDataParallel(nn.Module):
         optim_input: Any = None,
         optim: torch.optim.Optimizer | None = None,
     ) -> dict[str, Any]:
+        _warn_optim_input(optim_input)
         return _osd.rekey_optim_state_dict(
             optim_state_dict, optim_state_key_type, model, optim_input, optim
         )
@@ -637,6 +670,74 @@ class FullyShardedDataParallel(nn.Module):
 def clean_fqn(name: str) -> str:
     """Drop every ``_fsdp_wrapped_module.`` segment from a name."""
     return name.replace(f"{FSDP_WRAPPED_MODULE}.", "").replace(FSDP_WRAPPED_MODULE, "")
+
+
+def _warn_optim_input(optim_input: Any) -> None:
+    if optim_input is not None:
+        warnings.warn(
+            "The `optim_input` argument is deprecated and will be removed after PyTorch 1.13. "
+            "You may remove it from your code without changing its functionality (pass "
+            "optim=... instead).",
+            FutureWarning,
+            stacklevel=3,
+        )
+
+
+def _warn_legacy_optim(curr: str, new: str) -> None:
+    warnings.warn(
+        f"``FullyShardedDataParallel.{curr}``is being deprecated and is replaced by "
+        f"``FullyShardedDataParallel.{new}``. ``FullyShardedDataParallel.{curr}`` may be "
+        "removed after PyTorch 2.2.",
+        FutureWarning,
+        stacklevel=3,
+    )
+
+
+# Options every unit of one tree must share (torch's HOMOGENEOUS_ATTR_NAMES).
+_HOMOGENEOUS = (
+    ("_use_orig_params", "use_orig_params"),
+    ("limit_all_gathers", "limit_all_gathers"),
+    ("_use_full_prec_in_eval", "FSDP_USE_FULL_PREC_IN_EVAL"),
+)
+
+
+def _check_homogeneous(
+    root: FullyShardedDataParallel,
+    states: list[FullyShardedDataParallel],
+    fqn_of: dict[int, str],
+) -> None:
+    """ValueError, at lazy init before any collective, if units disagree on an option."""
+    for attr, option in _HOMOGENEOUS:
+        values = {getattr(st, attr) for st in states}
+        if len(values) > 1:
+            per_unit = ", ".join(
+                f"'{fqn_of.get(id(st), '') or '<root>'}': {getattr(st, attr)}" for st in states
+            )
+            raise ValueError(
+                f"[rank {root.rank}] Expects one homogeneous value for {attr} but got {values} "
+                f"({option} per FSDP unit: {per_unit}); construct every nested "
+                f"FullyShardedDataParallel of this root with the same {option}"
+            )
+
+
+def _check_optim_in_backward(
+    root: FullyShardedDataParallel,
+    states: list[FullyShardedDataParallel],
+    fqn_of: dict[int, str],
+) -> None:
+    """``_apply_optimizer_in_backward`` on flat parameters is refused, as in torch."""
+    flat = [
+        f"'{fqn_of.get(id(st), '') or '<root>'}'"
+        for st in states
+        if st._handle is not None and hasattr(st._handle.flat_param, "_in_backward_optimizers")
+    ]
+    if flat:
+        raise RuntimeError(
+            f"[rank {root.rank}] FSDP optimizer in backward only supported with "
+            f"use_orig_params=True! _apply_optimizer_in_backward was given the flat parameters "
+            f"of FSDP units {', '.join(flat)}; wrap with use_orig_params=True and pass the "
+            "model's parameters, or step a regular optimizer after backward"
+        )
 
 
 def _grad_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:

@@ -44,6 +44,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils.rnn import PackedSequence
 
+from . import _init
+
 __all__ = [
     "CustomPolicy",
     "ModuleWrapPolicy",
@@ -421,15 +423,10 @@ def _recursive_wrap(
         raise ValueError("_recursive_wrap needs an auto_wrap_policy, but got None.")
     if wrapper_cls is None:
         raise ValueError("_recursive_wrap needs a wrapper_cls, but got None.")
-    if inspect.isclass(wrapper_cls):
-        # A plain function as wrapper_cls cannot be isinstance-checked; skip then.
-        for sub in module.modules():
-            if sub in ignored_modules:
-                continue
-            if isinstance(sub, wrapper_cls):
-                raise ValueError(  # noqa: TRY004 - a misuse of the API, not a bad argument type
-                    f"Child module {sub} is already wrapped by {wrapper_cls}"
-                )
+    if inspect.isclass(wrapper_cls):  # (a function as wrapper_cls cannot be checked)
+        _init.check_not_wrapped(
+            module, wrapper_cls, ignored_modules, "Child module {names} is already wrapped by {cls}"
+        )
 
     # Counted as if nothing in the subtree were wrapped yet.
     subtree_numel = sum(
@@ -762,12 +759,9 @@ def _auto_wrap(
             if a unit would mix frozen and trainable parameters (a warning is
             issued instead when ``use_orig_params=True``).
     """
-    for fqn, module in root_module.named_modules():
-        if inspect.isclass(fsdp_cls) and isinstance(module, fsdp_cls):
-            raise ValueError(
-                "FSDP auto wrapping requires modules to not already have "
-                f"FSDP applied but found {fqn} in\n{root_module}"
-            )
+    if inspect.isclass(fsdp_cls):
+        _init.check_not_wrapped(root_module, fsdp_cls, (), "FSDP auto wrapping requires modules "
+                                "to not already have FSDP applied but found {names} ({cls})")
 
     unit_kwargs = dict(root_kwargs)
     unit_kwargs["auto_wrap_policy"] = None

@@ -111,6 +111,7 @@ def _case_no_sync_on_non_root(impl: str) -> None:
 
 
 _MESH: Any = None
+_MESH_2D: Any = None
 
 
 def _case_pg_and_mesh(impl: str) -> None:
@@ -193,17 +194,76 @@ def _case_summon_with_grads_flat(impl: str) -> None:
         pass
 
 
+def _case_param_init_fn_not_callable(impl: str) -> None:
+    with torch.device("meta"):
+        m = _lin_pair()
+    fsdp_cls(impl)(m, param_init_fn=3, **fsdp_kwargs(impl))
+
+
+def _case_apply_in_summon(impl: str) -> None:
+    m = _wrapped(impl)
+    with fsdp_cls(impl).summon_full_params(m):
+        m.apply(lambda mod: None)
+
+
+def _nested_disagreeing(impl: str, **inner: Any) -> None:
+    m = _lin_pair()
+    cls = fsdp_cls(impl)
+    m[2] = cls(m[2], **fsdp_kwargs(impl, **inner))
+    cls(m, **fsdp_kwargs(impl))(torch.randn(2, 3))
+
+
+def _case_mixed_use_orig_params(impl: str) -> None:
+    _nested_disagreeing(impl, use_orig_params=True)
+
+
+def _case_mixed_limit_all_gathers(impl: str) -> None:
+    _nested_disagreeing(impl, limit_all_gathers=False)
+
+
+def _case_mixed_full_prec_in_eval(impl: str) -> None:
+    import os
+
+    m = _lin_pair()
+    cls = fsdp_cls(impl)
+    os.environ["FSDP_USE_FULL_PREC_IN_EVAL"] = "1"
+    try:
+        m[2] = cls(m[2], **fsdp_kwargs(impl))
+    finally:
+        del os.environ["FSDP_USE_FULL_PREC_IN_EVAL"]
+    cls(m, **fsdp_kwargs(impl))(torch.randn(2, 3))
+
+
+def _case_local_state_dict_with_mesh(impl: str) -> None:
+    api = fsdp_api(impl)
+    m = fsdp_cls(impl)(
+        _lin_pair(), device_mesh=_MESH_2D,
+        **fsdp_kwargs(impl, sharding_strategy=api.ShardingStrategy.HYBRID_SHARD),
+    )
+    with api.FullyShardedDataParallel.state_dict_type(m, api.StateDictType.LOCAL_STATE_DICT):
+        m.state_dict()
+
+
+def _case_optim_in_backward_flat(impl: str) -> None:
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    m = _wrapped(impl)
+    _apply_optimizer_in_backward(torch.optim.SGD, m.parameters(), {"lr": 0.1})
+    m(torch.randn(2, 3))
+
+
 CASES: dict[str, Callable[[str], None]] = {
     name[len("_case_") :]: fn for name, fn in globals().items() if name.startswith("_case_")
 }
 
 
 def _run_cases(names: list[str]) -> dict[str, dict[str, Outcome]]:
-    global _MESH
+    global _MESH, _MESH_2D
     warnings.simplefilter("ignore")
     from torch.distributed.device_mesh import init_device_mesh
 
     _MESH = init_device_mesh("cpu", (dist.get_world_size(),))  # collective: every rank, up front
+    _MESH_2D = init_device_mesh("cpu", (1, dist.get_world_size()))  # HSDP: replicate x shard
     out: dict[str, dict[str, Outcome]] = {}
     for name in names:
         out[name] = {}
@@ -220,7 +280,34 @@ def _run_cases(names: list[str]) -> dict[str, dict[str, Outcome]]:
 EXPECTED: dict[str, tuple[str, list[str]]] = {
     "already_wrapped_child": (
         "FSDP auto wrapping requires modules to not already have FSDP applied",
-        [],
+        ["rank", "'0'", "without auto_wrap_policy"],
+    ),
+    "param_init_fn_not_callable": ("to be callable but got <class 'int'>", ["rank", "lambda m"]),
+    "apply_in_summon": (
+        "expected to be in states [<TrainingState.IDLE: 1>] but current state is "
+        "TrainingState.SUMMON_FULL_PARAMS",
+        ["rank", "outside summon_full_params"],
+    ),
+    "mixed_use_orig_params": (
+        "Expects one homogeneous value for _use_orig_params but got {False, True}",
+        ["rank", "'2': True", "'<root>': False", "same use_orig_params"],
+    ),
+    "mixed_limit_all_gathers": (
+        "Expects one homogeneous value for limit_all_gathers but got {False, True}",
+        ["rank", "'2': False", "'<root>': True", "same limit_all_gathers"],
+    ),
+    "mixed_full_prec_in_eval": (
+        "Expects one homogeneous value for _use_full_prec_in_eval but got {False, True}",
+        ["rank", "'2': True", "FSDP_USE_FULL_PREC_IN_EVAL"],
+    ),
+    "local_state_dict_with_mesh": (
+        "Found state_dict_type LOCAL_STATE_DICT. DeviceMesh is not compatible with "
+        "LOCAL_STATE_DICT. Please set state_dict_type to SHARDED_STATE_DICT",
+        ["rank", "device_mesh"],
+    ),
+    "optim_in_backward_flat": (
+        "FSDP optimizer in backward only supported with use_orig_params=True!",
+        ["rank", "'0'", "'2'", "use_orig_params=True"],
     ),
     "scalar": ("FSDP doesn't support scalar parameters. Change", ["rank", "p"]),
     "integer": ("Cannot flatten integer dtype tensors", ["rank", "steps"]),
@@ -324,6 +411,7 @@ def test_misuse_matches_torch(pool2: Any, case: str) -> None:
         }[ours[0]]
         with pytest.raises(exc_type, match=re.escape(text) if text else None):
             raise exc_type(ours[1])
+        assert "_fsdp_wrapped_module" not in ours[1], f"{case}: internals leak: {ours[1]}"
         for extra in extras:
             assert extra in ours[1], f"{case}: our message should name {extra!r}: {ours[1]}"
             if extra == "rank":
@@ -396,6 +484,29 @@ def test_ranks_with_different_units_fail_on_every_rank(pool2: Any, uop: bool) ->
         # names the unit that differs (the first Linear, FQN "0")
         assert re.search(r"unit #?\d|'0'|\b0\.weight\b", msg), msg
         assert "(6, 3)" in msg or "(8, 3)" in msg or "6" in msg, msg
+
+
+def _refused_tree_stays_refused() -> list[str]:
+    m = _lin_pair()
+    m[2] = fsdp_cls("ours")(m[2], **fsdp_kwargs("ours", use_orig_params=True))
+    model = fsdp_cls("ours")(m, **fsdp_kwargs("ours"))
+    messages = []
+    for _ in range(2):
+        try:
+            model(torch.randn(2, 3))
+            messages.append("no error")
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_disagreeing_units_refused_again_on_retry(pool2: Any) -> None:
+    # The check runs before the root is set, so a second forward is refused too
+    # (instead of running a half-initialised tree).
+    for messages in pool2.run(_refused_tree_stays_refused):
+        assert all("Expects one homogeneous value for _use_orig_params" in m for m in messages), (
+            messages
+        )
 
 
 # ---------------------------------------------------------------------------
