@@ -685,9 +685,10 @@ def _warn_optim_input(optim_input: Any) -> None:
 
 def _warn_legacy_optim(curr: str, new: str) -> None:
     warnings.warn(
-        f"``FullyShardedDataParallel.{curr}``is being deprecated and is replaced by "
-        f"``FullyShardedDataParallel.{new}``. ``FullyShardedDataParallel.{curr}`` may be "
-        "removed after PyTorch 2.2.",
+        f"FullyShardedDataParallel.{curr} is being deprecated and is replaced by "
+        f"FullyShardedDataParallel.{new} (set the state-dict type with "
+        "FullyShardedDataParallel.state_dict_type); call that instead: PyTorch may remove "
+        f"{curr}.",
         FutureWarning,
         stacklevel=3,
     )
