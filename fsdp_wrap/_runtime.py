@@ -31,6 +31,7 @@ import torch
 from torch.autograd import Variable
 
 from . import _collectives as C
+from ._compat import in_backward
 from ._writeback import check_unchanged_since_forward
 from .api import BackwardPrefetch
 
@@ -100,7 +101,14 @@ def root_pre_forward(state: FSDP, args: tuple[Any, ...], kwargs: dict[str, Any])
     the inputs are on the compute device.
     """
     state._lazy_init()
-    if not state._is_root:
+    if not state._is_root or in_backward():
+        # In a backward, this forward is activation checkpointing (wrapped
+        # around this root unit) recomputing it: the backward in progress owns
+        # the gradients and the pending-forward bookkeeping; finishing the
+        # "forward without backward" here would put a parked sharded gradient
+        # back under the unsharded one about to accumulate.
+        if state._is_root and state.compute_device.type != "cpu":
+            args, kwargs = _to_device((args, kwargs), state.compute_device)
         return args, kwargs
     for handle in state._all_handles:
         if handle.use_orig_params:
