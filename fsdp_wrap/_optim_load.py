@@ -45,8 +45,10 @@ def _check_loadable(
             if isinstance(v, torch.Tensor) and v.dim() > 0 and torch.Size(v.size()) != want:
                 problems.append(
                     f"'{fqn}' state '{name}' has shape {tuple(v.size())}, the parameter "
-                    f"{tuple(want)}"
+                    f"{tuple(want)} (Tensor optimizer state does not have same shape as its "
+                    "parameter)"
                 )
+    problems.extend(_flat_unit_problems(index, osd["state"]))
     if len(osd["param_groups"]) != len(groups):
         problems.append(
             f"{len(osd['param_groups'])} param group(s) in the state dict, "
@@ -55,17 +57,81 @@ def _check_loadable(
     else:
         for gi, (saved, params) in enumerate(zip(osd["param_groups"], groups)):
             names = {f for p in params for f in index.fqns_of(p)}
-            listed = saved.get("params", [])
-            if all(isinstance(x, str) for x in listed) and set(listed) != names:
+            # Parameters outside FSDP the state dict does not list (managed by
+            # another parallelism, model-parallel style) are left alone, as torch.
+            outside = {f for p in params if index.where[id(p)][0] < 0 for f in index.fqns_of(p)}
+            listed = set(saved.get("params", []))
+            extra, missed = listed - names, names - listed - outside
+            if all(isinstance(x, str) for x in listed) and (extra or missed):
                 problems.append(
-                    f"param group {gi} lists {sorted(set(listed) - names)} not in the "
-                    f"optimizer's group and misses {sorted(names - set(listed))}"
+                    f"param group {gi} lists {sorted(extra)} not in the "
+                    f"optimizer's group and misses {sorted(missed)}"
                 )
     if problems:
         raise ValueError(
             f"[rank {rank}] the optimizer state dict does not match the model and optimizer: "
             + "; ".join(problems)
         )
+
+
+def _flat_unit_problems(index: _Index, state_in: dict[Any, Any]) -> list[str]:
+    """What keeps each flat parameter's (use_orig_params=False) originals from
+    sharing one optimizer state: torch's checks, with torch's phrases, and the fix."""
+    fix = (
+        "; these parameters share one flat parameter (use_orig_params=False), whose "
+        "optimizer state holds one value per scalar state: save equal values for all of "
+        "them, or wrap with use_orig_params=True, which keeps each parameter's own state"
+    )
+    problems: list[str] = []
+    for unit in index.units:
+        if unit.handle.use_orig_params:
+            continue
+        states = [state_in.get(f) for f in unit.fqns]
+        present = [st for st in states if st]
+        if not present:
+            continue
+        if any(set(st) != set(present[0]) for st in present):
+            problems.append(
+                "Differing optimizer state names for the unflattened parameters: "
+                f"{ {f: sorted(st) for f, st in zip(unit.fqns, states) if st} }{fix}"
+            )
+            continue
+        for name in sorted(present[0]):
+            values = [st.get(name) if st else None for st in states]
+            given = [v for v in values if v is not None]
+            if not given:
+                continue
+            pos = [isinstance(v, torch.Tensor) and v.dim() > 0 for v in given]
+            zero = [isinstance(v, torch.Tensor) and v.dim() == 0 for v in given]
+            if len({type(v) for v in given}) != 1 or not (all(pos) or all(zero) or not any(pos + zero)):
+                problems.append(
+                    f"Differing optimizer state types for state {name}, values "
+                    f"{[type(v).__name__ for v in values]}, and unflattened parameter names "
+                    f"{unit.fqns}{fix}"
+                )
+            elif all(pos):
+                dtypes = {v.dtype for v in given}
+                if len(dtypes) != 1:
+                    problems.append(
+                        "All unflattened parameters comprising a single flat parameter must "
+                        "have positive-dimension tensor state with the same dtype but got "
+                        f"dtypes {sorted(map(str, dtypes))} for state {name} and unflattened "
+                        f"parameter names {unit.fqns}{fix}"
+                    )
+            else:
+                scalars = {v.item() if isinstance(v, torch.Tensor) else v for v in given}
+                dtypes = {v.dtype if isinstance(v, torch.Tensor) else type(v) for v in given}
+                if len(given) != len(values) or len(scalars) != 1 or len(dtypes) != 1:
+                    got = {
+                        f: None if v is None else v.item() if isinstance(v, torch.Tensor) else v
+                        for f, v in zip(unit.fqns, values)
+                    }
+                    problems.append(
+                        "All unflattened parameters comprising a single flat parameter must "
+                        f"have scalar state with the same value and dtype but got {got} "
+                        f"(dtypes {sorted(map(str, dtypes))}) for state {name}{fix}"
+                    )
+    return problems
 
 
 def _flatten_optim(
@@ -118,15 +184,12 @@ def _flatten_optim(
                     v = v.clone()
                 st[name] = v
             out[pid] = st
+    outside = _outside_states(index, state_in)
     for params in groups:  # parameters FSDP does not manage: as they are
         for p in params:
             u, _, fqns = index.where[id(p)]
-            if u < 0 and fqns[0] in state_in:
-                out[pid_of[id(p)]] = {
-                    n: v.full_tensor() if SD.is_chunked(v)  # type: ignore[union-attr]
-                    else v.clone() if isinstance(v, torch.Tensor) else v
-                    for n, v in state_in[fqns[0]].items()
-                }
+            if u < 0 and fqns[0] in outside:
+                out[pid_of[id(p)]] = outside[fqns[0]]
     param_groups = []
     pid = 0
     for saved, params in zip(osd["param_groups"], groups):
@@ -135,6 +198,26 @@ def _flatten_optim(
         pid += len(params)
         param_groups.append(group)
     return {"state": out, "param_groups": param_groups}
+
+
+def _outside_states(index: _Index, state_in: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The saved states of parameters FSDP does not manage in this model, as
+    plain tensors.  One saved while FSDP managed it is chunked: its chunks are
+    gathered (every rank takes part, whatever its optimizer holds, in name
+    order), so the optimizer can step it (torch would pass the chunks on)."""
+    outside = {f for u, _, fqns in index.where.values() if u < 0 for f in fqns}
+    out = {
+        fqn: {n: v.clone() if isinstance(v, torch.Tensor) and not SD.is_chunked(v) else v
+              for n, v in st.items()}
+        for fqn, st in state_in.items() if fqn in outside
+    }
+    chunked = [(f, n) for f in sorted(out) for n in sorted(out[f]) if SD.is_chunked(out[f][n])]
+    if chunked:
+        layout = SD.chunk_layout(index.units[0].state, False)
+        items = [(f"{f}.{n}", out[f][n]) for f, n in chunked]
+        for (f, n), t in zip(chunked, SD.gather_chunks(items, layout)):
+            out[f][n] = t
+    return out
 
 
 def _chunked_states_to_shards(unit: _Unit, state_in: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -196,7 +279,10 @@ def _flat_shard_state(h: FlatParamHandle, unit: _Unit, full: list[dict[str, Any]
     names = sorted({n for f in full for n in f})
     for name in names:
         tensors = [f.get(name) for f in full]
-        first = next(t for t in tensors if t is not None)
+        first = next((t for t in tensors if t is not None), None)
+        if first is None:  # e.g. ``momentum_buffer: None`` for every original, as torch
+            st[name] = None
+            continue
         if not (isinstance(first, torch.Tensor) and first.dim() > 0):
             st[name] = first.clone() if isinstance(first, torch.Tensor) else copy.deepcopy(first)
             continue
