@@ -25,6 +25,7 @@ shard of each state (``optim_state_dict_to_load``).
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,27 +49,69 @@ if TYPE_CHECKING:
 # ------------------------------------------------------------------- save
 
 
+def _by_param_id(
+    model: nn.Module, groups: list[list[torch.Tensor]], state: dict[Any, Any],
+    saved_groups: list[dict[str, Any]],
+) -> tuple[dict[int, Any], dict[Any, Any], dict[Any, int]]:
+    """The optimizer's ``state`` keyed by parameter id (position across its param
+    groups), and the entries that name none of its parameters (user-defined state,
+    which torch copies through); and every key (id or name) -> parameter id.
+
+    A ``NamedOptimizer`` (``torch.distributed.optim._NamedOptimizer``) keys its
+    state by the model's parameter names instead of ids; both the names
+    ``model.named_parameters()`` gives and their clean forms are recognised.
+    """
+    flat = [p for params in groups for p in params]
+    pid_of: dict[int, int] = {}
+    for i, p in enumerate(flat):
+        pid_of.setdefault(id(p), i)
+    by_name: dict[Any, int] = {}
+    if any(isinstance(k, str) for k in state) or any(
+        isinstance(x, str) for g in saved_groups for x in g.get("params", [])
+    ):
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in pid_of:
+                by_name.setdefault(name, pid_of[id(p)])
+                by_name.setdefault(SD.clean_key(name), pid_of[id(p)])
+    by_id: dict[int, Any] = {}
+    other: dict[Any, Any] = {}
+    for key, value in state.items():
+        if type(key) is int and 0 <= key < len(flat):
+            by_id[key] = value
+        elif isinstance(key, str) and key in by_name:
+            by_id[by_name[key]] = value
+        else:
+            other[key] = value
+    by_name.update((i, i) for i in range(len(flat)))
+    return by_id, other, by_name
+
+
 def _local_unit_states(
     index: _Index, groups: list[list[torch.Tensor]], state: dict[int, Any]
-) -> list[dict[int, dict[str, Any]]]:
-    """Per unit: info index -> this rank's optimizer state of that parameter.
+) -> tuple[list[dict[int, dict[str, Any]]], list[tuple[str, ...]]]:
+    """Per unit: info index -> this rank's optimizer state of that parameter;
+    and, in this rank's optimizer order, the FQNs of each parameter with state
+    (torch's ``_OptimStateKey``: all of a flat parameter's FQNs together).
 
     A flat parameter's state (use_orig_params=False) is listed under every
     info index; tensors keep their flat-shard shape.
     """
     per_unit: list[dict[int, dict[str, Any]]] = [{} for _ in index.units]
+    order: list[tuple[str, ...]] = []
     pid = 0
     for params in groups:
         for p in params:
-            u, k, _ = index.where.get(id(p), (-1, -1, []))
+            u, k, fqns = index.where.get(id(p), (-1, -1, []))
             st = state.get(pid)
             pid += 1
+            if st and fqns and tuple(fqns) not in order:
+                order.append(tuple(fqns))
             if u < 0 or not st:
                 continue
             ks = range(len(index.units[u].handle.infos)) if k < 0 else [k]
             for kk in ks:
                 per_unit[u][kk] = st
-    return per_unit
+    return per_unit, order
 
 
 def _describe(h: FlatParamHandle, k: int, flat: bool, st: dict[str, Any]) -> dict[str, Any]:
@@ -106,18 +149,27 @@ def _gather_optim(
     index = _index(model)
     groups = _optim_params(optim)
     osd = osd if osd is not None else optim.state_dict()
-    local_state: dict[int, Any] = osd.get("state", {})
+    local_state, unmapped, pid_of_key = _by_param_id(
+        model, groups, osd.get("state", {}), osd.get("param_groups", [])
+    )
     if not index.units:
         raise ValueError(f"{type(model).__name__} has no FSDP unit with parameters")
     root = index.units[0].state
     SD.check_same_call(root.process_group, root.rank, "optim_state_dict")
-    per_unit = _local_unit_states(index, groups, local_state)
+    per_unit, order = _local_unit_states(index, groups, local_state)
     flat_unit = [not u.handle.use_orig_params for u in index.units]
     mine = [
         {k: _describe(u.handle, k, flat_unit[i], st) for k, st in per_unit[i].items()}
         for i, u in enumerate(index.units)
     ]
-    everyone = _all_gather_objects(mine, root)
+    everyone = _all_gather_objects((mine, order), root)
+    orders = [o for _, o in everyone]
+    everyone = [m for m, _ in everyone]
+    if flat_unit[0]:
+        # As torch without use_orig_params: rank 0's optimizer decides which
+        # parameters have state and in which order ("state" comes out in that
+        # one order on every rank); every rank must hold those states.
+        _check_rank0_states_everywhere(orders, root.rank)
 
     keep = not (rank0_only and dist.get_rank(_rank0_group(root, group)) != 0)
     values: dict[str, dict[str, Any]] = {}  # fqn -> state name -> value
@@ -163,7 +215,41 @@ def _gather_optim(
                     values.setdefault(unit.fqns[k], {})[name] = v
     if not keep:
         return {}
-    return _assemble(index, groups, osd, local_state, values, offload_to_cpu)
+    out = _assemble(index, groups, osd, local_state, values, offload_to_cpu, pid_of_key)
+    if flat_unit[0]:
+        out["state"] = {
+            fqn: out["state"][fqn] for key in orders[0] for fqn in key if fqn in out["state"]
+        }
+    for key, value in unmapped.items():
+        warnings.warn(
+            f"[rank {root.rank}] optimizer state entry {key!r} belongs to no parameter of the "
+            "optimizer; copied to the optimizer state dict as it is (a user-defined state, "
+            "as torch's FSDP does). If it is a parameter's state, pass the optimizer that "
+            "holds that parameter.",
+            stacklevel=3,
+        )
+        out["state"][key] = value
+    return out
+
+
+def _check_rank0_states_everywhere(orders: list[list[tuple[str, ...]]], rank: int) -> None:
+    """Every rank holds optimizer state for each parameter that rank 0 does (flat
+    parameters, as torch requires); every rank sees the same gathered lists, so
+    every rank raises the same error."""
+    missing = {
+        r: [list(key) for key in orders[0] if key not in theirs]
+        for r, theirs in enumerate(orders)
+    }
+    lines = [f"rank {r} has none for {keys}" for r, keys in missing.items() if keys]
+    if lines:
+        raise RuntimeError(
+            f"[rank {rank}] FSDP currently requires each rank to have at least the optimizer "
+            "states needed by rank 0's optimizer but some ranks are missing some of those "
+            f"states: {'; '.join(lines)}. Give every rank's optimizer the same parameters and "
+            "let each get a gradient before the first step (a parameter never stepped has no "
+            "state), or wrap with use_orig_params=True, where the states are merged across "
+            "ranks."
+        )
 
 
 
@@ -213,8 +299,10 @@ def _assemble(
     local_state: dict[int, Any],
     values: dict[str, dict[str, Any]],
     offload_to_cpu: bool,
+    pid_of_key: dict[Any, int],
 ) -> dict[str, Any]:
     state: dict[str, Any] = {}
+    flat_params = [p for params in groups for p in params]
     param_groups = []
     pid = 0
     orig_params = bool(index.units) and index.units[0].handle.use_orig_params
@@ -235,11 +323,20 @@ def _assemble(
                 if fqn in values:
                     state[fqn] = _ordered_entries(values[fqn], orig_params)
             pid += 1
-        group = {k: copy.deepcopy(v) for k, v in osd["param_groups"][gi].items() if k != "params"}
-        group["params"] = names
-        param_groups.append(group)
+        if "param_groups" in osd:
+            # As torch: the saved group with its "params" (ids, or a
+            # NamedOptimizer's names, in its order) replaced by clean FQNs.
+            saved = osd["param_groups"][gi]
+            listed = saved.get("params", [])
+            if all(x in pid_of_key for x in listed) and len(listed) == len(params):
+                names = [f for x in listed for f in index.fqns_of(flat_params[pid_of_key[x]])]
+            group = {k: names if k == "params" else copy.deepcopy(v) for k, v in saved.items()}
+            group.setdefault("params", names)
+            param_groups.append(group)
     if orig_params:  # torch gathers (and so orders) use_orig_params keys sorted by FQN
         state = dict(sorted(state.items()))
+    if "param_groups" not in osd:  # as torch: a state dict without groups stays so
+        return {"state": state}
     return {"state": state, "param_groups": param_groups}
 
 

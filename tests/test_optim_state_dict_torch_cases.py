@@ -5,6 +5,7 @@ error phrases.  torch's FSDP1 is the oracle."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -66,6 +67,41 @@ def _diff(a: Any, b: Any) -> str:
     return "equal"
 
 
+# ------------------------------------------------------------------ order
+
+
+def _sharded_state_order() -> list[str]:
+    """Rank 1's optimizer lists the parameters in reverse: "state" still comes out
+    in one order on every rank, torch's (rank 0's optimizer order for flat
+    parameters, sorted by FQN with use_orig_params)."""
+    problems = []
+    for uop in (False, True):
+        keys = {}
+        for ours in (True, False):
+            model = (C.wrap_ours if ours else C.wrap_torch)("seq", uop)
+            params = list(model.parameters())
+            opt = torch.optim.Adam(params[::-1] if dist.get_rank() == 1 else params, lr=0.01)
+            C.train(model, opt, "seq", range(2))
+            for how in ("optim_state_dict", "sharded_optim_state_dict"):
+                if how == "optim_state_dict":
+                    got = _osd(model, opt, "SHARDED_STATE_DICT")
+                else:
+                    got = _mod(model).FullyShardedDataParallel.sharded_optim_state_dict(model, opt)
+                keys[(ours, how)] = list(got["state"])
+        for how in ("optim_state_dict", "sharded_optim_state_dict"):
+            everyone: list[Any] = [None, None]
+            dist.all_gather_object(everyone, keys[(True, how)])
+            if everyone[0] != everyone[1]:
+                problems.append(f"uop={uop} {how}: ranks differ: {everyone}")
+            if keys[(True, how)] != keys[(False, how)]:
+                problems.append(f"uop={uop} {how}: {keys[(True, how)]} vs torch {keys[(False, how)]}")
+    return problems
+
+
+def test_sharded_state_comes_out_in_one_order(pool2: Any) -> None:
+    assert pool2.run(_sharded_state_order) == [[], []]
+
+
 # ------------------------------------------------------------- None state
 
 
@@ -94,6 +130,35 @@ def _none_state_loads() -> list[str]:
 
 def test_none_state_values_load_as_torch(pool2: Any) -> None:
     assert pool2.run(_none_state_loads) == [[], []]
+
+
+# ------------------------------------------------------ no param_groups
+
+
+def _without_param_groups() -> list[str]:
+    problems = []
+    for uop in (False, True):
+        for sd_type in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+            got = []
+            for ours in (True, False):
+                model = (C.wrap_ours if ours else C.wrap_torch)("seq", uop)
+                opt = torch.optim.Adam(model.parameters(), lr=0.01)
+                C.train(model, opt, "seq", range(2))
+                try:
+                    out = _osd(model, opt, sd_type, {"state": opt.state_dict()["state"]})
+                    got.append((sorted(out), C.describe_osd({"param_groups": [], **out})))
+                    if "param_groups" in out:
+                        got[-1] = (sorted(out), C.describe_osd(out))
+                except Exception as e:  # noqa: BLE001
+                    got.append((type(e).__name__, str(e)))
+            if got[0] != got[1]:
+                problems.append(f"uop={uop} {sd_type}: {got[0][0]} vs torch {got[1][0]}: "
+                                f"{_diff(got[0][1], got[1][1])}")
+    return problems
+
+
+def test_optim_state_dict_given_no_param_groups(pool2: Any) -> None:
+    assert pool2.run(_without_param_groups) == [[], []]
 
 
 # ------------------------------------------------------ outside FSDP
@@ -207,6 +272,65 @@ def test_parameters_outside_fsdp_when_loading(pool2: Any) -> None:
     assert pool2.run(_saved_param_now_outside_fsdp) == [[], []]
 
 
+# ------------------------------------------------ rank 0's states missing
+
+
+def _missing_rank0_states() -> list[str]:
+    """Rank 1's optimizer lacks a flat parameter rank 0's steps: both raise on every rank."""
+    problems = []
+    for ours in (True, False):
+        model = (C.wrap_ours if ours else C.wrap_torch)("seq", False)
+        params = list(model.parameters())
+        opt = torch.optim.Adam(params[:-1] if dist.get_rank() == 1 else params, lr=0.01)
+        C.train(model, opt, "seq", range(1))
+        F = type(model)
+        try:
+            F.full_optim_state_dict(model, opt)
+            problems.append(f"ours={ours}: no error")
+        except RuntimeError as e:
+            msg = str(e)
+            want = ["optimizer states needed by rank 0's optimizer", "ank 1"]
+            if ours:
+                want += [f"rank {dist.get_rank()}", "2.weight", "use_orig_params=True"]
+            problems += [f"ours={ours}: no {w!r} in: {msg}" for w in want if w not in msg]
+            if ours and "_fsdp_wrapped" in msg:
+                problems.append(f"unclean FQN in: {msg}")
+    return problems
+
+
+def test_full_optim_state_dict_refuses_ranks_missing_rank0_states(pool2: Any) -> None:
+    assert pool2.run(_missing_rank0_states) == [[], []]
+
+
+# ------------------------------------------------------- NamedOptimizer
+
+
+def _named_optimizer() -> list[str]:
+    from torch.distributed.optim import _NamedOptimizer
+
+    problems = []
+    for uop in (False, True):
+        for sd_type in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+            got = []
+            for ours in (True, False):
+                model = (C.wrap_ours if ours else C.wrap_torch)("seq", uop)
+                opt = _NamedOptimizer(model.named_parameters(), torch.optim.Adam, module=model, lr=0.01)
+                for step in range(2):
+                    model(C.batch("seq", step)).pow(2).mean().backward()
+                    opt.step()
+                    opt._optimizer.zero_grad()
+                got.append(C.describe_osd(_osd(model, opt, sd_type)))
+            if not got[0][0]:
+                problems.append(f"uop={uop} {sd_type}: empty state")
+            if got[0] != got[1]:
+                problems.append(f"uop={uop} {sd_type}: {_diff(got[0], got[1])}")
+    return problems
+
+
+def test_named_optimizer_state(pool2: Any) -> None:
+    assert pool2.run(_named_optimizer) == [[], []]
+
+
 # ------------------------------------------------------------- messages
 
 
@@ -235,3 +359,26 @@ def _scalar_state_mismatch() -> list[str]:
 
 def test_scalar_state_mismatch_message(pool2: Any) -> None:
     assert pool2.run(_scalar_state_mismatch) == [[], []]
+
+
+def _unmapped_state_copied() -> list[str]:
+    """A state entry of no parameter is copied through with a warning, as torch."""
+    problems = []
+    for ours in (True, False):
+        model = (C.wrap_ours if ours else C.wrap_torch)("seq", True)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        C.train(model, opt, "seq", range(1))
+        local = opt.state_dict()
+        local["state"]["my_counter"] = {"n": 3}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = _osd(model, opt, "FULL_STATE_DICT", local)
+        if out["state"].get("my_counter") != {"n": 3}:
+            problems.append(f"ours={ours}: {list(out['state'])}")
+        if not any("my_counter" in str(w.message) for w in caught):
+            problems.append(f"ours={ours}: no warning")
+    return problems
+
+
+def test_unmapped_state_is_copied_with_a_warning(pool2: Any) -> None:
+    assert pool2.run(_unmapped_state_copied) == [[], []]
