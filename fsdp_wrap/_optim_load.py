@@ -26,8 +26,10 @@ def _check_loadable(
     problems: list[str] = []
     if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
         raise ValueError(
-            f"[rank {rank}] expected an optimizer state dict with 'state' and 'param_groups' "
-            f"but got keys {list(osd) if isinstance(osd, dict) else type(osd).__name__}"
+            f"[rank {rank}] `optim_state_dict` must have the keys \"state\" and "
+            "\"param_groups\" to be a valid optimizer state dict, but got keys "
+            f"{list(osd) if isinstance(osd, dict) else type(osd).__name__}; pass the dict "
+            "FSDP.optim_state_dict() returned (or torch.load gave back)"
         )
     shape_of: dict[str, torch.Size] = {}
     for unit in index.units:

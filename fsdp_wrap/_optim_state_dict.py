@@ -506,6 +506,10 @@ def _param_names(model: nn.Module, params: list[torch.Tensor]) -> list[str]:
     return names
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def rekey_optim_state_dict(
     optim_state_dict: dict[str, Any],
     optim_state_key_type: Any,
@@ -516,14 +520,20 @@ def rekey_optim_state_dict(
     key_type = getattr(optim_state_key_type, "name", None)
     if key_type not in ("PARAM_NAME", "PARAM_ID"):
         raise AssertionError(
-            f"Expected optim_state_key_type to be PARAM_NAME or PARAM_ID, got {optim_state_key_type}"
+            f"[rank {_rank()}] Expected optim_state_key_type to be PARAM_NAME or PARAM_ID, got "
+            f"{optim_state_key_type}; pass OptimStateKeyType.PARAM_NAME or "
+            "OptimStateKeyType.PARAM_ID"
         )
     osd = optim_state_dict
     keys = list(osd["state"])
     names = [type(k) is str for k in keys]
     ids = [type(k) is int for k in keys]
     if (any(names) and not all(names)) or (any(ids) and not all(ids)):
-        raise ValueError(f"Invalid parameter keys: {osd['state'].keys()}")
+        raise ValueError(
+            f"[rank {_rank()}] Invalid parameter keys: {osd['state'].keys()}; an optimizer "
+            "state dict is keyed either all by parameter id (int) or all by name (str): "
+            "rekey the parts separately or drop the foreign entries"
+        )
     if (key_type == "PARAM_NAME" and all(names)) or (key_type == "PARAM_ID" and all(ids)):
         return osd
     params = [p for g in _groups_from(model, optim_input, optim) for p in g]

@@ -382,3 +382,34 @@ def _unmapped_state_copied() -> list[str]:
 
 def test_unmapped_state_is_copied_with_a_warning(pool2: Any) -> None:
     assert pool2.run(_unmapped_state_copied) == [[], []]
+
+
+def _torch_phrases() -> list[str]:
+    """torch's phrases for a state dict without "state" and for mixed keys, with
+    the rank and what to do in ours."""
+    problems = []
+    for ours in (True, False):
+        model = (C.wrap_ours if ours else C.wrap_torch)("seq", False)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        C.train(model, opt, "seq", range(1))
+        F, mod = type(model), _mod(model)
+        cases = [
+            ('`optim_state_dict` must have the keys "state"',
+             lambda: _to_load(model, opt, "FULL_STATE_DICT", {"param_groups": []})),  # noqa: B023
+            ("Invalid parameter keys",
+             lambda: F.rekey_optim_state_dict(  # noqa: B023
+                 {"state": {0: {}, "x": {}}, "param_groups": []},
+                 mod.OptimStateKeyType.PARAM_NAME, model)),  # noqa: B023
+        ]
+        for phrase, call in cases:
+            try:
+                call()
+                problems.append(f"ours={ours}: no error for {phrase!r}")
+            except ValueError as e:
+                want = [phrase] + ([f"rank {dist.get_rank()}", "; "] if ours else [])
+                problems += [f"ours={ours}: no {w!r} in: {e}" for w in want if w not in str(e)]
+    return problems
+
+
+def test_errors_keep_torch_phrases(pool2: Any) -> None:
+    assert pool2.run(_torch_phrases) == [[], []]
