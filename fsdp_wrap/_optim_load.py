@@ -80,9 +80,10 @@ def _flat_unit_problems(index: _Index, state_in: dict[Any, Any]) -> list[str]:
     """What keeps each flat parameter's (use_orig_params=False) originals from
     sharing one optimizer state: torch's checks, with torch's phrases, and the fix."""
     fix = (
-        "; these parameters share one flat parameter (use_orig_params=False), whose "
-        "optimizer state holds one value per scalar state: save equal values for all of "
-        "them, or wrap with use_orig_params=True, which keeps each parameter's own state"
+        "; these parameters share one flat parameter (use_orig_params=False), so their "
+        "states must agree (the same state names, one value per scalar state, one dtype "
+        "per tensor state): save them so, or wrap with use_orig_params=True, which keeps "
+        "each parameter's own state"
     )
     problems: list[str] = []
     for unit in index.units:

@@ -65,25 +65,25 @@ def _by_param_id(
     pid_of: dict[int, int] = {}
     for i, p in enumerate(flat):
         pid_of.setdefault(id(p), i)
-    by_name: dict[Any, int] = {}
+    pid_of_key: dict[Any, int] = {}
     if any(isinstance(k, str) for k in state) or any(
         isinstance(x, str) for g in saved_groups for x in g.get("params", [])
     ):
         for name, p in model.named_parameters(remove_duplicate=False):
             if id(p) in pid_of:
-                by_name.setdefault(name, pid_of[id(p)])
-                by_name.setdefault(SD.clean_key(name), pid_of[id(p)])
+                pid_of_key.setdefault(name, pid_of[id(p)])
+                pid_of_key.setdefault(SD.clean_key(name), pid_of[id(p)])
     by_id: dict[int, Any] = {}
     other: dict[Any, Any] = {}
     for key, value in state.items():
         if type(key) is int and 0 <= key < len(flat):
             by_id[key] = value
-        elif isinstance(key, str) and key in by_name:
-            by_id[by_name[key]] = value
+        elif isinstance(key, str) and key in pid_of_key:
+            by_id[pid_of_key[key]] = value
         else:
             other[key] = value
-    by_name.update((i, i) for i in range(len(flat)))
-    return by_id, other, by_name
+    pid_of_key.update((i, i) for i in range(len(flat)))
+    return by_id, other, pid_of_key
 
 
 def _local_unit_states(
@@ -250,7 +250,6 @@ def _check_rank0_states_everywhere(orders: list[list[tuple[str, ...]]], rank: in
             "state), or wrap with use_orig_params=True, where the states are merged across "
             "ranks."
         )
-
 
 
 def _all_gather_objects(obj: Any, root: FSDP) -> list[Any]:
