@@ -332,11 +332,27 @@ def _assemble(
             group = {k: names if k == "params" else copy.deepcopy(v) for k, v in saved.items()}
             group.setdefault("params", names)
             param_groups.append(group)
-    if orig_params:  # torch gathers (and so orders) use_orig_params keys sorted by FQN
-        state = dict(sorted(state.items()))
+    if orig_params:
+        state = _torch_orig_params_order(index, state)
     if "param_groups" not in osd:  # as torch: a state dict without groups stays so
         return {"state": state}
     return {"state": state, "param_groups": param_groups}
+
+
+def _torch_orig_params_order(index: _Index, state: dict[str, Any]) -> dict[str, Any]:
+    """torch's order with use_orig_params (it walks the FQNs sorted): parameters
+    outside FSDP first, then each unit's parameters together, units in the order
+    of their first FQN, each sorted by FQN."""
+    unit_of = {fqn: u for u, _, fqns in index.where.values() for fqn in fqns}
+    first: dict[int, int] = {}
+    for i, fqn in enumerate(sorted(state)):
+        first.setdefault(unit_of.get(fqn, -1), i)
+
+    def rank(fqn: str) -> tuple[bool, int, str]:
+        u = unit_of.get(fqn, -1)
+        return u >= 0, first[u], fqn
+
+    return {fqn: state[fqn] for fqn in sorted(state, key=rank)}
 
 
 def _ordered_entries(entries: dict[str, Any], orig_params: bool) -> dict[str, Any]:

@@ -5,6 +5,7 @@ error phrases.  torch's FSDP1 is the oracle."""
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from typing import Any
 
@@ -75,13 +76,19 @@ def _sharded_state_order() -> list[str]:
     in one order on every rank, torch's (rank 0's optimizer order for flat
     parameters, sorted by FQN with use_orig_params)."""
     problems = []
-    for uop in (False, True):
+    for uop, kind in itertools.product((False, True), ("seq", "extra")):
         keys = {}
         for ours in (True, False):
-            model = (C.wrap_ours if ours else C.wrap_torch)("seq", uop)
+            if kind == "seq":
+                model = (C.wrap_ours if ours else C.wrap_torch)("seq", uop)
+            else:  # with parameters outside FSDP
+                model = _wrap_extra(ours, ["extra"], uop)
             params = list(model.parameters())
             opt = torch.optim.Adam(params[::-1] if dist.get_rank() == 1 else params, lr=0.01)
-            C.train(model, opt, "seq", range(2))
+            for step in range(2):
+                model(C.batch("seq", step)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
             for how in ("optim_state_dict", "sharded_optim_state_dict"):
                 if how == "optim_state_dict":
                     got = _osd(model, opt, "SHARDED_STATE_DICT")
@@ -92,9 +99,11 @@ def _sharded_state_order() -> list[str]:
             everyone: list[Any] = [None, None]
             dist.all_gather_object(everyone, keys[(True, how)])
             if everyone[0] != everyone[1]:
-                problems.append(f"uop={uop} {how}: ranks differ: {everyone}")
+                problems.append(f"{kind} uop={uop} {how}: ranks differ: {everyone}")
             if keys[(True, how)] != keys[(False, how)]:
-                problems.append(f"uop={uop} {how}: {keys[(True, how)]} vs torch {keys[(False, how)]}")
+                problems.append(
+                    f"{kind} uop={uop} {how}: {keys[(True, how)]} vs torch {keys[(False, how)]}"
+                )
     return problems
 
 
@@ -177,16 +186,16 @@ class _WithExtra(nn.Module):
         return self.extra(self.body(x))
 
 
-def _wrap_extra(ours: bool, ignore: list[str]) -> nn.Module:
+def _wrap_extra(ours: bool, ignore: list[str], uop: bool = False) -> nn.Module:
     m = _WithExtra()
     ignored = [m.get_submodule(n) for n in ignore]
     if ours:
         return FSDP(m, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=C.CPU,
-                    ignored_modules=ignored)
+                    ignored_modules=ignored, use_orig_params=uop)
     tm = _tmod()
     return tm.FullyShardedDataParallel(
         m, auto_wrap_policy=tm.wrap.ModuleWrapPolicy({nn.Linear}), device_id=C.CPU,
-        ignored_modules=ignored,
+        ignored_modules=ignored, use_orig_params=uop,
     )
 
 
