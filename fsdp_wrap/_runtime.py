@@ -350,6 +350,6 @@ def _describe_unit(entry: Any) -> str:
         return f"{unit} (no parameters)"
     params = ", ".join(f"{n!r} {shape}" for n, shape in zip(names, sig[0]))
     return (
-        f"unit {unit!r} [{params}] flat {sig[2]} {sig[1].removeprefix('torch.')} {sig[3]} "
+        f"unit {unit!r} [{params}] flat {sig[2]} {sig[1]} {sig[3]} "
         f"use_orig_params={sig[4]}"
     )
