@@ -182,3 +182,14 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
         loader.exec_module = exec_then_call
         return spec
+
+
+#: ``torch._C._current_graph_task_id()`` is -1 outside autograd's backward
+#: (torch >= 2.0); resolved once here.
+_GRAPH_TASK_ID: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def in_backward() -> bool:
+    """Whether this thread runs inside autograd's backward, where a forward is
+    activation checkpointing recomputing it."""
+    return _GRAPH_TASK_ID() != -1

@@ -25,7 +25,7 @@ shard of each state (``optim_state_dict_to_load``).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,6 +34,8 @@ import torch.nn as nn
 
 from . import _collectives, _sharded_io
 from . import _state_dict as SD
+from ._optim_index import _Index, _index, _optim_params, _piece, _rank0_group, _settings
+from ._optim_load import _broadcast_osd, _flatten_optim
 from .api import (
     FullOptimStateDictConfig,
     StateDictType,
@@ -44,106 +46,72 @@ if TYPE_CHECKING:
     from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
 
 
-# ------------------------------------------------------------- model index
-
-
-@dataclass
-class _Unit:
-    """One FSDP unit's handle and the clean FQNs of its original parameters."""
-
-    state: FSDP
-    handle: FlatParamHandle
-    fqns: list[str]
-
-
-@dataclass
-class _Index:
-    """Which model parameter each optimizer parameter is, by identity."""
-
-    units: list[_Unit] = field(default_factory=list)
-    # id(param) -> (unit index or -1, info index or -1 for a flat parameter, FQNs)
-    where: dict[int, tuple[int, int, list[str]]] = field(default_factory=dict)
-
-    def fqns_of(self, param: torch.Tensor) -> list[str]:
-        entry = self.where.get(id(param))
-        if entry is None:
-            raise ValueError(
-                "The optimizer holds a parameter that is not in the model "
-                f"(shape {tuple(param.shape)}); pass the model the optimizer was built for"
-            )
-        return entry[2]
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix and name else prefix or name
-
-
-def _index(model: nn.Module) -> _Index:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
-
-    if not FSDP.fsdp_modules(model, root_only=True):  # (also runs lazy init)
-        raise ValueError(f"{type(model).__name__} contains no FullyShardedDataParallel unit")
-    index = _Index()
-    for name, mod in model.named_modules():
-        if not isinstance(mod, FSDP) or mod._handle is None:
-            continue
-        h = mod._handle
-        base = SD.clean_key(name + ".").rstrip(".")
-        fqns = [_join(base, SD.clean_key(i.fqn)) for i in h.infos]
-        u = len(index.units)
-        index.units.append(_Unit(mod, h, fqns))
-        index.where[id(h.flat_param)] = (u, -1, fqns)
-        for k, info in enumerate(h.infos):
-            index.where[id(info.param)] = (u, k, [fqns[k]])
-    for name, p in model.named_parameters():
-        index.where.setdefault(id(p), (-1, -1, [SD.clean_key(name)]))
-    return index
-
-
-def _optim_params(optim: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
-    return [list(g["params"]) for g in optim.param_groups]
-
-
-def _piece(h: FlatParamHandle, k: int) -> tuple[int, int] | None:
-    """Elements ``[lo, hi)`` of original parameter ``k`` held in this rank's shard."""
-    if not h.uses_sharded_strategy:
-        return 0, h.infos[k].numel
-    sl = h.param_shard_slice(k)
-    if sl is None:
-        return None
-    start = h.shard_offset + sl[0] - h.infos[k].offset
-    return start, start + sl[1] - sl[0]
-
-
-def _settings(model: nn.Module) -> tuple[StateDictType, Any]:
-    settings = SD.get_state_dict_type(model)
-    return settings.state_dict_type, settings.optim_state_dict_config
-
-
 # ------------------------------------------------------------------- save
+
+
+def _by_param_id(
+    model: nn.Module, groups: list[list[torch.Tensor]], state: dict[Any, Any],
+    saved_groups: list[dict[str, Any]],
+) -> tuple[dict[int, Any], dict[Any, Any], dict[Any, int]]:
+    """The optimizer's ``state`` keyed by parameter id (position across its param
+    groups), and the entries that name none of its parameters (user-defined state,
+    which torch copies through); and every key (id or name) -> parameter id.
+
+    A ``NamedOptimizer`` (``torch.distributed.optim._NamedOptimizer``) keys its
+    state by the model's parameter names instead of ids; both the names
+    ``model.named_parameters()`` gives and their clean forms are recognised.
+    """
+    flat = [p for params in groups for p in params]
+    pid_of: dict[int, int] = {}
+    for i, p in enumerate(flat):
+        pid_of.setdefault(id(p), i)
+    pid_of_key: dict[Any, int] = {}
+    if any(isinstance(k, str) for k in state) or any(
+        isinstance(x, str) for g in saved_groups for x in g.get("params", [])
+    ):
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in pid_of:
+                pid_of_key.setdefault(name, pid_of[id(p)])
+                pid_of_key.setdefault(SD.clean_key(name), pid_of[id(p)])
+    by_id: dict[int, Any] = {}
+    other: dict[Any, Any] = {}
+    for key, value in state.items():
+        if type(key) is int and 0 <= key < len(flat):
+            by_id[key] = value
+        elif isinstance(key, str) and key in pid_of_key:
+            by_id[pid_of_key[key]] = value
+        else:
+            other[key] = value
+    pid_of_key.update((i, i) for i in range(len(flat)))
+    return by_id, other, pid_of_key
 
 
 def _local_unit_states(
     index: _Index, groups: list[list[torch.Tensor]], state: dict[int, Any]
-) -> list[dict[int, dict[str, Any]]]:
-    """Per unit: info index -> this rank's optimizer state of that parameter.
+) -> tuple[list[dict[int, dict[str, Any]]], list[tuple[str, ...]]]:
+    """Per unit: info index -> this rank's optimizer state of that parameter;
+    and, in this rank's optimizer order, the FQNs of each parameter with state
+    (torch's ``_OptimStateKey``: all of a flat parameter's FQNs together).
 
     A flat parameter's state (use_orig_params=False) is listed under every
     info index; tensors keep their flat-shard shape.
     """
     per_unit: list[dict[int, dict[str, Any]]] = [{} for _ in index.units]
+    order: list[tuple[str, ...]] = []
     pid = 0
     for params in groups:
         for p in params:
-            u, k, _ = index.where.get(id(p), (-1, -1, []))
+            u, k, fqns = index.where.get(id(p), (-1, -1, []))
             st = state.get(pid)
             pid += 1
+            if st and fqns and tuple(fqns) not in order:
+                order.append(tuple(fqns))
             if u < 0 or not st:
                 continue
             ks = range(len(index.units[u].handle.infos)) if k < 0 else [k]
             for kk in ks:
                 per_unit[u][kk] = st
-    return per_unit
+    return per_unit, order
 
 
 def _describe(h: FlatParamHandle, k: int, flat: bool, st: dict[str, Any]) -> dict[str, Any]:
@@ -181,18 +149,27 @@ def _gather_optim(
     index = _index(model)
     groups = _optim_params(optim)
     osd = osd if osd is not None else optim.state_dict()
-    local_state: dict[int, Any] = osd.get("state", {})
+    local_state, unmapped, pid_of_key = _by_param_id(
+        model, groups, osd.get("state", {}), osd.get("param_groups", [])
+    )
     if not index.units:
         raise ValueError(f"{type(model).__name__} has no FSDP unit with parameters")
     root = index.units[0].state
     SD.check_same_call(root.process_group, root.rank, "optim_state_dict")
-    per_unit = _local_unit_states(index, groups, local_state)
+    per_unit, order = _local_unit_states(index, groups, local_state)
     flat_unit = [not u.handle.use_orig_params for u in index.units]
     mine = [
         {k: _describe(u.handle, k, flat_unit[i], st) for k, st in per_unit[i].items()}
         for i, u in enumerate(index.units)
     ]
-    everyone = _all_gather_objects(mine, root)
+    everyone = _all_gather_objects((mine, order), root)
+    orders = [o for _, o in everyone]
+    everyone = [m for m, _ in everyone]
+    if flat_unit[0]:
+        # As torch without use_orig_params: rank 0's optimizer decides which
+        # parameters have state and in which order ("state" comes out in that
+        # one order on every rank); every rank must hold those states.
+        _check_rank0_states_everywhere(orders, root.rank)
 
     keep = not (rank0_only and dist.get_rank(_rank0_group(root, group)) != 0)
     values: dict[str, dict[str, Any]] = {}  # fqn -> state name -> value
@@ -238,23 +215,41 @@ def _gather_optim(
                     values.setdefault(unit.fqns[k], {})[name] = v
     if not keep:
         return {}
-    return _assemble(index, groups, osd, local_state, values, offload_to_cpu)
+    out = _assemble(index, groups, osd, local_state, values, offload_to_cpu, pid_of_key)
+    if flat_unit[0]:
+        out["state"] = {
+            fqn: out["state"][fqn] for key in orders[0] for fqn in key if fqn in out["state"]
+        }
+    for key, value in unmapped.items():
+        warnings.warn(
+            f"[rank {root.rank}] optimizer state entry {key!r} belongs to no parameter of the "
+            "optimizer; copied to the optimizer state dict as it is (a user-defined state, "
+            "as torch's FSDP does). If it is a parameter's state, pass the optimizer that "
+            "holds that parameter.",
+            stacklevel=3,
+        )
+        out["state"][key] = value
+    return out
 
 
-def _rank0_group(root: FSDP, group: Any) -> Any:
-    """The group whose rank 0 ``rank0_only`` means, and that broadcasts on load.
-
-    As torch: the ``group`` argument, by default the default group.  Under
-    hybrid sharding that is every replica (only global rank 0 keeps a
-    rank0-only optimizer state dict); otherwise fsdp_wrap uses the model's
-    own group, which is the default group unless the model was wrapped on a
-    subgroup (where torch's default would involve ranks outside the model).
-    """
-    if group is not None:
-        return group
-    if root._inter_node_pg is not None:
-        return dist.group.WORLD
-    return root.process_group
+def _check_rank0_states_everywhere(orders: list[list[tuple[str, ...]]], rank: int) -> None:
+    """Every rank holds optimizer state for each parameter that rank 0 does (flat
+    parameters, as torch requires); every rank sees the same gathered lists, so
+    every rank raises the same error."""
+    missing = {
+        r: [list(key) for key in orders[0] if key not in theirs]
+        for r, theirs in enumerate(orders)
+    }
+    lines = [f"rank {r} has none for {keys}" for r, keys in missing.items() if keys]
+    if lines:
+        raise RuntimeError(
+            f"[rank {rank}] FSDP currently requires each rank to have at least the optimizer "
+            "states needed by rank 0's optimizer but some ranks are missing some of those "
+            f"states: {'; '.join(lines)}. Give every rank's optimizer the same parameters and "
+            "let each get a gradient before the first step (a parameter never stepped has no "
+            "state), or wrap with use_orig_params=True, where the states are merged across "
+            "ranks."
+        )
 
 
 def _all_gather_objects(obj: Any, root: FSDP) -> list[Any]:
@@ -303,8 +298,10 @@ def _assemble(
     local_state: dict[int, Any],
     values: dict[str, dict[str, Any]],
     offload_to_cpu: bool,
+    pid_of_key: dict[Any, int],
 ) -> dict[str, Any]:
     state: dict[str, Any] = {}
+    flat_params = [p for params in groups for p in params]
     param_groups = []
     pid = 0
     orig_params = bool(index.units) and index.units[0].handle.use_orig_params
@@ -325,12 +322,37 @@ def _assemble(
                 if fqn in values:
                     state[fqn] = _ordered_entries(values[fqn], orig_params)
             pid += 1
-        group = {k: copy.deepcopy(v) for k, v in osd["param_groups"][gi].items() if k != "params"}
-        group["params"] = names
-        param_groups.append(group)
-    if orig_params:  # torch gathers (and so orders) use_orig_params keys sorted by FQN
-        state = dict(sorted(state.items()))
+        if "param_groups" in osd:
+            # As torch: the saved group with its "params" (ids, or a
+            # NamedOptimizer's names, in its order) replaced by clean FQNs.
+            saved = osd["param_groups"][gi]
+            listed = saved.get("params", [])
+            if all(x in pid_of_key for x in listed) and len(listed) == len(params):
+                names = [f for x in listed for f in index.fqns_of(flat_params[pid_of_key[x]])]
+            group = {k: names if k == "params" else copy.deepcopy(v) for k, v in saved.items()}
+            group.setdefault("params", names)
+            param_groups.append(group)
+    if orig_params:
+        state = _torch_orig_params_order(index, state)
+    if "param_groups" not in osd:  # as torch: a state dict without groups stays so
+        return {"state": state}
     return {"state": state, "param_groups": param_groups}
+
+
+def _torch_orig_params_order(index: _Index, state: dict[str, Any]) -> dict[str, Any]:
+    """torch's order with use_orig_params (it walks the FQNs sorted): parameters
+    outside FSDP first, then each unit's parameters together, units in the order
+    of their first FQN, each sorted by FQN."""
+    unit_of = {fqn: u for u, _, fqns in index.where.values() for fqn in fqns}
+    first: dict[int, int] = {}
+    for i, fqn in enumerate(sorted(state)):
+        first.setdefault(unit_of.get(fqn, -1), i)
+
+    def rank(fqn: str) -> tuple[bool, int, str]:
+        u = unit_of.get(fqn, -1)
+        return u >= 0, first[u], fqn
+
+    return {fqn: state[fqn] for fqn in sorted(state, key=rank)}
 
 
 def _ordered_entries(entries: dict[str, Any], orig_params: bool) -> dict[str, Any]:
@@ -352,234 +374,6 @@ def _ordered_entries(entries: dict[str, Any], orig_params: bool) -> dict[str, An
     scalars = [it for it in items if rank(it) < 2]
     scalars.sort(key=rank)
     return dict(scalars + sorted((it for it in items if rank(it) == 2), key=lambda it: it[0]))
-
-
-# ------------------------------------------------------------------- load
-
-
-def _check_loadable(
-    index: _Index, groups: list[list[torch.Tensor]], osd: dict[str, Any], rank: int
-) -> None:
-    """Every mismatch between ``osd`` and the model/optimizer in ONE error (no collective)."""
-    problems: list[str] = []
-    if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
-        raise ValueError(
-            f"[rank {rank}] expected an optimizer state dict with 'state' and 'param_groups' "
-            f"but got keys {list(osd) if isinstance(osd, dict) else type(osd).__name__}"
-        )
-    shape_of: dict[str, torch.Size] = {}
-    for unit in index.units:
-        for fqn, info in zip(unit.fqns, unit.handle.infos):
-            shape_of[fqn] = info.shape
-    known = {f for _, _, fqns in index.where.values() for f in fqns}
-    bad_keys = [k for k in osd["state"] if k not in known]
-    if bad_keys:
-        problems.append(f"unexpected key(s) {bad_keys}")
-    for fqn, st in osd["state"].items():
-        want = shape_of.get(fqn) if isinstance(fqn, str) else None
-        if want is None:
-            continue
-        for name, v in st.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and torch.Size(v.size()) != want:
-                problems.append(
-                    f"'{fqn}' state '{name}' has shape {tuple(v.size())}, the parameter "
-                    f"{tuple(want)}"
-                )
-    if len(osd["param_groups"]) != len(groups):
-        problems.append(
-            f"{len(osd['param_groups'])} param group(s) in the state dict, "
-            f"{len(groups)} in the optimizer"
-        )
-    else:
-        for gi, (saved, params) in enumerate(zip(osd["param_groups"], groups)):
-            names = {f for p in params for f in index.fqns_of(p)}
-            listed = saved.get("params", [])
-            if all(isinstance(x, str) for x in listed) and set(listed) != names:
-                problems.append(
-                    f"param group {gi} lists {sorted(set(listed) - names)} not in the "
-                    f"optimizer's group and misses {sorted(names - set(listed))}"
-                )
-    if problems:
-        raise ValueError(
-            f"[rank {rank}] the optimizer state dict does not match the model and optimizer: "
-            + "; ".join(problems)
-        )
-
-
-def _flatten_optim(
-    model: nn.Module,
-    groups: list[list[torch.Tensor]],
-    osd: dict[str, Any],
-    *,
-    collective_check: str | None,
-) -> dict[str, Any]:
-    """Full or chunked FQN-keyed state -> this rank's id-keyed state for ``groups``."""
-    index = _index(model)
-    root = index.units[0].state
-    _check_loadable(index, groups, osd, root.rank)
-    if collective_check is not None:
-        SD.check_same_call(root.process_group, root.rank, collective_check)
-    state_in: dict[str, dict[str, Any]] = osd["state"]
-    pid_of: dict[int, int] = {}
-    for params in groups:
-        for p in params:
-            pid_of.setdefault(id(p), len(pid_of))
-    out: dict[int, dict[str, Any]] = {}
-    for unit in index.units:
-        h = unit.handle
-        shards = _chunked_states_to_shards(unit, state_in)
-        full = _unit_full_states(unit, state_in, skip=set(shards))
-        if not h.use_orig_params:
-            pid = pid_of.get(id(h.flat_param))
-            if pid is not None and any(f in state_in for f in unit.fqns):
-                flat_st = {**_flat_shard_state(h, unit, full), **shards}
-                out[pid] = {n: flat_st[n] for n in sorted(flat_st)}
-            continue
-        for k, (fqn, info) in enumerate(zip(unit.fqns, h.infos)):
-            pid = pid_of.get(id(info.param))
-            piece = _piece(h, k)
-            if pid is None or fqn not in state_in or piece is None:
-                continue
-            st: dict[str, Any] = {}
-            for name in state_in[fqn]:
-                if name in shards:
-                    sl = h.param_shard_slice(k)
-                    st[name] = shards[name][sl[0] : sl[1]].clone() if sl else shards[name][:0].clone()
-                    continue
-                v = full[k][name]
-                if isinstance(v, torch.Tensor):
-                    if v.dim() > 0 and h.uses_sharded_strategy:
-                        v = v.reshape(-1)[piece[0] : piece[1]]
-                    # Copies, 0-dim ``step`` included: a checkpoint may share one
-                    # tensor between parameters (torch saves one ``step`` object per
-                    # flat parameter), and the optimizer increments it in place.
-                    v = v.clone()
-                st[name] = v
-            out[pid] = st
-    for params in groups:  # parameters FSDP does not manage: as they are
-        for p in params:
-            u, _, fqns = index.where[id(p)]
-            if u < 0 and fqns[0] in state_in:
-                out[pid_of[id(p)]] = {
-                    n: v.full_tensor() if SD.is_chunked(v)  # type: ignore[union-attr]
-                    else v.clone() if isinstance(v, torch.Tensor) else v
-                    for n, v in state_in[fqns[0]].items()
-                }
-    param_groups = []
-    pid = 0
-    for saved, params in zip(osd["param_groups"], groups):
-        group = {k: copy.deepcopy(v) for k, v in saved.items() if k != "params"}
-        group["params"] = list(range(pid, pid + len(params)))
-        pid += len(params)
-        param_groups.append(group)
-    return {"state": out, "param_groups": param_groups}
-
-
-def _chunked_states_to_shards(unit: _Unit, state_in: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """State name -> this rank's flat shard of it, for every state whose values in this
-    unit are all dim-0 chunks: the pieces are exchanged (one all-to-all per state), never
-    gathered.  Every rank decides the same names from the same keys."""
-    h = unit.handle
-    if not h.uses_sharded_strategy:
-        return {}
-    per_name: dict[str, dict[int, Any]] = {}
-    for k, fqn in enumerate(unit.fqns):
-        for name, v in state_in.get(fqn, {}).items():
-            per_name.setdefault(name, {})[k] = v
-    layout = SD.chunk_layout(unit.state, False)
-    out: dict[str, torch.Tensor] = {}
-    for name in sorted(per_name):
-        vals = per_name[name]
-        if not all(SD.is_chunked(v) for v in vals.values()):
-            continue
-        chunks = {
-            k: SD._local_chunk(f"{unit.fqns[k]}.{name}", v, layout)[1] for k, v in vals.items()
-        }
-        dtype = next(iter(vals.values())).dtype
-        shard = torch.zeros(h.shard_numel, dtype=dtype, device=h.device)
-        _sharded_io.shard_from_chunks(h, chunks, shard)
-        out[name] = shard
-    return out
-
-
-def _unit_full_states(
-    unit: _Unit, state_in: dict[str, dict[str, Any]], skip: set[str] | frozenset[str] = frozenset()
-) -> list[dict[str, Any]]:
-    """Per original parameter: state name -> full tensor (gathering chunked values),
-    leaving out the names in ``skip``."""
-    full: list[dict[str, Any]] = [
-        {n: v for n, v in state_in.get(fqn, {}).items() if n not in skip} for fqn in unit.fqns
-    ]
-    chunked = [
-        (k, name)
-        for k in range(len(full))
-        for name in sorted(full[k])
-        if SD.is_chunked(full[k][name])
-    ]
-    if chunked:
-        layout = SD.chunk_layout(unit.state, False)
-        items = [(f"{unit.fqns[k]}.{name}", full[k][name]) for k, name in chunked]
-        for (k, name), t in zip(chunked, SD.gather_chunks(items, layout)):
-            full[k][name] = t
-    for st in full:
-        for name, v in st.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                st[name] = v.to(unit.handle.device)
-    return full
-
-
-def _flat_shard_state(h: FlatParamHandle, unit: _Unit, full: list[dict[str, Any]]) -> dict[str, Any]:
-    """This rank's flat-shard state (padded like the flat parameter's shard)."""
-    st: dict[str, Any] = {}
-    names = sorted({n for f in full for n in f})
-    for name in names:
-        tensors = [f.get(name) for f in full]
-        first = next(t for t in tensors if t is not None)
-        if not (isinstance(first, torch.Tensor) and first.dim() > 0):
-            st[name] = first.clone() if isinstance(first, torch.Tensor) else copy.deepcopy(first)
-            continue
-        flat = torch.zeros(h.padded_numel, dtype=first.dtype, device=h.device)
-        for info, t in zip(h.infos, tensors):
-            if t is not None:
-                flat[info.offset : info.offset + info.numel].copy_(t.reshape(-1))
-        st[name] = flat[h.shard_offset : h.shard_offset + h.shard_numel].clone()
-    return st
-
-
-def _broadcast_osd(osd: dict[str, Any] | None, model: nn.Module, group: Any = None) -> dict[str, Any]:
-    """Rank 0's optimizer state dict on every rank (structure, then tensor by tensor)."""
-    index = _index(model)
-    root = index.units[0].state
-    pg = _rank0_group(root, group)
-    src = dist.get_global_rank(pg, 0)
-    me = dist.get_rank(pg)
-    tensors: list[torch.Tensor] = []
-
-    def strip(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            tensors.append(v)
-            return ("__fsdp_wrap_tensor__", tuple(v.shape), v.dtype)
-        if isinstance(v, dict):
-            return {k: strip(x) for k, x in v.items()}
-        return v
-
-    skeleton = [strip(osd) if me == 0 else None]
-    dist.broadcast_object_list(skeleton, src=src, group=pg)
-    device = SD._group_device(pg)
-
-    def fill(v: Any) -> Any:
-        if isinstance(v, tuple) and len(v) == 3 and v[0] == "__fsdp_wrap_tensor__":
-            t = tensors.pop(0).to(device) if me == 0 else torch.empty(v[1], dtype=v[2], device=device)
-            dist.broadcast(t, src=src, group=pg)
-            return t
-        if isinstance(v, dict):
-            return {k: fill(x) for k, x in v.items()}
-        return v
-
-    result = fill(skeleton[0])
-    if not isinstance(result, dict):
-        raise ValueError("rank 0 passed no optimizer state dict to broadcast")
-    return result
 
 
 # ------------------------------------------------------------ public API
@@ -727,6 +521,10 @@ def _param_names(model: nn.Module, params: list[torch.Tensor]) -> list[str]:
     return names
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def rekey_optim_state_dict(
     optim_state_dict: dict[str, Any],
     optim_state_key_type: Any,
@@ -737,14 +535,20 @@ def rekey_optim_state_dict(
     key_type = getattr(optim_state_key_type, "name", None)
     if key_type not in ("PARAM_NAME", "PARAM_ID"):
         raise AssertionError(
-            f"Expected optim_state_key_type to be PARAM_NAME or PARAM_ID, got {optim_state_key_type}"
+            f"[rank {_rank()}] Expected optim_state_key_type to be PARAM_NAME or PARAM_ID, got "
+            f"{optim_state_key_type}; pass OptimStateKeyType.PARAM_NAME or "
+            "OptimStateKeyType.PARAM_ID"
         )
     osd = optim_state_dict
     keys = list(osd["state"])
     names = [type(k) is str for k in keys]
     ids = [type(k) is int for k in keys]
     if (any(names) and not all(names)) or (any(ids) and not all(ids)):
-        raise ValueError(f"Invalid parameter keys: {osd['state'].keys()}")
+        raise ValueError(
+            f"[rank {_rank()}] Invalid parameter keys: {osd['state'].keys()}; an optimizer "
+            "state dict is keyed either all by parameter id (int) or all by name (str): "
+            "rekey the parts separately or drop the foreign entries"
+        )
     if (key_type == "PARAM_NAME" and all(names)) or (key_type == "PARAM_ID" and all(ids)):
         return osd
     params = [p for g in _groups_from(model, optim_input, optim) for p in g]

@@ -32,6 +32,7 @@ from torch.autograd import Variable
 
 from . import _collectives as C
 from . import _init
+from ._compat import in_backward
 from ._writeback import check_unchanged_since_forward
 from .api import BackwardPrefetch
 
@@ -58,7 +59,14 @@ def root_pre_forward(state: FSDP, args: tuple[Any, ...], kwargs: dict[str, Any])
     the inputs are on the compute device.
     """
     state._lazy_init()
-    if not state._is_root:
+    if not state._is_root or in_backward():
+        # In a backward, this forward is activation checkpointing (wrapped
+        # around this root unit) recomputing it: the backward in progress owns
+        # the gradients and the pending-forward bookkeeping; finishing the
+        # "forward without backward" here would put a parked sharded gradient
+        # back under the unsharded one about to accumulate.
+        if state._is_root and state.compute_device.type != "cpu":
+            args, kwargs = _to_device((args, kwargs), state.compute_device)
         return args, kwargs
     for handle in state._all_handles:
         if handle.use_orig_params:
@@ -312,19 +320,34 @@ def all_gather_unit_signatures(state: FSDP) -> None:
     One ``all_gather_object`` at lazy init; a mismatch would otherwise show up
     later as a hang or a silently wrong all-gather.
     """
-    mine = [s._unit_signature() for s in state._all_fsdp_states]
+    mine = [(s._unit_signature(), s._unit_names()) for s in state._all_fsdp_states]
     everyone = C.all_gather_objects(mine, state.process_group)
     for r, theirs in enumerate(everyone):
-        if theirs == mine:
-            continue
         theirs_list: list[Any] = theirs  # type: ignore[assignment]
+        if [sig for sig, _ in theirs_list] == [sig for sig, _ in mine]:
+            continue
         for i in range(max(len(mine), len(theirs_list))):
             a = mine[i] if i < len(mine) else None
             b = theirs_list[i] if i < len(theirs_list) else None
-            if a != b:
+            if a is None or b is None or a[0] != b[0]:
                 raise RuntimeError(
                     f"[rank {state.rank}] FSDP units differ between rank {state.rank} and rank "
-                    f"{r} at unit #{i}: rank {state.rank} has {a}, rank {r} has {b}. Every rank "
-                    "must wrap the same model the same way (same auto_wrap_policy, sizes, "
-                    "dtypes and sharding strategy); otherwise collectives would hang."
+                    f"{r} at unit #{i}: rank {state.rank} has {_describe_unit(a)}, rank {r} "
+                    f"has {_describe_unit(b)}. Every rank must wrap the same model the same "
+                    "way (same auto_wrap_policy, sizes, dtypes and sharding strategy); "
+                    "otherwise collectives would hang."
                 )
+
+
+def _describe_unit(entry: Any) -> str:
+    """One rank's unit for the mismatch message: names with shapes, dtype, strategy."""
+    if entry is None:
+        return "no such unit"
+    sig, (unit, names) = entry
+    if sig[0] is None:
+        return f"{unit} (no parameters)"
+    params = ", ".join(f"{n!r} {shape}" for n, shape in zip(names, sig[0]))
+    return (
+        f"unit {unit!r} [{params}] flat {sig[2]} {sig[1]} {sig[3]} "
+        f"use_orig_params={sig[4]}"
+    )

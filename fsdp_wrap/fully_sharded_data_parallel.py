@@ -368,17 +368,26 @@ class FullyShardedDataParallel(nn.Module):
         self._is_root = None
 
     def _unit_signature(self) -> tuple[Any, ...]:
+        """What every rank's unit must agree on for the collectives to line up:
+        shapes, dtype and strategy, not names (as torch, ranks may ignore
+        different modules when what remains has the same shapes)."""
         h = self._handle
         if h is None:
             return (h,)
         return (
-            h.unit_fqn or "<root>",
-            tuple((i.fqn, tuple(i.shape)) for i in h.infos),
+            tuple(tuple(i.shape) for i in h.infos),
             str(h.flat_param.dtype),
             tuple(h.flat_param.shape),
             self.sharding_strategy.name,
             self._use_orig_params,
         )
+
+    def _unit_names(self) -> tuple[str, tuple[str, ...]]:
+        """The unit's and its parameters' names, for messages."""
+        h = self._handle
+        if h is None:
+            return ("<no parameters>", ())
+        return (h.unit_fqn or "<root>", tuple(i.fqn for i in h.infos))
 
     # ------------------------------------------------------------- no_sync
 

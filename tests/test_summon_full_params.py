@@ -221,3 +221,51 @@ def test_summon_invalid_combination_messages_match_torch(pool2: Any) -> None:
 def test_summon_during_forward_is_an_error(pool2: Any) -> None:
     fails = [f for r in pool2.run(_during_forward) for f in r]
     assert not fails, "\n".join(fails)
+
+
+def _between_two_forwards() -> list[str]:
+    """forward, summon_full_params, forward, backward with use_orig_params=True (the
+    summon must not leave the first forward's views modified in place): gradients
+    as torch's, flat and nested units, backward through the second forward only
+    or through both."""
+    warnings.simplefilter("ignore")
+    from torch.distributed import fsdp as torch_fsdp
+
+    import fsdp_wrap
+
+    fails = []
+    for strategy, both, nested in itertools.product(("FULL_SHARD", "SHARD_GRAD_OP"), (False, True),
+                                                    (False, True)):
+        grads = {}
+        for impl, api in (("torch", torch_fsdp), ("ours", fsdp_wrap)):
+            fsdp = api.FullyShardedDataParallel
+            kw = dict(sharding_strategy=getattr(api.ShardingStrategy, strategy),
+                      use_orig_params=True, device_id=torch.device("cpu"))
+            torch.manual_seed(0)
+            m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+            if nested:
+                m[0] = fsdp(m[0], **kw)
+            model = fsdp(m, **kw)
+            x = torch.randn(2, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+            try:
+                first = model(x).sum()
+                with fsdp.summon_full_params(model):
+                    pass
+                second = model(x).sum()
+                (first + second if both else second).backward()
+                with fsdp.summon_full_params(model, with_grads=True):
+                    grads[impl] = [p.grad.clone() for p in model.parameters()]
+            except RuntimeError as e:
+                grads[impl] = f"{type(e).__name__}: {e}"
+        tag = f"{rank_tag()} {strategy} both={both} nested={nested}"
+        a, b = grads["torch"], grads["ours"]
+        if isinstance(a, str) or isinstance(b, str):
+            fails.append(f"{tag}: torch {a} vs ours {b}")
+        elif any(not torch.allclose(x, y) for x, y in zip(a, b)):
+            fails.append(f"{tag}: gradients differ from torch's")
+    return fails
+
+
+def test_summon_between_two_forwards_with_orig_params(pool2: Any) -> None:
+    fails = [f for r in pool2.run(_between_two_forwards) for f in r]
+    assert not fails, "\n".join(fails[:20])
