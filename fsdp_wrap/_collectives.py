@@ -29,6 +29,12 @@ class DivideFactors(NamedTuple):
     post: float
 
 
+def global_rank() -> int:
+    """This process's rank in the default group (0 before init): the number an
+    error message names, whatever group the failing unit uses."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def divide_factors(data_parallel_world_size: int) -> DivideFactors:
     """torch FSDP1's factors: ``pre`` doubles while it stays below ``ws / pre``."""
     factor = 1

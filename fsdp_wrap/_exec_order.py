@@ -6,8 +6,10 @@ import warnings
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from . import _collectives as C
+from ._collectives import global_rank
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -119,9 +121,9 @@ class ForwardOrderCheck:
         mine = indices[self.rank]
         other = next(r for r, i in enumerate(indices) if i != mine)
         raise RuntimeError(
-            f"[rank {self.rank}] Forward order differs across ranks: rank {self.rank} is "
-            f"all-gathering parameters for {self.describe(self._handle_at(mine))} while rank "
-            f"{other} is all-gathering parameters for "
+            f"[rank {global_rank()}] Forward order differs across ranks: rank {global_rank()} "
+            f"is all-gathering parameters for {self.describe(self._handle_at(mine))} while rank "
+            f"{dist.get_global_rank(self.group, other)} is all-gathering parameters for "
             f"{self.describe(self._handle_at(indices[other]))} (all ranks' unit indices in "
             f"order of construction: {indices}). Every rank must run the FSDP units in the "
             "same order in forward (same control flow on every rank); otherwise the units' "
@@ -143,8 +145,8 @@ class ForwardOrderCheck:
         if prefix:  # every deviation of the first deviating iteration, as torch
             self.warned = True
             warnings.warn(
-                f"[rank {self.rank}] Forward order differs from that of the first iteration "
-                f"on rank {self.rank}. Collectives are unchecked and may give incorrect results "
+                f"[rank {global_rank()}] Forward order differs from that of the first iteration "
+                f"on rank {global_rank()}. Collectives are unchecked and may give incorrect results "
                 f"or hang.\n{prefix}to all-gather parameters for {self.describe(handle)}. "
                 "Keep the units' forward order the same every iteration (forward_prefetch "
                 "follows the first iteration's order).",

@@ -34,6 +34,7 @@ import torch.nn as nn
 
 from . import _collectives, _sharded_io
 from . import _state_dict as SD
+from ._collectives import global_rank
 from ._optim_index import _Index, _index, _optim_params, _piece, _rank0_group, _settings
 from ._optim_load import _broadcast_osd, _flatten_optim
 from .api import (
@@ -222,7 +223,7 @@ def _gather_optim(
         }
     for key, value in unmapped.items():
         warnings.warn(
-            f"[rank {root.rank}] optimizer state entry {key!r} belongs to no parameter of the "
+            f"[rank {global_rank()}] optimizer state entry {key!r} belongs to no parameter of the "
             "optimizer; copied to the optimizer state dict as it is (a user-defined state, "
             "as torch's FSDP does). If it is a parameter's state, pass the optimizer that "
             "holds that parameter.",

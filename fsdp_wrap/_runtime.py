@@ -28,10 +28,12 @@ from enum import Enum, auto
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch.autograd import Variable
 
 from . import _collectives as C
 from . import _init
+from ._collectives import global_rank
 from ._compat import in_backward
 from ._writeback import check_unchanged_since_forward
 from .api import BackwardPrefetch
@@ -330,9 +332,10 @@ def all_gather_unit_signatures(state: FSDP) -> None:
             a = mine[i] if i < len(mine) else None
             b = theirs_list[i] if i < len(theirs_list) else None
             if a is None or b is None or a[0] != b[0]:
+                me, them = global_rank(), dist.get_global_rank(state.process_group, r)
                 raise RuntimeError(
-                    f"[rank {state.rank}] FSDP units differ between rank {state.rank} and rank "
-                    f"{r} at unit #{i}: rank {state.rank} has {_describe_unit(a)}, rank {r} "
+                    f"[rank {me}] FSDP units differ between rank {me} and rank "
+                    f"{them} at unit #{i}: rank {me} has {_describe_unit(a)}, rank {them} "
                     f"has {_describe_unit(b)}. Every rank must wrap the same model the same "
                     "way (same auto_wrap_policy, sizes, dtypes and sharding strategy); "
                     "otherwise collectives would hang."

@@ -31,6 +31,7 @@ import torch
 
 from . import _collectives
 from . import _state_dict as SD
+from ._collectives import global_rank
 from ._flat_param import FLAT_PARAM_NAME
 
 if TYPE_CHECKING:
@@ -202,7 +203,7 @@ def load_sharded_unit(
     layout = SD.chunk_layout(state, SD._uses_dtensor(state))
     if layout.world_size != h.world_size:
         raise RuntimeError(
-            f"[rank {h.rank}] FSDP unit '{h.unit_fqn or '<root>'}': sharded state-dict values are "
+            f"[rank {global_rank()}] FSDP unit '{h.unit_fqn or '<root>'}': sharded state-dict values are "
             f"chunked over {layout.world_size} ranks but the unit is sharded over {h.world_size}"
         )
     h.invalidate_unsharded()  # any gathered copy is stale from here on

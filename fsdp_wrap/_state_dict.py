@@ -44,6 +44,7 @@ from torch.distributed._shard.sharded_tensor import (
 from torch.distributed.tensor import DTensor
 
 from . import _collectives, _compat
+from ._collectives import global_rank
 from ._flat_param import FLAT_PARAM_NAME, walk_unit_modules
 from ._runtime import TrainingState
 from ._sd_buffers import buffers_in_original_dtype
@@ -279,7 +280,7 @@ def _local_chunk(key: str, value: Any, layout: ChunkLayout) -> tuple[torch.Size,
         shards = value.local_shards()
         if len(shards) > 1:
             raise ValueError(
-                f"[rank {layout.rank}] '{clean_key(key)}': expected at most one local shard "
+                f"[rank {global_rank()}] '{clean_key(key)}': expected at most one local shard "
                 f"but got {len(shards)}"
             )
         if shards:
@@ -294,7 +295,7 @@ def _local_chunk(key: str, value: Any, layout: ChunkLayout) -> tuple[torch.Size,
     if local is None or local.shape != expected:
         got = None if local is None else tuple(local.shape)
         raise ValueError(
-            f"[rank {layout.rank}] '{clean_key(key)}' is not chunked on dim 0 over "
+            f"[rank {global_rank()}] '{clean_key(key)}' is not chunked on dim 0 over "
             f"{layout.world_size} ranks: expected a local chunk of shape {tuple(expected)} "
             f"at row {start} but got {got} ({where}). Load sharded checkpoints through "
             "torch.distributed.checkpoint so they are resharded for this world size."
@@ -413,7 +414,7 @@ def effective_type(state: FSDP, warn: bool = True) -> StateDictType:
         return StateDictType.FULL_STATE_DICT
     if sd_type is StateDictType.LOCAL_STATE_DICT and state._device_mesh is not None:
         raise RuntimeError(
-            f"[rank {state.rank}] Found state_dict_type LOCAL_STATE_DICT. DeviceMesh is not "
+            f"[rank {global_rank()}] Found state_dict_type LOCAL_STATE_DICT. DeviceMesh is not "
             "compatible with LOCAL_STATE_DICT. Please set state_dict_type to SHARDED_STATE_DICT "
             "to get DTensor state_dict (the model was wrapped with a device_mesh)."
         )
@@ -445,7 +446,7 @@ def _pre_state_dict_hook(state: FSDP, prefix: str, keep_vars: bool) -> None:
     sd_type = effective_type(state)
     if state.training_state is not TrainingState.IDLE:
         raise RuntimeError(
-            f"[rank {state.rank}] state_dict() called on FSDP unit '{prefix.rstrip('.')}' during "
+            f"[rank {global_rank()}] state_dict() called on FSDP unit '{prefix.rstrip('.')}' during "
             f"{state.training_state}; call it outside forward/backward"
         )
     if sd_type is StateDictType.LOCAL_STATE_DICT:
@@ -555,7 +556,7 @@ def local_flat_value(state: FSDP, offload_to_cpu: bool) -> ShardedTensor:
     """This rank's flat shard without right padding as a 1-D ShardedTensor (a view)."""
     h = state._handle
     if h is None:
-        raise RuntimeError(f"[rank {state.rank}] FSDP unit has no flat parameter")
+        raise RuntimeError(f"[rank {global_rank()}] FSDP unit has no flat parameter")
     local = h.local_shard[: h.shard_valid_numel]
     if offload_to_cpu:
         local = local.cpu()
@@ -759,7 +760,7 @@ def _local_pre_load(
     if local is None or local.numel() != h.shard_valid_numel:
         got = "no tensor" if local is None else f"{local.numel()} elements"
         error_msgs.append(
-            f"[rank {state.rank}] LOCAL_STATE_DICT key '{clean_key(key)}' of FSDP unit "
+            f"[rank {global_rank()}] LOCAL_STATE_DICT key '{clean_key(key)}' of FSDP unit "
             f"'{h.unit_fqn or '<root>'}' expects this rank's flat shard of "
             f"{h.shard_valid_numel} elements but got {got}; LOCAL_STATE_DICT needs the same "
             "world size, wrapping and use_orig_params as when it was saved"

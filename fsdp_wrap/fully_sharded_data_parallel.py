@@ -23,6 +23,7 @@ import torch.nn as nn
 from . import _collectives as C
 from . import _init, _runtime, _state_dict, _summon
 from . import _optim_state_dict as _osd
+from ._collectives import global_rank
 from ._compat import coerce_dataclass, coerce_enum, run_eagerly_under_dynamo
 from ._exec_order import ExecOrder, ForwardOrderCheck
 from ._flat_param import FlatParamHandle, collect_unit_params
@@ -220,7 +221,7 @@ class FullyShardedDataParallel(nn.Module):
             # Names, not the repr: a child unit's repr spells out FSDP's internals.
             children = [clean_fqn(n) for n, _ in module.named_children()]
             warnings.warn(
-                f"[rank {self.rank}] FSDP will not all-gather parameters for containers that do "
+                f"[rank {global_rank()}] FSDP will not all-gather parameters for containers that do "
                 f"not implement forward: {type(module).__name__} (children {children}); wrap its "
                 "children, or a module whose forward uses them, instead",
                 stacklevel=2,
@@ -418,7 +419,7 @@ class FullyShardedDataParallel(nn.Module):
             fqn = self._handle.unit_fqn if self._handle is not None else ""
             unit = "root FSDP unit" if self._is_root else f"FSDP unit '{fqn}'" if fqn else "FSDP unit"
             raise ValueError(
-                f"[rank {self.rank}] {unit} expected to be in states "
+                f"[rank {global_rank()}] {unit} expected to be in states "
                 f"{allowed} but current state is {self.training_state}"
                 + (f"; {fix}" if fix else "")
             )
@@ -438,7 +439,7 @@ class FullyShardedDataParallel(nn.Module):
             raise RuntimeError("`clip_grad_norm_()` should only be called on the root FSDP instance")
         if self.training_state is not TrainingState.IDLE:
             raise RuntimeError(
-                f"[rank {self.rank}] clip_grad_norm_() must be called outside forward/backward "
+                f"[rank {global_rank()}] clip_grad_norm_() must be called outside forward/backward "
                 f"(state {self.training_state})"
             )
         max_norm, norm_type = float(max_norm), float(norm_type)
@@ -724,7 +725,7 @@ def _check_homogeneous(
                 f"'{fqn_of.get(id(st), '') or '<root>'}': {getattr(st, attr)}" for st in states
             )
             raise ValueError(
-                f"[rank {root.rank}] Expects one homogeneous value for {attr} but got {values} "
+                f"[rank {global_rank()}] Expects one homogeneous value for {attr} but got {values} "
                 f"({option} per FSDP unit: {per_unit}); construct every nested "
                 f"FullyShardedDataParallel of this root with the same {option}"
             )
@@ -743,7 +744,7 @@ def _check_optim_in_backward(
     ]
     if flat:
         raise RuntimeError(
-            f"[rank {root.rank}] FSDP optimizer in backward only supported with "
+            f"[rank {global_rank()}] FSDP optimizer in backward only supported with "
             f"use_orig_params=True! _apply_optimizer_in_backward was given the flat parameters "
             f"of FSDP units {', '.join(flat)}; wrap with use_orig_params=True and pass the "
             "model's parameters, or step a regular optimizer after backward"

@@ -134,9 +134,11 @@ def _formats_match_torch() -> list[str]:
                             except RuntimeError as e:
                                 msgs.append(str(e))
                         # torch < 2.13 shows its message as a tuple of strings;
-                        # compare the words, not the punctuation.
-                        words = [re.sub(r"[()',]", "", m).replace(". ", " ").split() for m in msgs]
-                        if words[0] != words[1] or "DeviceMesh is not compatible" not in msgs[1]:
+                        # compare the words, not the punctuation.  Ours says torch's
+                        # words and adds the rank and the cause.
+                        words = [" ".join(re.sub(r"[()',.]", " ", m).split()) for m in msgs]
+                        if (words[1] not in words[0] or not msgs[0].startswith(f"[rank {dist.get_rank()}]")
+                                or "DeviceMesh is not compatible" not in msgs[1]):
                             problems.append(f"{tag}: LOCAL with a mesh: {msgs}")
     return problems
 

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .._collectives import global_rank
 from .._layout import walk_unit_modules
 from .._state_dict import FLAT_PARAM_KEY, clean_key
 from . import _atomic, _full_optim, _safetensors
@@ -65,7 +66,7 @@ def _root(model: nn.Module, what: str) -> FSDP:
         )
     model._lazy_init()
     if not model._is_root:
-        raise ValueError(f"[rank {model.rank}] {what} expects the root FSDP module, not a nested unit")
+        raise ValueError(f"[rank {global_rank()}] {what} expects the root FSDP module, not a nested unit")
     return model
 
 
@@ -135,12 +136,12 @@ def save_full_checkpoint(
     """
     root = _root(model, "save_full_checkpoint")
     if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"[rank {root.rank}] save_full_checkpoint: path must be a str, got {type(path).__name__}")
+        raise TypeError(f"[rank {global_rank()}] save_full_checkpoint: path must be a str, got {type(path).__name__}")
     path = os.fspath(path)
     for what, value in (("max_shard_size", max_shard_size), ("window_bytes", window_bytes)):
         if value <= 0:
             raise ValueError(
-                f"[rank {root.rank}] save_full_checkpoint: {what} must be a positive number "
+                f"[rank {global_rank()}] save_full_checkpoint: {what} must be a positive number "
                 f"of bytes, got {value}"
             )
     rank = dist.get_rank()
