@@ -207,7 +207,7 @@ def make_post_backward_hook(state: FSDP, handle: FlatParamHandle) -> Callable[[t
         handle.reshard(free=handle.uses_sharded_strategy and (sync or handle.reshard_after_forward))
         if state.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             _prefetch_backward(state, handle)
-        handle.reduce_gradient(sync)
+        state._root._grad_buckets.reduce(handle, sync)
 
     return post_backward
 
@@ -243,12 +243,16 @@ def _final_callback(root: FSDP) -> None:
 
 
 def finalize_units(root: FSDP, free_all: bool) -> None:
-    """Reshard every unit and return every state to IDLE.
+    """Reduce what the gradient buckets hold, reshard every unit and return
+    every state to IDLE.
 
     SHARD_GRAD_OP units stay gathered under ``no_sync`` (the next micro-batch
     reuses them) unless ``free_all``.  A gradient parked by a pre-backward hook
     whose unit then got no gradient is put back.
     """
+    # First: until a bucket is reduced its units' flat_param.grad is None,
+    # which restore_parked_grad below would take for "no gradient this step".
+    root._grad_buckets.finish()
     for state in root._all_fsdp_states:
         handle = state._handle
         if handle is not None:
