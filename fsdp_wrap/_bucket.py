@@ -43,13 +43,20 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from . import _collectives as C
 
 if TYPE_CHECKING:
     from ._flat_param import FlatParamHandle
 
-__all__ = ["BUCKET_CAP_ENV", "DEFAULT_BUCKET_CAP_MB", "GradBuckets", "resolve_bucket_cap_mb"]
+__all__ = [
+    "BUCKET_CAP_ENV",
+    "DEFAULT_BUCKET_CAP_MB",
+    "GradBuckets",
+    "resolve_bucket_cap_mb",
+    "resolve_mb",
+]
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # DDP's default bucket_cap_mb
 BUCKET_CAP_ENV = "FSDP_WRAP_BUCKET_CAP_MB"
@@ -61,22 +68,30 @@ def resolve_bucket_cap_mb(bucket_cap_mb: float | None) -> float:
     The environment variable configures code that builds FSDP with torch's
     arguments only (Accelerate, Lightning).
     """
-    if bucket_cap_mb is None:
-        env = os.environ.get(BUCKET_CAP_ENV, "").strip()
+    return resolve_mb(bucket_cap_mb, "bucket_cap_mb", BUCKET_CAP_ENV, DEFAULT_BUCKET_CAP_MB)
+
+
+def resolve_mb(value: float | None, name: str, env_var: str, default: float) -> float:
+    """A size in MiB from a keyword (wins), an environment variable, or ``default``;
+    ``ValueError`` (naming both ways to set it) unless a number >= 0."""
+    rank = f"[rank {dist.get_rank()}] " if dist.is_initialized() else ""
+    if value is None:
+        env = os.environ.get(env_var, "").strip()
         if not env:
-            return DEFAULT_BUCKET_CAP_MB
+            return default
         try:
-            bucket_cap_mb = float(env)
+            value = float(env)
         except ValueError:
             raise ValueError(
-                f"{BUCKET_CAP_ENV} must be a number of MiB (0 turns bucketing off) but got "
-                f"{env!r}"
+                f"{rank}{env_var} must be a number of MiB (0 turns this off) but got {env!r}"
             ) from None
-    if not bucket_cap_mb >= 0:  # also rejects NaN
-        raise ValueError(
-            f"bucket_cap_mb must be >= 0 (0 reduces every unit on its own) but got {bucket_cap_mb}"
-        )
-    return float(bucket_cap_mb)
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{rank}{name} must be a number of MiB >= 0 but got {value!r}") from None
+    if not value >= 0:  # also rejects NaN
+        raise ValueError(f"{rank}{name} must be >= 0 (0 turns this off) but got {value}")
+    return value
 
 
 @dataclass

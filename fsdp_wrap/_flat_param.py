@@ -377,6 +377,41 @@ class FlatParamHandle(GradientsMixin):
         if slot.pending is None:  # completed synchronously
             slot.source, slot.valid = None, True
 
+    # Batched all-gathers (see fsdp_wrap._gather_batch): the gather itself is
+    # shared, the buffers stay each handle's own.
+
+    def needs_gather(self) -> bool:
+        """Whether the compute copy must still be all-gathered (not there, not coming)."""
+        slot = self._gathered[False]
+        return self.uses_sharded_strategy and not slot.valid and slot.pending is None
+
+    @property
+    def gather_nbytes(self) -> int:
+        """Bytes of the gathered compute copy."""
+        return self.padded_numel * _itemsize(self.compute_dtype)
+
+    def gather_input(self) -> torch.Tensor:
+        """What this rank sends in an all-gather of the compute copy (its shard in
+        the compute dtype), after taking up replaced original parameters."""
+        self.pre_unshard()
+        return self._gather_source(self.compute_dtype)
+
+    def take_gathered(self, rows: torch.Tensor) -> None:
+        """Fill the compute copy from ``rows`` (``(world_size, shard_numel)``, rank
+        ``r``'s shard in row ``r``), gathered together with other units.
+
+        Postcondition: as after a completed :meth:`start_unshard`; the copy goes
+        into the same storage object as always (autograd may hold views of it).
+        """
+        slot = self._gathered[False]
+        if slot.buffer is None or slot.buffer.dtype != self.compute_dtype:
+            slot.buffer = torch.empty(self.padded_numel, dtype=self.compute_dtype,
+                                      device=self.device)
+        else:
+            _ensure_storage(slot.buffer)
+        slot.buffer.view(self.world_size, self.shard_numel).copy_(rows)
+        slot.valid = True
+
     def pre_unshard(self) -> None:
         """Take up original parameters or gradients replaced since the last
         step (``use_orig_params=True``), as torch does before every unshard."""
@@ -630,3 +665,7 @@ def _ensure_storage(buffer: torch.Tensor) -> None:
     nbytes = buffer.numel() * buffer.element_size()
     if storage.size() != nbytes:
         storage.resize_(nbytes)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()

@@ -31,6 +31,7 @@ import torch
 from torch.autograd import Variable
 
 from . import _collectives as C
+from ._gather_batch import gather_ahead
 from ._writeback import check_unchanged_since_forward
 from .api import BackwardPrefetch
 
@@ -125,10 +126,14 @@ def pre_forward(state: FSDP, handle: FlatParamHandle | None) -> None:
         return
     root = state._root
     root._exec_order.record_pre_forward(handle)
+    # (A forward without grad does not batch: see fsdp_wrap._gather_batch.)
+    batch_bytes = root._all_gather_batch_bytes if torch.is_grad_enabled() else 0
+    gather_ahead(handle, batch_bytes, root._exec_order.next_in_forward)
     handle.finish_unshard(full_precision=False)
     if state.forward_prefetch:
         nxt = root._exec_order.next_in_forward(handle)
         if nxt is not None:
+            gather_ahead(nxt, batch_bytes, root._exec_order.next_in_forward)
             nxt.start_unshard(full_precision=False)
     handle.use_unsharded_views(track_graph=True)
 
@@ -183,6 +188,9 @@ def _pre_backward_hook(
                 and not handle.reshard_after_forward):
             # Kept unsharded since forward: the views must be the forward's.
             check_unchanged_since_forward(handle, handle.compute_views)
+        root = state._root
+        gather_ahead(handle, root._all_gather_batch_bytes,
+                     functools.partial(_next_backward_pending, root))
         handle.finish_unshard(full_precision=False)
         # Hooks run with grad disabled; reentrant activation checkpointing
         # recomputes the forward through these views and needs them tracked.
@@ -223,11 +231,21 @@ def make_early_free_hook(state: FSDP, handle: FlatParamHandle) -> Callable[[], N
     return free_early
 
 
+def _next_backward_pending(root: FSDP, handle: FlatParamHandle) -> FlatParamHandle | None:
+    """The unit whose backward comes after ``handle``'s, unless it already began."""
+    nxt = root._exec_order.next_in_backward(handle)
+    if nxt is None or root._state_of[nxt]._ran_pre_backward:
+        return None
+    return nxt
+
+
 def _prefetch_backward(state: FSDP, handle: FlatParamHandle) -> None:
     """Start gathering the unit whose backward comes next, if it has not begun."""
     root = state._root
-    nxt = root._exec_order.next_in_backward(handle)
-    if nxt is not None and not root._state_of[nxt]._ran_pre_backward:
+    nxt = _next_backward_pending(root, handle)
+    if nxt is not None:
+        gather_ahead(nxt, root._all_gather_batch_bytes,
+                     functools.partial(_next_backward_pending, root))
         nxt.start_unshard(full_precision=False)
 
 
