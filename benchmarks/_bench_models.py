@@ -118,12 +118,14 @@ def loss_fn(out: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """One wrapped configuration: framework, sharding strategy, use_orig_params
-    (and, for fsdp_wrap, ``bucket_cap_mb``; ``None``: its default)."""
+    (and, for fsdp_wrap, ``bucket_cap_mb`` / ``all_gather_batch_mb``; ``None``:
+    the library's default)."""
 
     framework: str
     strategy: str  # "-" where the framework has no such choice (DDP, plain)
     orig: bool | None  # use_orig_params; None where it does not apply
     bucket_cap_mb: float | None = None
+    all_gather_batch_mb: float | None = None
 
     @property
     def key(self) -> str:
@@ -131,20 +133,25 @@ class Variant:
         fw = self.framework
         if self.bucket_cap_mb is not None:
             fw += f"@{self.bucket_cap_mb:g}"  # e.g. fsdp_wrap@0: per-unit reduction
+        if self.all_gather_batch_mb is not None:
+            fw += f"+ag{self.all_gather_batch_mb:g}"  # e.g. fsdp_wrap@25+ag1
         return f"{fw}/{self.strategy}/{o}"
 
 
 def variants_for(world_size: int, frameworks: tuple[str, ...], strategies: tuple[str, ...],
                  origs: tuple[bool, ...],
-                 bucket_caps: tuple[float | None, ...] = (None,)) -> list[Variant]:
-    """Every configuration one workload runs, interleaved (fsdp_wrap once per cap)."""
+                 bucket_caps: tuple[float | None, ...] = (None,),
+                 gather_batches: tuple[float | None, ...] = (None,)) -> list[Variant]:
+    """Every configuration one workload runs, interleaved (fsdp_wrap once per
+    bucket cap and all-gather batch cap)."""
     out: list[Variant] = []
     for strategy in strategies:
         for orig in origs:
             if "torch_fsdp1" in frameworks:
                 out.append(Variant("torch_fsdp1", strategy, orig))
             if "fsdp_wrap" in frameworks:
-                out += [Variant("fsdp_wrap", strategy, orig, cap) for cap in bucket_caps]
+                out += [Variant("fsdp_wrap", strategy, orig, cap, ag)
+                        for cap in bucket_caps for ag in gather_batches]
         # FSDP2 has no NO_SHARD (that is DDP's / replicate's job) and always
         # behaves like use_orig_params=True.
         if "fsdp2" in frameworks and strategy != "NO_SHARD":
@@ -180,6 +187,8 @@ def build(v: Variant, model: nn.Module, device: torch.device) -> nn.Module:
         extra: dict[str, Any] = {}
         if v.bucket_cap_mb is not None:
             extra["bucket_cap_mb"] = v.bucket_cap_mb
+        if v.all_gather_batch_mb is not None:
+            extra["all_gather_batch_mb"] = v.all_gather_batch_mb
         return api.FullyShardedDataParallel(
             model,
             **extra,

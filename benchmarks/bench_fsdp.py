@@ -477,6 +477,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "fsdp_wrap@CAP (e.g. 0,25: per-unit reduction next to 25 MiB buckets); default: one "
         "row with the library's default",
     )
+    p.add_argument(
+        "--all-gather-batch-mb",
+        default="",
+        help="fsdp_wrap's all_gather_batch_mb, comma-separated: one fsdp_wrap row per value "
+        "(crossed with --bucket-cap-mb), keyed fsdp_wrap+agMB; default: the library's",
+    )
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--orig", default="false,true", help="use_orig_params values")
     p.add_argument("--steps", type=int, default=None, help="timed rounds per workload")
@@ -536,7 +542,8 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
 
     caps = tuple(float(c) for c in args.bucket_cap_mb.split(",") if c.strip()) or (None,)
-    variants = variants_for(nproc, frameworks, strategies, origs, caps)
+    ag = tuple(float(c) for c in args.all_gather_batch_mb.split(",") if c.strip()) or (None,)
+    variants = variants_for(nproc, frameworks, strategies, origs, caps, ag)
     for name in (w for w in args.workloads.split(",") if w):
         job = dict(cfg, workload=name, steps=args.steps or steps_for[name],
                    variants=[v.__dict__ for v in variants])
@@ -550,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
         mem_origs = (False,) if args.quick else origs
         mem_strategies = strategies[:1] if args.quick else strategies
         mem_frameworks = tuple(f for f in args.mem_frameworks.split(",") if f) or frameworks
-        mem_variants = variants_for(nproc, mem_frameworks, mem_strategies, mem_origs, caps)
+        mem_variants = variants_for(nproc, mem_frameworks, mem_strategies, mem_origs, caps, ag)
         for v in mem_variants:
             job = dict(cfg, variant=v.__dict__, mem_steps=args.mem_steps or steps_for["large"])
             raw["memory"][v.key] = launch("memory", job)

@@ -32,7 +32,9 @@ Units that are reduced on their own, exactly as without buckets: those with
 a communication hook (torch's protocol calls it once per unit), the hybrid
 strategies (a replicate-group all-reduce follows each reduce-scatter), world
 size 1, and every unit when the cap is 0.  A unit whose gradient alone
-reaches the cap is reduced in a bucket of its own.
+reaches the cap, and a bucket that holds one unit, are reduced as without
+buckets too (synchronously, and in place when no padding is needed: no
+copy into a bucket buffer, so large units cost no extra memory).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from . import _collectives as C
+from . import _reduce as R
 
 if TYPE_CHECKING:
     from ._flat_param import FlatParamHandle
@@ -134,7 +137,7 @@ class GradBuckets:
         """Reduce ``handle``'s gradient now or put it into the open bucket."""
         if not sync or self.cap_bytes <= 0 or not handle.can_bucket_reduction:
             # Reduced on its own, after every earlier unit's (same order on all ranks).
-            if sync and self._open.handles:
+            if sync:
                 self._issue()
             handle.reduce_gradient(sync)
             return
@@ -148,10 +151,16 @@ class GradBuckets:
         if grad is None:
             return
         spec = handle.reduce_spec
-        key = (spec.sharded, spec.reduce_dtype, grad.device, id(spec.group), spec.world_size,
-               spec.divide)
         numel = spec.padded_numel if spec.sharded else grad.numel()
         nbytes = numel * _itemsize(spec.reduce_dtype)
+        if nbytes >= self.cap_bytes:
+            # Alone in any case: reduced exactly as without buckets (in place
+            # where the gradient needs no padding, no copy into a bucket).
+            self._issue()
+            _reduce_alone(handle, grad)
+            return
+        key = (spec.sharded, spec.reduce_dtype, grad.device, id(spec.group), spec.world_size,
+               spec.divide)
         bucket = self._open
         if bucket.handles and (key != bucket.key or bucket.nbytes + nbytes > self.cap_bytes):
             self._issue()
@@ -165,8 +174,7 @@ class GradBuckets:
 
     def finish(self) -> None:
         """Reduce the open bucket and install every reduced gradient."""
-        if self._open.handles:
-            self._issue()
+        self._issue()
         self._wait()
 
     @property
@@ -176,9 +184,17 @@ class GradBuckets:
     # ----------------------------------------------------------------- steps
 
     def _issue(self) -> None:
-        """Copy the open bucket into one buffer and start its collective."""
+        """Copy the open bucket (if any) into one buffer and start its collective.
+
+        A bucket of one unit is reduced as without buckets (no copy).
+        """
         bucket, self._open = self._open, _Bucket()
+        if not bucket.handles:
+            return
         self._wait()  # at most one bucket in flight: bounded memory
+        if len(bucket.handles) == 1:
+            _reduce_alone(bucket.handles[0], bucket.grads[0])
+            return
         spec = bucket.handles[0].reduce_spec
         pre, post = spec.divide
         device = bucket.grads[0].device
@@ -218,6 +234,11 @@ class GradBuckets:
             flight.output.div_(flight.post)
         for handle, result in zip(flight.handles, flight.results):
             handle.install_reduced_grad(result)
+
+
+def _reduce_alone(handle: FlatParamHandle, grad: torch.Tensor) -> None:
+    """``handle``'s reduction on its own, as ``reduce_gradient`` does it."""
+    handle.install_reduced_grad(R.reduce_default(grad, handle.reduce_spec))
 
 
 def _copy_padded_columns(dst: torch.Tensor, grad: torch.Tensor) -> None:
