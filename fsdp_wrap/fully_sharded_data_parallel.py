@@ -69,7 +69,7 @@ class FullyShardedDataParallel(nn.Module):
     reduces the gradients of consecutive units in one collective once their
     (unsharded, ``reduce_dtype``) bytes reach the cap; 0 reduces each unit on
     its own.  ``all_gather_batch_mb`` (default
-    ``$FSDP_WRAP_ALL_GATHER_BATCH_MB``, else 0: off) lets a unit whose
+    ``$FSDP_WRAP_ALL_GATHER_BATCH_MB``, else 1; 0: off) lets a unit whose
     gather is smaller gather the next units in the same collective, within
     that many MiB.
     """

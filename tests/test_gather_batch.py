@@ -24,7 +24,11 @@ import torch.nn as nn
 
 import fsdp_wrap._collectives as C
 from fsdp_wrap import BackwardPrefetch, FullyShardedDataParallel
-from fsdp_wrap._gather_batch import ALL_GATHER_BATCH_ENV, resolve_all_gather_batch_mb
+from fsdp_wrap._gather_batch import (
+    ALL_GATHER_BATCH_ENV,
+    DEFAULT_ALL_GATHER_BATCH_MB,
+    resolve_all_gather_batch_mb,
+)
 from tests._options_common import rank_tag, run_configs
 from tests.test_buckets import Net, _batch, _differences, _grads, _kwargs
 
@@ -157,7 +161,7 @@ def test_gather_counts(pool2: Any) -> None:
 
 def test_resolution_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ALL_GATHER_BATCH_ENV, raising=False)
-    assert resolve_all_gather_batch_mb(None) == 0.0
+    assert resolve_all_gather_batch_mb(None) == DEFAULT_ALL_GATHER_BATCH_MB == 1.0
     monkeypatch.setenv(ALL_GATHER_BATCH_ENV, "1.5")
     assert resolve_all_gather_batch_mb(None) == 1.5
     with pytest.raises(ValueError, match="all_gather_batch_mb must be >= 0"):
