@@ -25,6 +25,17 @@ TORCH_VERSION = Version(torch.__version__.split("+")[0])
 #: ``hook(module, state_dict, prefix, local_metadata)``.
 _HAS_PUBLIC_SD_POST_HOOK = hasattr(nn.Module, "register_state_dict_post_hook")
 
+#: Whether the calling thread is running an autograd backward (e.g. a
+#: checkpointed forward being recomputed).  Private but long-standing (torch
+#: 1.13+); where it is missing, "no" (callers only use it to skip an
+#: optimisation).
+_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def in_backward() -> bool:
+    return _graph_task_id() != -1
+
+
 #: torch 2.13 deprecates ``all_gather_into_tensor``/``reduce_scatter_tensor``
 #: (each call then goes through a warning wrapper) in favour of the
 #: ``*_single`` names, which older versions lack.  Names, not functions, so a

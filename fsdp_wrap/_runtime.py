@@ -31,6 +31,7 @@ import torch
 from torch.autograd import Variable
 
 from . import _collectives as C
+from ._compat import in_backward
 from ._gather_batch import gather_ahead
 from ._writeback import check_unchanged_since_forward
 from .api import BackwardPrefetch
@@ -126,8 +127,11 @@ def pre_forward(state: FSDP, handle: FlatParamHandle | None) -> None:
         return
     root = state._root
     root._exec_order.record_pre_forward(handle)
-    # (A forward without grad does not batch: see fsdp_wrap._gather_batch.)
-    batch_bytes = root._all_gather_batch_bytes if torch.is_grad_enabled() else 0
+    # No batching in a forward without grad (see fsdp_wrap._gather_batch), nor
+    # in a checkpointed forward recomputed in backward: the forward order's
+    # next units are then the ones whose backward is already done.
+    batch_bytes = (root._all_gather_batch_bytes
+                   if torch.is_grad_enabled() and not in_backward() else 0)
     gather_ahead(handle, batch_bytes, root._exec_order.next_in_forward)
     handle.finish_unshard(full_precision=False)
     if state.forward_prefetch:

@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 import fsdp_wrap._collectives as C
 from fsdp_wrap import CPUOffload, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
@@ -47,10 +48,15 @@ class Net(nn.Module):
         )
         self.head = nn.Linear(16, 4)
         self.skip: set[int] = set()
+        self.checkpoint = False  # non-reentrant activation checkpointing of each block
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, block in enumerate(self.blocks):
-            if i not in self.skip:
+            if i in self.skip:
+                continue
+            if self.checkpoint:
+                x = x + checkpoint(block, x, use_reentrant=False)
+            else:
                 x = x + block(x)
         return self.head(x)
 

@@ -8,7 +8,8 @@ wrapping :mod:`fsdp_wrap._collectives`, and the bytes held unsharded are
 checked against the cap.  Cases: FULL_SHARD and SHARD_GRAD_OP, both
 ``use_orig_params``, backward prefetch kinds, forward prefetch, mixed
 precision, CPU offload, ``no_sync``, several forwards, units unused in a
-step, an evaluation forward without grad between steps, 3 ranks.
+step, an evaluation forward without grad between steps, non-reentrant
+activation checkpointing, 3 ranks.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class GatherSpy:
 
 def _step(model: nn.Module, step: int, cfg: dict[str, Any], net: Net) -> None:
     net.skip = set(cfg.get("skip", {}).get(step, ()))
+    net.checkpoint = bool(cfg.get("ckpt"))
     if cfg.get("nosync"):
         with model.no_sync():  # type: ignore[operator]
             model(_batch(step, 1)).float().pow(2).mean().backward()
@@ -122,6 +124,8 @@ def _configs() -> list[dict[str, Any]]:
         out.append(dict(base, batch=3 * UNIT_MB, forwards=2, bp=BackwardPrefetch.BACKWARD_POST))
         out.append(dict(base, batch=3 * UNIT_MB, skip={1: (1, 4)}, bp=None))
         out.append(dict(base, batch=0.5 * UNIT_MB, fewer=False))  # no unit is small enough
+        # Recomputed forwards in backward do not batch (their next units are done).
+        out.append(dict(base, batch=3 * UNIT_MB, ckpt=True))
     for uop in (False, True):
         out.append(dict(strategy="FULL_SHARD", uop=uop, batch=3 * UNIT_MB, mp=torch.float32))
         out.append(dict(strategy="FULL_SHARD", uop=uop, batch=3 * UNIT_MB, offload=True))
