@@ -61,7 +61,7 @@ __all__ = [
     "resolve_mb",
 ]
 
-DEFAULT_BUCKET_CAP_MB = 25.0  # DDP's default bucket_cap_mb
+DEFAULT_BUCKET_CAP_MB = 1.0
 BUCKET_CAP_ENV = "FSDP_WRAP_BUCKET_CAP_MB"
 
 

@@ -65,7 +65,7 @@ class FullyShardedDataParallel(nn.Module):
     The arguments, their order and defaults are torch's; see ``docs/`` for what
     each one gathers or frees, and when.  Two keyword-only additions, whose
     root's values count for its whole tree (``docs/options.rst``):
-    ``bucket_cap_mb`` (default ``$FSDP_WRAP_BUCKET_CAP_MB``, else 25, DDP's)
+    ``bucket_cap_mb`` (default ``$FSDP_WRAP_BUCKET_CAP_MB``, else 1)
     reduces the gradients of consecutive units in one collective once their
     (unsharded, ``reduce_dtype``) bytes reach the cap; 0 reduces each unit on
     its own.  ``all_gather_batch_mb`` (default

@@ -207,7 +207,8 @@ def _configs(ws: int) -> list[dict[str, Any]]:
         # Everything in one bucket, reduced by the end-of-backward flush.
         everything = [[SMALL, SMALL, BIG, SMALL, SMALL, SMALL, ROOT]]
         out.append(dict(base, cap=1.0, calls=_sizes(strategy, ws, everything)))
-        out.append(dict(base, cap=TWO_UNITS_MB, nosync=True))
+        # no_sync reduces nothing: the step's reductions are the synced backward's.
+        out.append(dict(base, cap=TWO_UNITS_MB, nosync=True, calls=_sizes(strategy, ws, two)))
         out.append(dict(base, cap=1.0, forwards=2))
         # Blocks 1 and 3 unused in step 1, gradients kept across steps (a parked
         # gradient goes back), then used again.
