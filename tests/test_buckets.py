@@ -316,3 +316,30 @@ def test_bad_cap_raises_before_any_collective() -> None:
     """No process group is needed to see the error: it comes before anything else."""
     with pytest.raises(ValueError, match="bucket_cap_mb must be >= 0"):
         FullyShardedDataParallel(nn.Linear(2, 2), bucket_cap_mb=-1.0)
+
+
+def _grads_seen_at_final_callback(cap: float) -> list[int]:
+    """Flat gradients present when the end-of-backward callback starts, and after backward."""
+    torch.manual_seed(0)
+    model = _wrap(Net(), cap, sharding_strategy=ShardingStrategy.FULL_SHARD)
+    buckets = model._grad_buckets  # type: ignore[union-attr]
+    seen: list[int] = []
+    real_finish = buckets.finish
+
+    def grads() -> int:  # the root knows its handles after lazy init
+        return sum(h.flat_param.grad is not None for h in model._all_handles)  # type: ignore
+
+    def finish() -> None:
+        seen.append(grads())
+        real_finish()
+
+    buckets.finish = finish  # type: ignore[method-assign]
+    model(_batch(0)).pow(2).mean().backward()
+    return [seen[0], grads()]
+
+
+def test_bucketed_grads_appear_at_the_end_of_backward(pool2: Any) -> None:
+    # Per unit: all 7 gradients are installed by the post-backward hooks.  One
+    # bucket: none until the end-of-backward callback, all 7 when backward returns.
+    assert pool2.run(_grads_seen_at_final_callback, 0.0) == [[7, 7], [7, 7]]
+    assert pool2.run(_grads_seen_at_final_callback, 1.0) == [[0, 7], [0, 7]]
