@@ -117,27 +117,41 @@ def loss_fn(out: torch.Tensor) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One wrapped configuration: framework, sharding strategy, use_orig_params."""
+    """One wrapped configuration: framework, sharding strategy, use_orig_params
+    (and, for fsdp_wrap, ``bucket_cap_mb`` / ``all_gather_batch_mb``; ``None``:
+    the library's default)."""
 
     framework: str
     strategy: str  # "-" where the framework has no such choice (DDP, plain)
     orig: bool | None  # use_orig_params; None where it does not apply
+    bucket_cap_mb: float | None = None
+    all_gather_batch_mb: float | None = None
 
     @property
     def key(self) -> str:
         o = "-" if self.orig is None else ("T" if self.orig else "F")
-        return f"{self.framework}/{self.strategy}/{o}"
+        fw = self.framework
+        if self.bucket_cap_mb is not None:
+            fw += f"@{self.bucket_cap_mb:g}"  # e.g. fsdp_wrap@0: per-unit reduction
+        if self.all_gather_batch_mb is not None:
+            fw += f"+ag{self.all_gather_batch_mb:g}"  # e.g. fsdp_wrap@25+ag1
+        return f"{fw}/{self.strategy}/{o}"
 
 
 def variants_for(world_size: int, frameworks: tuple[str, ...], strategies: tuple[str, ...],
-                 origs: tuple[bool, ...]) -> list[Variant]:
-    """Every configuration one workload runs, interleaved."""
+                 origs: tuple[bool, ...],
+                 bucket_caps: tuple[float | None, ...] = (None,),
+                 gather_batches: tuple[float | None, ...] = (None,)) -> list[Variant]:
+    """Every configuration one workload runs, interleaved (fsdp_wrap once per
+    bucket cap and all-gather batch cap)."""
     out: list[Variant] = []
     for strategy in strategies:
         for orig in origs:
-            for fw in ("torch_fsdp1", "fsdp_wrap"):
-                if fw in frameworks:
-                    out.append(Variant(fw, strategy, orig))
+            if "torch_fsdp1" in frameworks:
+                out.append(Variant("torch_fsdp1", strategy, orig))
+            if "fsdp_wrap" in frameworks:
+                out += [Variant("fsdp_wrap", strategy, orig, cap, ag)
+                        for cap in bucket_caps for ag in gather_batches]
         # FSDP2 has no NO_SHARD (that is DDP's / replicate's job) and always
         # behaves like use_orig_params=True.
         if "fsdp2" in frameworks and strategy != "NO_SHARD":
@@ -170,8 +184,14 @@ def build(v: Variant, model: nn.Module, device: torch.device) -> nn.Module:
         else:
             import fsdp_wrap as api
             from fsdp_wrap.wrap import ModuleWrapPolicy
+        extra: dict[str, Any] = {}
+        if v.bucket_cap_mb is not None:
+            extra["bucket_cap_mb"] = v.bucket_cap_mb
+        if v.all_gather_batch_mb is not None:
+            extra["all_gather_batch_mb"] = v.all_gather_batch_mb
         return api.FullyShardedDataParallel(
             model,
+            **extra,
             sharding_strategy=api.ShardingStrategy[v.strategy],
             auto_wrap_policy=ModuleWrapPolicy({Block}),
             device_id=device,

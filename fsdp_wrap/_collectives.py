@@ -64,16 +64,21 @@ def gather_into(
 
 
 def reduce_scatter_sum(
-    output: torch.Tensor, padded_input: torch.Tensor, group: ProcessGroup
-) -> None:
+    output: torch.Tensor, padded_input: torch.Tensor, group: ProcessGroup, async_op: bool = False
+) -> Work | None:
     """Sum ``padded_input`` over ranks and keep this rank's chunk in ``output``."""
-    getattr(dist, REDUCE_SCATTER_SINGLE)(output, padded_input, op=dist.ReduceOp.SUM, group=group)
+    return getattr(dist, REDUCE_SCATTER_SINGLE)(
+        output, padded_input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
+    )
 
 
 def all_reduce(
-    tensor: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
-) -> None:
-    dist.all_reduce(tensor, op=op, group=group)
+    tensor: torch.Tensor,
+    group: ProcessGroup,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    async_op: bool = False,
+) -> Work | None:
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup) -> None:

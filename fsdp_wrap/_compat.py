@@ -25,6 +25,19 @@ TORCH_VERSION = Version(torch.__version__.split("+")[0])
 #: ``hook(module, state_dict, prefix, local_metadata)``.
 _HAS_PUBLIC_SD_POST_HOOK = hasattr(nn.Module, "register_state_dict_post_hook")
 
+#: ``torch._C._current_graph_task_id()``: -1 unless the calling thread runs an
+#: autograd backward.  Private but long-standing (torch 1.13+, so every torch
+#: we support has it); resolved once here.
+_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def in_backward() -> bool:
+    """Whether this thread runs inside autograd's backward: a forward seen then is
+    activation checkpointing recomputing it (no gather batching; a checkpointed
+    root does not finish a 'forward without backward')."""
+    return _graph_task_id() != -1
+
+
 #: torch 2.13 deprecates ``all_gather_into_tensor``/``reduce_scatter_tensor``
 #: (each call then goes through a warning wrapper) in favour of the
 #: ``*_single`` names, which older versions lack.  Names, not functions, so a
@@ -183,13 +196,3 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         loader.exec_module = exec_then_call
         return spec
 
-
-#: ``torch._C._current_graph_task_id()`` is -1 outside autograd's backward
-#: (torch >= 2.0); resolved once here.
-_GRAPH_TASK_ID: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-
-
-def in_backward() -> bool:
-    """Whether this thread runs inside autograd's backward, where a forward is
-    activation checkpointing recomputing it."""
-    return _GRAPH_TASK_ID() != -1

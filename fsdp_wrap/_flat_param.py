@@ -31,6 +31,7 @@ from torch.distributed import ProcessGroup
 
 from . import _collectives as C
 from . import _reduce as R
+from ._flat_grad import GradientsMixin
 from ._flat_tensor import FlatParameter, HandleState, _Gathered
 from ._layout import (
     FlatLayout,
@@ -69,7 +70,7 @@ SHARDED_STRATEGIES = frozenset(
 RESHARD_AFTER_FORWARD = frozenset({ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD})
 
 
-class FlatParamHandle:
+class FlatParamHandle(GradientsMixin):
     """Owns one unit's flat parameter: layout, shard, unshard, reshard, reduce.
 
     Nothing outside this class mutates ``flat_param``, the local shard or the
@@ -390,6 +391,41 @@ class FlatParamHandle:
         if slot.pending is None:  # completed synchronously
             slot.source, slot.valid = None, True
 
+    # Batched all-gathers (see fsdp_wrap._gather_batch): the gather itself is
+    # shared, the buffers stay each handle's own.
+
+    def needs_gather(self) -> bool:
+        """Whether the compute copy must still be all-gathered (not there, not coming)."""
+        slot = self._gathered[False]
+        return self.uses_sharded_strategy and not slot.valid and slot.pending is None
+
+    @property
+    def gather_nbytes(self) -> int:
+        """Bytes of the gathered compute copy."""
+        return self.padded_numel * _itemsize(self.compute_dtype)
+
+    def gather_input(self) -> torch.Tensor:
+        """What this rank sends in an all-gather of the compute copy (its shard in
+        the compute dtype), after taking up replaced original parameters."""
+        self.pre_unshard()
+        return self._gather_source(self.compute_dtype)
+
+    def take_gathered(self, rows: torch.Tensor) -> None:
+        """Fill the compute copy from ``rows`` (``(world_size, shard_numel)``, rank
+        ``r``'s shard in row ``r``), gathered together with other units.
+
+        Postcondition: as after a completed :meth:`start_unshard`; the copy goes
+        into the same storage object as always (autograd may hold views of it).
+        """
+        slot = self._gathered[False]
+        if slot.buffer is None or slot.buffer.dtype != self.compute_dtype:
+            slot.buffer = torch.empty(self.padded_numel, dtype=self.compute_dtype,
+                                      device=self.device)
+        else:
+            _ensure_storage(slot.buffer)
+        slot.buffer.view(self.world_size, self.shard_numel).copy_(rows)
+        slot.valid = True
+
     def pre_unshard(self) -> None:
         """Take up original parameters or gradients replaced since the last
         step (``use_orig_params=True``), as torch does before every unshard."""
@@ -573,123 +609,8 @@ class FlatParamHandle:
         for shared in self.shared:
             self._set_param(shared.module, shared.name, self.infos[shared.index].param)
 
-    def _set_grad_views(self) -> None:
-        """Original params' ``.grad`` become views of the sharded flat gradient."""
-        grad = self.flat_param.grad
-        for info, sl in zip(self.infos, self._shard_slices):
-            if grad is None or sl is None or not info.param.requires_grad:
-                info.param.grad = None
-            elif not self.uses_sharded_strategy:
-                _assign_grad(info.param, grad[info.offset : info.offset + info.numel].view(info.shape))
-            else:
-                _assign_grad(info.param, grad[sl[0] : sl[1]])
-
-    # --------------------------------------------------------------- gradients
-
-    def prepare_gradient_for_backward(self) -> None:
-        """Park an existing reduced gradient so a fresh local one can accumulate.
-
-        The parked gradient is added back after this backward's reduction, so
-        accumulation without ``zero_grad`` sums the per-iteration means.  An
-        unreduced (``no_sync``) gradient is left in place: autograd adds the new
-        local gradient to it and the next synced reduction takes both.  So is a
-        NO_SHARD gradient that needs no cast or move (the old mean is reduced
-        again with the new gradient, as torch does).
-        """
-        if self.use_orig_params:
-            self.sync_flat_grad_from_orig()
-        grad = self.flat_param.grad
-        if (
-            grad is not None
-            and not self.uses_sharded_strategy
-            and grad.device == self.device
-            and grad.dtype == self.compute_dtype == self.reduce_dtype
-        ):
-            # NO_SHARD without casts or offload: autograd adds the new gradient
-            # to the old one and the reduction takes the sum, torch's order of
-            # additions (parking the old gradient and adding it back after the
-            # reduction rounds differently, visibly at world size 1).
-            return
-        if grad is not None and not self.has_unreduced_grad:
-            self._saved_grad_shard = grad.detach()
-            self.flat_param.grad = None
-
-    def restore_parked_grad(self) -> None:
-        """A parked gradient whose unit got no new gradient goes back."""
-        if self._saved_grad_shard is not None and self.flat_param.grad is None:
-            _assign_grad(self.flat_param, self._saved_grad_shard)
-            self._saved_grad_shard = None
-            if self.use_orig_params:
-                self._set_grad_views()
-
-    def sync_flat_grad_from_orig(self) -> None:
-        """Honour ``zero_grad(set_to_none=True)`` done on the original params.
-
-        Their gradients are views of the flat gradient, which stays alive until
-        dropped here; the root calls this before every forward so the memory is
-        free for the forward (as torch does).
-        """
-        if self.has_unreduced_grad or self.flat_param.grad is None:
-            return
-        if all(info.param.grad is None for info in self.infos):
-            self.flat_param.grad = None
-
-    def reduce_gradient(self, sync: bool) -> None:
-        """Turn the local unsharded gradient on ``flat_param`` into the mean sharded one.
-
-        Called from the post-backward hook after ``reshard``.  Sharded
-        strategies reduce-scatter over the shard group; NO_SHARD all-reduces;
-        hybrid strategies then all-reduce the shard over the replicate group.
-        The gradient is divided by ``pre`` before and ``post`` after summing,
-        reduced in ``reduce_dtype``, returned to the original dtype (unless
-        ``keep_low_precision_grads``) and to CPU when offloading.  With
-        ``sync=False`` (``no_sync``) the local gradient is kept for later.
-        """
-        grad = self.flat_param.grad
-        if grad is None:
-            return
-        if grad.requires_grad:
-            raise RuntimeError("FSDP does not support gradients of gradients")
-        if not sync:
-            self.has_unreduced_grad = True
-            if self.use_orig_params:
-                self._set_unsharded_grad_views(grad)
-            return
-        self.has_unreduced_grad = False
-        self.flat_param.grad = None
-        if self.comm_hook is not None:
-            reduced = R.reduce_with_hook(grad, self._reduce_spec, *self.comm_hook)
-        else:
-            reduced = R.reduce_default(grad, self._reduce_spec)
-        # The sharded gradient matches the master parameter's dtype, or stays in
-        # the compute dtype with keep_low_precision_grads (as torch leaves it).
-        grad_dtype = self.compute_dtype if self.keep_low_precision_grads else self.orig_dtype
-        if reduced.dtype != grad_dtype:
-            reduced = reduced.to(grad_dtype)
-        if reduced.device != self.shard_device:
-            reduced = self._to_shard_device(reduced)
-        if self._saved_grad_shard is not None:
-            parked = self._saved_grad_shard
-            self._saved_grad_shard = None
-            if parked.dtype == reduced.dtype and parked.device == reduced.device:
-                reduced = parked.add_(reduced)
-            else:
-                reduced = parked.to(reduced) + reduced
-        _assign_grad(self.flat_param, reduced)
-        if self.use_orig_params:
-            self._set_grad_views()
-
-    def _set_unsharded_grad_views(self, grad: torch.Tensor, frozen_too: bool = False) -> None:
-        """Under ``no_sync`` the original params carry full-shape local gradients
-        (``summon_full_params(with_grads=True)``: frozen ones too)."""
-        views = grad.split(self._segments)
-        for info, seg in zip(self.infos, self._info_segment):
-            if not info.param.requires_grad and not frozen_too:
-                info.param.grad = None
-            else:
-                _assign_grad(info.param, views[seg].view(info.shape))
-
     # -------------------------------------------------------------- utilities
+    # (gradients: :class:`~fsdp_wrap._flat_grad.GradientsMixin`)
 
     def flat_grad_for_norm(self) -> list[torch.Tensor]:
         """The gradients ``clip_grad_norm_`` must see for this handle."""
@@ -778,22 +699,5 @@ def _ensure_storage(buffer: torch.Tensor) -> None:
         storage.resize_(nbytes)
 
 
-def _assign_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """Set ``param.grad``, also when its shape, dtype or device differ from the data.
-
-    ``.grad =`` checks that they match; FSDP legitimately breaks that (a full
-    local gradient on a sharded parameter under ``no_sync``, a low-precision
-    gradient with ``keep_low_precision_grads``), so such gradients are
-    installed through ``.grad.data``.
-    """
-    if (
-        grad.shape == param.shape
-        and grad.dtype == param.dtype
-        and grad.device == param.device
-    ):
-        param.grad = grad
-        return
-    if param.grad is None:
-        param.grad = torch.empty_like(param)
-    param.grad.data = grad
-
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()

@@ -35,6 +35,7 @@ from . import _collectives as C
 from . import _init
 from ._collectives import global_rank
 from ._compat import in_backward
+from ._gather_batch import gather_ahead
 from ._writeback import check_unchanged_since_forward
 from .api import BackwardPrefetch
 
@@ -114,10 +115,17 @@ def pre_forward(state: FSDP, handle: FlatParamHandle | None) -> None:
     if root._exec_order.order_check is not None and state.training:
         root._exec_order.order_check.check(handle)
     root._exec_order.record_pre_forward(handle)
+    # No batching in a forward without grad (see fsdp_wrap._gather_batch), nor
+    # in a checkpointed forward recomputed in backward: the forward order's
+    # next units are then the ones whose backward is already done.
+    batch_bytes = (root._all_gather_batch_bytes
+                   if torch.is_grad_enabled() and not in_backward() else 0)
+    gather_ahead(handle, batch_bytes, root._exec_order.next_in_forward)
     handle.finish_unshard(full_precision=handle.computes_in_full_precision)
     if state.forward_prefetch:
         nxt = root._exec_order.next_in_forward(handle)
         if nxt is not None:
+            gather_ahead(nxt, batch_bytes, root._exec_order.next_in_forward)
             nxt.start_unshard(full_precision=nxt.computes_in_full_precision)
     handle.use_unsharded_views(track_graph=True)
 
@@ -172,6 +180,9 @@ def _pre_backward_hook(
                 and not handle.reshard_after_forward):
             # Kept unsharded since forward: the views must be the forward's.
             check_unchanged_since_forward(handle, handle.compute_views)
+        root = state._root
+        gather_ahead(handle, root._all_gather_batch_bytes,
+                     functools.partial(_next_backward_pending, root))
         handle.finish_unshard(full_precision=handle.computes_in_full_precision)
         # Hooks run with grad disabled; reentrant activation checkpointing
         # recomputes the forward through these views and needs them tracked.
@@ -196,9 +207,12 @@ def make_post_backward_hook(state: FSDP, handle: FlatParamHandle) -> Callable[[t
         handle.reshard(free=handle.uses_sharded_strategy and (sync or handle.reshard_after_forward))
         if state.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             _prefetch_backward(state, handle)
-        handle.reduce_gradient(sync)
         if sync and state._optims_in_backward:
+            # The optimizers step right after this unit's own reduction: alone.
+            state._root._grad_buckets.reduce(handle, sync, alone=True)
             _step_optimizers_in_backward(handle)
+        else:
+            state._root._grad_buckets.reduce(handle, sync)
 
     return post_backward
 
@@ -229,11 +243,21 @@ def make_early_free_hook(state: FSDP, handle: FlatParamHandle) -> Callable[[], N
     return free_early
 
 
+def _next_backward_pending(root: FSDP, handle: FlatParamHandle) -> FlatParamHandle | None:
+    """The unit whose backward comes after ``handle``'s, unless it already began."""
+    nxt = root._exec_order.next_in_backward(handle)
+    if nxt is None or root._state_of[nxt]._ran_pre_backward:
+        return None
+    return nxt
+
+
 def _prefetch_backward(state: FSDP, handle: FlatParamHandle) -> None:
     """Start gathering the unit whose backward comes next, if it has not begun."""
     root = state._root
-    nxt = root._exec_order.next_in_backward(handle)
-    if nxt is not None and not root._state_of[nxt]._ran_pre_backward:
+    nxt = _next_backward_pending(root, handle)
+    if nxt is not None:
+        gather_ahead(nxt, root._all_gather_batch_bytes,
+                     functools.partial(_next_backward_pending, root))
         nxt.start_unshard(full_precision=nxt.computes_in_full_precision)
 
 
@@ -249,12 +273,16 @@ def _final_callback(root: FSDP) -> None:
 
 
 def finalize_units(root: FSDP, free_all: bool) -> None:
-    """Reshard every unit and return every state to IDLE.
+    """Reduce what the gradient buckets hold, reshard every unit and return
+    every state to IDLE.
 
     SHARD_GRAD_OP units stay gathered under ``no_sync`` (the next micro-batch
     reuses them) unless ``free_all``.  A gradient parked by a pre-backward hook
     whose unit then got no gradient is put back.
     """
+    # First: until a bucket is reduced its units' flat_param.grad is None,
+    # which restore_parked_grad below would take for "no gradient this step".
+    root._grad_buckets.finish()
     for state in root._all_fsdp_states:
         handle = state._handle
         if handle is not None:

@@ -135,7 +135,7 @@ def _write_back_grad(handle: FlatParamHandle, index: int, full: bool) -> None:
     if flat.grad is None:
         flat.grad = flat_grad
     # The parameter's .grad is a view of the flat gradient again.
-    from ._flat_param import _assign_grad
+    from ._flat_grad import _assign_grad
 
     info = handle.infos[index]
     lo, hi = _shard_range(handle, index, full)

@@ -23,10 +23,12 @@ import torch.nn as nn
 from . import _collectives as C
 from . import _init, _runtime, _state_dict, _summon
 from . import _optim_state_dict as _osd
+from ._bucket import GradBuckets, resolve_bucket_cap_mb
 from ._collectives import global_rank
 from ._compat import coerce_dataclass, coerce_enum, run_eagerly_under_dynamo
 from ._exec_order import ExecOrder, ForwardOrderCheck
 from ._flat_param import FlatParamHandle, collect_unit_params
+from ._gather_batch import resolve_all_gather_batch_mb
 from ._runtime import TrainingState
 from .api import (
     BackwardPrefetch,
@@ -64,7 +66,15 @@ class FullyShardedDataParallel(nn.Module):
     ends with the mean gradient of its shard.
 
     The arguments, their order and defaults are torch's; see ``docs/`` for what
-    each one gathers or frees, and when.
+    each one gathers or frees, and when.  Two keyword-only additions, whose
+    root's values count for its whole tree (``docs/options.rst``):
+    ``bucket_cap_mb`` (default ``$FSDP_WRAP_BUCKET_CAP_MB``, else 1)
+    reduces the gradients of consecutive units in one collective once their
+    (unsharded, ``reduce_dtype``) bytes reach the cap; 0 reduces each unit on
+    its own.  ``all_gather_batch_mb`` (default
+    ``$FSDP_WRAP_ALL_GATHER_BATCH_MB``, else 1; 0: off) lets a unit whose
+    gather is smaller gather the next units in the same collective, within
+    that many MiB.
     """
 
     def __init__(
@@ -85,6 +95,9 @@ class FullyShardedDataParallel(nn.Module):
         use_orig_params: bool = False,
         ignored_states: Iterable[nn.Parameter] | Iterable[nn.Module] | None = None,
         device_mesh: Any = None,
+        *,
+        bucket_cap_mb: float | None = None,
+        all_gather_batch_mb: float | None = None,
     ) -> None:
         super().__init__()
         if isinstance(module, FullyShardedDataParallel):
@@ -97,6 +110,9 @@ class FullyShardedDataParallel(nn.Module):
         cpu_offload = coerce_dataclass(cpu_offload, CPUOffload, "cpu_offload")
         mixed_precision = coerce_dataclass(mixed_precision, MixedPrecision, "mixed_precision")
         strategy = strategy or ShardingStrategy.FULL_SHARD
+        # Checked before any collective.
+        cap_mb = resolve_bucket_cap_mb(bucket_cap_mb)
+        batch_mb = resolve_all_gather_batch_mb(all_gather_batch_mb)
 
         ignored_mods, ignored_params = _init.resolve_ignored(module, ignored_modules, ignored_states)
         self._ignored_modules = ignored_mods
@@ -164,6 +180,9 @@ class FullyShardedDataParallel(nn.Module):
         self._final_callback_queued = False
         self._forward_pending_backward = False
         self._exec_order = ExecOrder()
+        # Used at the root only (the root's value counts for the whole tree).
+        self._grad_buckets = GradBuckets(int(cap_mb * 1024 * 1024))
+        self._all_gather_batch_bytes = int(batch_mb * 1024 * 1024)
         self._all_fsdp_states: list[FullyShardedDataParallel] = []
         self._all_handles: list[FlatParamHandle] = []
         self._state_of: dict[FlatParamHandle, FullyShardedDataParallel] = {}

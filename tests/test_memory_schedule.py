@@ -63,19 +63,20 @@ def _trace_one_backward(strategy: str, no_sync: bool, forwards: int) -> list[tup
         return 0 if buf is None else buf.untyped_storage().size()
 
     real_free = FlatParamHandle.free_unsharded_storage
-    real_reduce = FlatParamHandle.reduce_gradient
+    # Every reduction (one unit's or a bucket's) starts by taking the gradient.
+    real_reduce = FlatParamHandle.take_grad_for_reduction
 
     def free(self: FlatParamHandle) -> None:
         events.append(("free_early", index[id(self)], storage_bytes(self)))
         real_free(self)
 
-    def reduce(self: FlatParamHandle, sync: bool) -> None:
+    def reduce(self: FlatParamHandle, sync: bool) -> torch.Tensor | None:
         events.append(("reduce", index[id(self)], storage_bytes(self)))
-        real_reduce(self, sync)
+        return real_reduce(self, sync)
 
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
     FlatParamHandle.free_unsharded_storage = free  # type: ignore[method-assign]
-    FlatParamHandle.reduce_gradient = reduce  # type: ignore[method-assign]
+    FlatParamHandle.take_grad_for_reduction = reduce  # type: ignore[method-assign]
     try:
         ctx = model.no_sync() if no_sync else torch.enable_grad()
         with ctx:
@@ -83,7 +84,7 @@ def _trace_one_backward(strategy: str, no_sync: bool, forwards: int) -> list[tup
             loss.backward()
     finally:
         FlatParamHandle.free_unsharded_storage = real_free  # type: ignore[method-assign]
-        FlatParamHandle.reduce_gradient = real_reduce  # type: ignore[method-assign]
+        FlatParamHandle.take_grad_for_reduction = real_reduce  # type: ignore[method-assign]
     return events
 
 

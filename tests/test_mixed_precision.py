@@ -309,7 +309,9 @@ def _run_config(cfg: dict[str, Any]) -> list[str]:
         if [n for n, _ in b1] != [n for n, _ in b2]:
             errs.append(f"buffer names: torch {[n for n, _ in b1]} vs ours {[n for n, _ in b2]}")
         errs += [_close(f"buffer {n}", a, b, rtol) for (n, a), (_, b) in zip(b1, b2)]
-        if sorted(cols[0]) != sorted(cols[1]):
+        # The same dtypes per kind of collective; ours may be fewer (gradient
+        # buckets reduce several units in one), never more.
+        if sorted(set(cols[0])) != sorted(set(cols[1])) or len(cols[1]) > len(cols[0]):
             errs.append(f"collective dtypes: torch {sorted(cols[0])} vs ours {sorted(cols[1])}")
         bad_master = [n for n, p in ours.named_parameters() if p.dtype != FP32]
         if bad_master:

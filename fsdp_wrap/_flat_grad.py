@@ -1,0 +1,220 @@
+"""The gradient half of :class:`~fsdp_wrap._flat_param.FlatParamHandle`.
+
+A mixin the handle inherits, kept in its own file so the handle's file stays
+readable: parking a reduced gradient while a new one accumulates, taking the
+local gradient for reduction, installing the reduced one, and the original
+parameters' ``.grad`` views.  *How* a gradient is reduced lives in
+:mod:`fsdp_wrap._reduce` (one unit) and :mod:`fsdp_wrap._bucket` (several units
+in one collective); this file says what the handle holds before and after.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from . import _reduce as R
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from ._layout import FlatLayout, ParamInfo
+
+
+class GradientsMixin:
+    """Gradient bookkeeping of one flat parameter (see the handle for the tensors)."""
+
+    if TYPE_CHECKING:
+        flat_param: torch.nn.Parameter
+        infos: list[ParamInfo]
+        layout: FlatLayout
+        use_orig_params: bool
+        uses_sharded_strategy: bool
+        device: torch.device
+        shard_device: torch.device
+        orig_dtype: torch.dtype
+        compute_dtype: torch.dtype
+        reduce_dtype: torch.dtype
+        keep_low_precision_grads: bool
+        world_size: int
+        replicate_group: ProcessGroup | None
+        comm_hook: tuple[object, Callable[..., Any]] | None
+        has_unreduced_grad: bool
+        _saved_grad_shard: torch.Tensor | None
+        _reduce_spec: R.ReduceSpec
+        _shard_slices: list[tuple[int, int] | None]
+
+        def _to_shard_device(self, tensor: torch.Tensor, pin: bool = False) -> torch.Tensor: ...
+
+    def prepare_gradient_for_backward(self) -> None:
+        """Park an existing reduced gradient so a fresh local one can accumulate.
+
+        The parked gradient is added back after this backward's reduction, so
+        accumulation without ``zero_grad`` sums the per-iteration means.  An
+        unreduced (``no_sync``) gradient is left in place: autograd adds the new
+        local gradient to it and the next synced reduction takes both.  So is a
+        NO_SHARD gradient that needs no cast or move (the old mean is reduced
+        again with the new gradient, as torch does).
+        """
+        if self.use_orig_params:
+            self.sync_flat_grad_from_orig()
+        grad = self.flat_param.grad
+        if (
+            grad is not None
+            and not self.uses_sharded_strategy
+            and grad.device == self.device
+            and grad.dtype == self.compute_dtype == self.reduce_dtype
+        ):
+            # NO_SHARD without casts or offload: autograd adds the new gradient
+            # to the old one and the reduction takes the sum, torch's order of
+            # additions (parking the old gradient and adding it back after the
+            # reduction rounds differently, visibly at world size 1).
+            return
+        if grad is not None and not self.has_unreduced_grad:
+            self._saved_grad_shard = grad.detach()
+            self.flat_param.grad = None
+
+    def restore_parked_grad(self) -> None:
+        """A parked gradient whose unit got no new gradient goes back."""
+        if self._saved_grad_shard is not None and self.flat_param.grad is None:
+            _assign_grad(self.flat_param, self._saved_grad_shard)
+            self._saved_grad_shard = None
+            if self.use_orig_params:
+                self._set_grad_views()
+
+    def sync_flat_grad_from_orig(self) -> None:
+        """Honour ``zero_grad(set_to_none=True)`` done on the original params.
+
+        Their gradients are views of the flat gradient, which stays alive until
+        dropped here; the root calls this before every forward so the memory is
+        free for the forward (as torch does).
+        """
+        if self.has_unreduced_grad or self.flat_param.grad is None:
+            return
+        if all(info.param.grad is None for info in self.infos):
+            self.flat_param.grad = None
+
+    def reduce_gradient(self, sync: bool) -> None:
+        """Turn the local unsharded gradient on ``flat_param`` into the mean sharded one.
+
+        Called from the post-backward hook after ``reshard`` when this unit is
+        reduced on its own (see :mod:`fsdp_wrap._bucket` for several at once).
+        Sharded strategies reduce-scatter over the shard group; NO_SHARD
+        all-reduces; hybrid strategies then all-reduce the shard over the
+        replicate group.  With ``sync=False`` (``no_sync``) the local gradient
+        is kept for later.
+        """
+        grad = self.take_grad_for_reduction(sync)
+        if grad is None:
+            return
+        if self.comm_hook is not None:
+            reduced = R.reduce_with_hook(grad, self._reduce_spec, *self.comm_hook)
+        else:
+            reduced = R.reduce_default(grad, self._reduce_spec)
+        self.install_reduced_grad(reduced)
+
+    @property
+    def reduce_spec(self) -> R.ReduceSpec:
+        return self._reduce_spec
+
+    @property
+    def can_bucket_reduction(self) -> bool:
+        """Whether this unit's reduction may share a collective with other units'.
+
+        Not with a communication hook (it is called once per unit, with that
+        unit's tensors: torch's protocol), not with hybrid strategies (the
+        replicate-group all-reduce follows each unit's reduce-scatter), and
+        not at world size 1 (there is no collective to save).
+        """
+        return self.comm_hook is None and self.replicate_group is None and self.world_size > 1
+
+    def take_grad_for_reduction(self, sync: bool) -> torch.Tensor | None:
+        """The local unsharded gradient to reduce now, taken off ``flat_param``.
+
+        ``None`` when there is none, or under ``no_sync`` (``sync=False``),
+        where it stays on ``flat_param`` (and the original parameters get
+        full-shape views of it) for a later synced backward.  Postcondition of
+        a returned gradient: ``flat_param.grad`` is ``None`` until
+        :meth:`install_reduced_grad`.
+        """
+        grad = self.flat_param.grad
+        if grad is None:
+            return None
+        if grad.requires_grad:
+            raise RuntimeError("FSDP does not support gradients of gradients")
+        if not sync:
+            self.has_unreduced_grad = True
+            if self.use_orig_params:
+                self._set_unsharded_grad_views(grad)
+            return None
+        self.has_unreduced_grad = False
+        self.flat_param.grad = None
+        return grad
+
+    def install_reduced_grad(self, reduced: torch.Tensor) -> None:
+        """Make ``reduced`` (the mean, this rank's shard or all of it) ``flat_param.grad``.
+
+        It is returned to the original dtype (unless
+        ``keep_low_precision_grads``) and to CPU when offloading; a gradient
+        parked by the pre-backward hook is added to it.
+        """
+        # The sharded gradient matches the master parameter's dtype, or stays in
+        # the compute dtype with keep_low_precision_grads (as torch leaves it).
+        grad_dtype = self.compute_dtype if self.keep_low_precision_grads else self.orig_dtype
+        if reduced.dtype != grad_dtype:
+            reduced = reduced.to(grad_dtype)
+        if reduced.device != self.shard_device:
+            reduced = self._to_shard_device(reduced)
+        if self._saved_grad_shard is not None:
+            parked = self._saved_grad_shard
+            self._saved_grad_shard = None
+            if parked.dtype == reduced.dtype and parked.device == reduced.device:
+                reduced = parked.add_(reduced)
+            else:
+                reduced = parked.to(reduced) + reduced
+        _assign_grad(self.flat_param, reduced)
+        if self.use_orig_params:
+            self._set_grad_views()
+
+    def _set_unsharded_grad_views(self, grad: torch.Tensor, frozen_too: bool = False) -> None:
+        """Under ``no_sync`` the original params carry full-shape local gradients
+        (``summon_full_params(with_grads=True)``: frozen ones too)."""
+        views = grad.split(self.layout.segments)
+        for info, seg in zip(self.infos, self.layout.info_segment):
+            if not info.param.requires_grad and not frozen_too:
+                info.param.grad = None
+            else:
+                _assign_grad(info.param, views[seg].view(info.shape))
+
+    def _set_grad_views(self) -> None:
+        """Original params' ``.grad`` become views of the sharded flat gradient."""
+        grad = self.flat_param.grad
+        for info, sl in zip(self.infos, self._shard_slices):
+            if grad is None or sl is None or not info.param.requires_grad:
+                info.param.grad = None
+            elif not self.uses_sharded_strategy:
+                _assign_grad(info.param, grad[info.offset : info.offset + info.numel].view(info.shape))
+            else:
+                _assign_grad(info.param, grad[sl[0] : sl[1]])
+
+
+
+def _assign_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Set ``param.grad``, also when its shape, dtype or device differ from the data.
+
+    ``.grad =`` checks that they match; FSDP legitimately breaks that (a full
+    local gradient on a sharded parameter under ``no_sync``, a low-precision
+    gradient with ``keep_low_precision_grads``), so such gradients are
+    installed through ``.grad.data``.
+    """
+    if (
+        grad.shape == param.shape
+        and grad.dtype == param.dtype
+        and grad.device == param.device
+    ):
+        param.grad = grad
+        return
+    if param.grad is None:
+        param.grad = torch.empty_like(param)
+    param.grad.data = grad

@@ -1,0 +1,173 @@
+"""Batched all-gathers (``all_gather_batch_mb``) on real gloo groups.
+
+Two copies of one model train in lockstep on different data per rank, one
+gathering every unit on its own (``all_gather_batch_mb=0``) and one batching
+small units; gradients and parameters must be bit-identical every step (a
+gather moves data, it adds nothing).  The all-gathers are counted by
+wrapping :mod:`fsdp_wrap._collectives`, and the bytes held unsharded are
+checked against the cap.  Cases: FULL_SHARD and SHARD_GRAD_OP, both
+``use_orig_params``, backward prefetch kinds, forward prefetch, mixed
+precision, CPU offload, ``no_sync``, several forwards, units unused in a
+step, an evaluation forward without grad between steps, non-reentrant
+activation checkpointing, 3 ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import fsdp_wrap._collectives as C
+from fsdp_wrap import BackwardPrefetch, FullyShardedDataParallel
+from fsdp_wrap._gather_batch import (
+    ALL_GATHER_BATCH_ENV,
+    DEFAULT_ALL_GATHER_BATCH_MB,
+    resolve_all_gather_batch_mb,
+)
+from tests._options_common import rank_tag, run_configs
+from tests.test_buckets import Net, _batch, _differences, _grads, _kwargs
+
+UNIT_MB = 280 * 4 / 2**20  # one small block's fp32 gather
+
+
+def _wrap(net: Net, batch_mb: float, **kw: Any) -> nn.Module:
+    for i, block in enumerate(net.blocks):
+        net.blocks[i] = FullyShardedDataParallel(block, **kw)
+    return FullyShardedDataParallel(net, all_gather_batch_mb=batch_mb, bucket_cap_mb=0.0, **kw)
+
+
+class GatherSpy:
+    """Counts all-gathers and records the most bytes held unsharded at a gather."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.calls = 0
+        self.model = model
+        self.max_held = 0
+        self.real = C.all_gather_into
+
+    def __enter__(self) -> GatherSpy:
+        def all_gather_into(output: torch.Tensor, *a: Any, **k: Any) -> Any:
+            self.calls += 1
+            held = sum(h.gather_nbytes for h in self.model._all_handles  # type: ignore[union-attr]
+                       if h._gathered[False].valid)
+            self.max_held = max(self.max_held, held)
+            return self.real(output, *a, **k)
+
+        C.all_gather_into = all_gather_into  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        C.all_gather_into = self.real  # type: ignore[assignment]
+
+
+def _step(model: nn.Module, step: int, cfg: dict[str, Any], net: Net) -> None:
+    net.skip = set(cfg.get("skip", {}).get(step, ()))
+    net.checkpoint = bool(cfg.get("ckpt"))
+    if cfg.get("nosync"):
+        with model.no_sync():  # type: ignore[operator]
+            model(_batch(step, 1)).float().pow(2).mean().backward()
+    if cfg.get("eval"):
+        with torch.no_grad():
+            model(_batch(step, 5))
+    k = cfg.get("forwards", 1)
+    loss = sum(model(_batch(step, 2 + i)).float().pow(2).mean() for i in range(k))
+    loss.backward()  # type: ignore[union-attr]
+
+
+def _batched_vs_single(cfg: dict[str, Any]) -> list[str]:
+    torch.manual_seed(0)
+    base = Net()
+    nets = [copy.deepcopy(base), copy.deepcopy(base)]
+    kw = _kwargs(cfg)
+    kw["backward_prefetch"] = cfg.get("bp", BackwardPrefetch.BACKWARD_PRE)
+    kw["forward_prefetch"] = cfg.get("fp", False)
+    models = [_wrap(nets[0], 0.0, **kw), _wrap(nets[1], cfg["batch"], **kw)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    tag = f"{rank_tag()} {cfg}"
+    fails: list[str] = []
+    counts = []
+    for step in range(3):
+        for i, m in enumerate(models):
+            with GatherSpy(m) as spy:
+                _step(m, step, cfg, nets[i])
+            counts.append(spy.calls)
+            # The unit being gathered, the cap's worth of followers, and the root
+            # (kept gathered through forward, as torch does).
+            limit = cfg["batch"] * 2**20 + 2 * 2128 * 4 + 68 * 4 if i else None
+            if limit is not None and spy.max_held > limit:
+                fails.append(f"{tag}: {spy.max_held} bytes held unsharded > {limit}")
+        fails += _differences(f"{tag} step {step} grad", _grads(models[0]), _grads(models[1]))
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        fails += _differences(f"{tag} step {step} param", list(models[0].parameters()),
+                              list(models[1].parameters()))
+    single, batched = counts[-2], counts[-1]
+    if cfg.get("fewer", True) and not batched < single:
+        fails.append(f"{tag}: {batched} all-gathers batched vs {single} single in the last step")
+    return fails[:6]
+
+
+def _configs() -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for strategy, uop in itertools.product(["FULL_SHARD", "SHARD_GRAD_OP"], [False, True]):
+        base = dict(strategy=strategy, uop=uop)
+        out.append(dict(base, batch=3 * UNIT_MB))
+        out.append(dict(base, batch=1.0, fp=True))
+        out.append(dict(base, batch=2 * UNIT_MB, nosync=True, eval=True))
+        out.append(dict(base, batch=3 * UNIT_MB, forwards=2, bp=BackwardPrefetch.BACKWARD_POST))
+        out.append(dict(base, batch=3 * UNIT_MB, skip={1: (1, 4)}, bp=None))
+        out.append(dict(base, batch=0.5 * UNIT_MB, fewer=False))  # no unit is small enough
+        # Recomputed forwards in backward do not batch (their next units are done).
+        out.append(dict(base, batch=3 * UNIT_MB, ckpt=True))
+    for uop in (False, True):
+        out.append(dict(strategy="FULL_SHARD", uop=uop, batch=3 * UNIT_MB, mp=torch.float32))
+        out.append(dict(strategy="FULL_SHARD", uop=uop, batch=3 * UNIT_MB, offload=True))
+    return out
+
+
+def test_batched_gathers_bit_identical(pool2: Any) -> None:
+    fails = [f for r in pool2.run(run_configs, _configs(), _batched_vs_single) for f in r]
+    assert not fails, "\n".join(fails)
+
+
+def test_batched_gathers_three_ranks(pool3: Any) -> None:
+    configs = [c for c in _configs() if not c.get("mp") and not c.get("offload")][:6]
+    fails = [f for r in pool3.run(run_configs, configs, _batched_vs_single) for f in r]
+    assert not fails, "\n".join(fails)
+
+
+def _count_forward_gathers(batch_mb: float) -> list[int]:
+    torch.manual_seed(0)
+    model = _wrap(Net(), batch_mb)
+    counts = []
+    for _ in range(2):  # the forward order is known from the second iteration on
+        with GatherSpy(model) as spy:
+            model(_batch(0)).sum().backward()
+        counts.append(spy.calls)
+    return counts
+
+
+def test_gather_counts(pool2: Any) -> None:
+    """7 units; FULL_SHARD gathers 7 in forward and 6 in backward (the root stays)."""
+    assert pool2.run(_count_forward_gathers, 0.0)[0] == [13, 13]
+    # Up to 3 small units' bytes per batch.  Backward: 5+4, 3 (big, alone),
+    # 2+1+0 (prefetched as one batch).  Forward, once its order is known (from
+    # the second iteration): root+0+1, 2 (3 would not fit), 3, 4+5.
+    assert pool2.run(_count_forward_gathers, 3 * UNIT_MB)[0] == [7 + 3, 4 + 3]
+
+
+def test_resolution_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ALL_GATHER_BATCH_ENV, raising=False)
+    assert resolve_all_gather_batch_mb(None) == DEFAULT_ALL_GATHER_BATCH_MB == 1.0
+    monkeypatch.setenv(ALL_GATHER_BATCH_ENV, "1.5")
+    assert resolve_all_gather_batch_mb(None) == 1.5
+    with pytest.raises(ValueError, match="all_gather_batch_mb must be >= 0"):
+        FullyShardedDataParallel(nn.Linear(2, 2), all_gather_batch_mb=-1)
+    assert not dist.is_initialized()
