@@ -1,0 +1,132 @@
+"""Mixed-precision overrides of the auto-wrap pass.
+
+Module classes that must run in full precision (``MixedPrecision._module_classes_to_ignore``,
+e.g. batch norm) become FSDP units of their own with mixed precision off, and get
+forward hooks that run them in float32 inside a low-precision model.  Used by
+:mod:`fsdp_wrap.wrap`; nothing here builds a unit.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import functools
+import warnings
+from collections.abc import Iterable
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.nn.utils.rnn import PackedSequence
+
+
+def _add_mixed_precision_overrides(
+    root_module: nn.Module,
+    module_classes: Iterable[type[nn.Module]],
+    ignored_modules: set[nn.Module],
+    root_kwargs: dict[str, Any],
+    targets: dict[nn.Module, dict[str, Any]],
+) -> dict[nn.Module, dict[str, Any]]:
+    """Make every instance of ``module_classes`` a unit with mixed precision off.
+
+    Modules already chosen by the policy keep their kwargs except for
+    ``mixed_precision``; others are added with the root's kwargs.
+    """
+    classes = tuple(set(module_classes))
+    for candidate in root_module.modules():
+        if candidate in ignored_modules or not isinstance(candidate, classes):
+            continue
+        if candidate not in targets:
+            targets[candidate] = copy.copy(root_kwargs)
+        targets[candidate]["mixed_precision"] = None
+    return targets
+
+
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
+    """Apply ``fn`` to each tensor inside nested tuples, lists, dicts and dataclasses."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, PackedSequence):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {
+            f.name: _map_tensors(fn, getattr(value, f.name))
+            for f in dataclasses.fields(value)
+            if f.init
+        }
+        return dataclasses.replace(value, **changes)
+    if isinstance(value, collections.OrderedDict):
+        ordered = value.__class__()
+        for key, item in value.items():
+            ordered[key] = _map_tensors(fn, item)
+        return ordered
+    if isinstance(value, dict):
+        return {key: _map_tensors(fn, item) for key, item in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_map_tensors(fn, item) for item in value))
+    if isinstance(value, (list, tuple, set)):
+        return type(value)(_map_tensors(fn, item) for item in value)
+    return value
+
+
+def _register_full_precision_hooks(module: nn.Module) -> None:
+    """Run ``module`` in float32 while the rest of the model may run in low precision.
+
+    A forward pre-hook casts floating-point positional inputs to float32 and
+    remembers the dtype they arrived in; a forward hook casts floating-point
+    outputs back to that dtype.  Both are appended after existing hooks.
+    """
+    arrived_dtype: list[torch.dtype | None] = [None]
+
+    def to_dtype(dtype: torch.dtype, tensor: torch.Tensor) -> torch.Tensor:
+        if not torch.is_floating_point(tensor) or tensor.dtype == dtype:
+            return tensor
+        arrived_dtype[0] = tensor.dtype
+        return tensor.to(dtype)
+
+    def pre_hook(mod: nn.Module, args: tuple[Any, ...]) -> Any:
+        arrived_dtype[0] = None
+        return _map_tensors(functools.partial(to_dtype, torch.float32), args)
+
+    def post_hook(mod: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        original = arrived_dtype[0]
+        if original is None:
+            return None
+        return _map_tensors(functools.partial(to_dtype, original), output)
+
+    module.register_forward_pre_hook(pre_hook, prepend=False)
+    module.register_forward_hook(post_hook, prepend=False)
+
+
+def _override_mixed_precision(
+    root_module: nn.Module, module_classes: Iterable[type[nn.Module]]
+) -> set[type[nn.Module]]:
+    """Tag every instance of ``module_classes`` to be wrapped without mixed precision.
+
+    Sets ``_wrap_overrides = {"mixed_precision": None}`` (which :func:`_wrap`
+    applies) and the float32 cast hooks on each instance in the whole tree,
+    ignored modules included.  Returns the concrete classes found.
+    """
+    classes = tuple(set(module_classes))
+    found: set[type[nn.Module]] = set()
+    for candidate in root_module.modules():
+        if not isinstance(candidate, classes):
+            continue
+        found.add(type(candidate))
+        candidate._wrap_overrides = {"mixed_precision": None}  # type: ignore[assignment]
+        _register_full_precision_hooks(candidate)
+    return found
+
+
+def _warn_mixed_precision_overrides(found: set[type[nn.Module]]) -> None:
+    if not found:
+        return
+    # The misspelling "instacnes" is kept on purpose: the text matches torch's.
+    warnings.warn(
+        "Both mixed precision and an auto_wrap_policy were specified to FSDP, "
+        f"where the wrapped module has submodules of type:\n{found}\n"
+        "These modules will be wrapped as separate FSDP instacnes with mixed "
+        "precision disabled.",
+        stacklevel=3,
+    )
