@@ -385,6 +385,10 @@ def test_every_case_has_an_expectation() -> None:
 XFAIL: dict[str, str] = {}
 
 
+def _words(message: str) -> str:
+    return " ".join(re.sub(r"[()',.]", " ", message).split())
+
+
 @pytest.mark.parametrize(
     "case",
     [
@@ -397,7 +401,10 @@ def test_misuse_matches_torch(pool2: Any, case: str) -> None:
     for rank, res in enumerate(_results(pool2)):
         torch_out, ours = res[case]["torch"], res[case]["ours"]
         assert torch_out is not None, f"torch did not raise for {case} on rank {rank}"
-        assert text in torch_out[1], f"reference text changed? torch said: {torch_out[1]}"
+        # torch < 2.13 words some messages as a tuple of strings: compare words there
+        assert _words(text) in _words(torch_out[1]), (
+            f"reference text changed? torch said: {torch_out[1]}"
+        )
         assert ours is not None, (
             f"fsdp_wrap did not raise for {case} on rank {rank} (torch: {torch_out})"
         )
