@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -311,7 +312,8 @@ def _run_config(cfg: dict[str, Any]) -> list[str]:
         errs += [_close(f"buffer {n}", a, b, rtol) for (n, a), (_, b) in zip(b1, b2)]
         # The same dtypes per kind of collective; ours may be fewer (gradient
         # buckets reduce several units in one), never more.
-        if sorted(set(cols[0])) != sorted(set(cols[1])) or len(cols[1]) > len(cols[0]):
+        theirs, mine = Counter(cols[0]), Counter(cols[1])
+        if set(theirs) != set(mine) or any(mine[k] > theirs[k] for k in mine):
             errs.append(f"collective dtypes: torch {sorted(cols[0])} vs ours {sorted(cols[1])}")
         bad_master = [n for n, p in ours.named_parameters() if p.dtype != FP32]
         if bad_master:
