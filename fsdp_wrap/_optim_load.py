@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import _chunks as CH
 from . import _sharded_io
 from . import _state_dict as SD
 from ._optim_index import _Index, _index, _piece, _rank0_group, _Unit
@@ -210,15 +211,15 @@ def _outside_states(index: _Index, state_in: dict[str, dict[str, Any]]) -> dict[
     order), so the optimizer can step it (torch would pass the chunks on)."""
     outside = {f for u, _, fqns in index.where.values() if u < 0 for f in fqns}
     out = {
-        fqn: {n: v.clone() if isinstance(v, torch.Tensor) and not SD.is_chunked(v) else v
+        fqn: {n: v.clone() if isinstance(v, torch.Tensor) and not CH.is_chunked(v) else v
               for n, v in st.items()}
         for fqn, st in state_in.items() if fqn in outside
     }
-    chunked = [(f, n) for f in sorted(out) for n in sorted(out[f]) if SD.is_chunked(out[f][n])]
+    chunked = [(f, n) for f in sorted(out) for n in sorted(out[f]) if CH.is_chunked(out[f][n])]
     if chunked:
-        layout = SD.chunk_layout(index.units[0].state, False)
+        layout = CH.chunk_layout(index.units[0].state, False)
         items = [(f"{f}.{n}", out[f][n]) for f, n in chunked]
-        for (f, n), t in zip(chunked, SD.gather_chunks(items, layout)):
+        for (f, n), t in zip(chunked, CH.gather_chunks(items, layout)):
             out[f][n] = t
     return out
 
@@ -234,14 +235,14 @@ def _chunked_states_to_shards(unit: _Unit, state_in: dict[str, dict[str, Any]]) 
     for k, fqn in enumerate(unit.fqns):
         for name, v in state_in.get(fqn, {}).items():
             per_name.setdefault(name, {})[k] = v
-    layout = SD.chunk_layout(unit.state, False)
+    layout = CH.chunk_layout(unit.state, False)
     out: dict[str, torch.Tensor] = {}
     for name in sorted(per_name):
         vals = per_name[name]
-        if not all(SD.is_chunked(v) for v in vals.values()):
+        if not all(CH.is_chunked(v) for v in vals.values()):
             continue
         chunks = {
-            k: SD._local_chunk(f"{unit.fqns[k]}.{name}", v, layout)[1] for k, v in vals.items()
+            k: CH.local_chunk(f"{unit.fqns[k]}.{name}", v, layout)[1] for k, v in vals.items()
         }
         dtype = next(iter(vals.values())).dtype
         shard = torch.zeros(h.shard_numel, dtype=dtype, device=h.device)
@@ -262,12 +263,12 @@ def _unit_full_states(
         (k, name)
         for k in range(len(full))
         for name in sorted(full[k])
-        if SD.is_chunked(full[k][name])
+        if CH.is_chunked(full[k][name])
     ]
     if chunked:
-        layout = SD.chunk_layout(unit.state, False)
+        layout = CH.chunk_layout(unit.state, False)
         items = [(f"{unit.fqns[k]}.{name}", full[k][name]) for k, name in chunked]
-        for (k, name), t in zip(chunked, SD.gather_chunks(items, layout)):
+        for (k, name), t in zip(chunked, CH.gather_chunks(items, layout)):
             full[k][name] = t
     for st in full:
         for name, v in st.items():

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import _chunks as CH
 from . import _collectives, _sharded_io
 from . import _state_dict as SD
 from ._collectives import global_rank
@@ -181,7 +182,7 @@ def _gather_optim(
             for k, names in rank_desc[i].items():
                 for name, d in names.items():
                     merged.setdefault(k, {}).setdefault(name, d)
-        layout = SD.chunk_layout(unit.state, use_dtensor) if not full else None
+        layout = CH.chunk_layout(unit.state, use_dtensor) if not full else None
         shard_names = sorted({n for st in merged.values() for n, d in st.items() if d[0] == "shard"})
         for name in shard_names:
             holders = [k for k, st in merged.items() if st.get(name, ("",))[0] == "shard"]
@@ -192,7 +193,7 @@ def _gather_optim(
                 chunks = _sharded_io.chunks_from_shard(h, shard, holders)
                 del shard
                 for k in holders:
-                    values.setdefault(unit.fqns[k], {})[name] = SD.wrap_chunk(
+                    values.setdefault(unit.fqns[k], {})[name] = CH.wrap_chunk(
                         chunks[k], h.infos[k].shape, dtype, layout, offload_to_cpu  # type: ignore[arg-type]
                     )
                 continue
@@ -205,7 +206,7 @@ def _gather_optim(
                 if full:
                     value = t.to("cpu", copy=True) if offload_to_cpu else t.clone()
                 else:
-                    value = SD.chunk_tensor(t, layout, offload_to_cpu)  # type: ignore[arg-type]
+                    value = CH.chunk_tensor(t, layout, offload_to_cpu)  # type: ignore[arg-type]
                 values.setdefault(unit.fqns[k], {})[name] = value
         for k, st in merged.items():
             for name, d in st.items():
@@ -367,7 +368,7 @@ def _ordered_entries(entries: dict[str, Any], orig_params: bool) -> dict[str, An
 
     def rank(item: tuple[str, Any]) -> int:
         v = item[1]
-        if SD.is_chunked(v) or (isinstance(v, torch.Tensor) and v.dim() > 0):
+        if CH.is_chunked(v) or (isinstance(v, torch.Tensor) and v.dim() > 0):
             return 2
         return 1 if isinstance(v, torch.Tensor) else 0
 

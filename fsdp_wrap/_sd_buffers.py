@@ -14,14 +14,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._layout import walk_unit_modules
+from ._names import CHECKPOINT_WRAPPED, WRAPPED
 
 if TYPE_CHECKING:
     from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
 
 __all__ = ["buffers_in_original_dtype"]
-
-_WRAPPED = "_fsdp_wrapped_module."
-_CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module."
 
 
 def buffers_in_original_dtype(state: FSDP, state_dict: dict[str, Any], prefix: str,
@@ -31,7 +29,7 @@ def buffers_in_original_dtype(state: FSDP, state_dict: dict[str, Any], prefix: s
 
     if local:
         for rel, dtype in state._buffer_orig_dtypes.items():
-            key = prefix + _WRAPPED + rel
+            key = prefix + WRAPPED + rel
             value = state_dict.get(key)
             if isinstance(value, torch.Tensor) and value.dtype != dtype:
                 state_dict[key] = value.to(dtype)
@@ -47,7 +45,7 @@ def buffers_in_original_dtype(state: FSDP, state_dict: dict[str, Any], prefix: s
             if b is None or name in mod._non_persistent_buffers_set:
                 continue
             raw = f"{mod_fqn}.{name}" if mod_fqn else name
-            key = prefix + _WRAPPED + raw.replace(_CHECKPOINT_WRAPPED, "")
+            key = prefix + WRAPPED + raw.replace(CHECKPOINT_WRAPPED, "")
             value = state_dict.get(key)
             if isinstance(value, torch.Tensor):
                 dtype = state._buffer_orig_dtypes.get(raw, value.dtype)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import _chunks as CH
 from . import _collectives
 from . import _state_dict as SD
 from ._collectives import global_rank
@@ -200,7 +201,7 @@ def load_sharded_unit(
     h = state._handle
     if h is None:
         return
-    layout = SD.chunk_layout(state, SD._uses_dtensor(state))
+    layout = CH.chunk_layout(state, SD._uses_dtensor(state))
     if layout.world_size != h.world_size:
         raise RuntimeError(
             f"[rank {global_rank()}] FSDP unit '{h.unit_fqn or '<root>'}': sharded state-dict values are "
@@ -217,7 +218,7 @@ def load_sharded_unit(
                     missing_keys.append(key)
                 continue
             shape = (
-                torch.Size(value.size()) if SD.is_chunked(value)
+                torch.Size(value.size()) if CH.is_chunked(value)
                 else value.shape if isinstance(value, torch.Tensor) else None
             )
             if shape is None or tuple(shape) != tuple(info.shape):
@@ -226,8 +227,8 @@ def load_sharded_unit(
                     f"size mismatch for {SD.clean_key(key)}: copying a param with shape {got} "
                     f"from checkpoint, the shape in current model is {tuple(info.shape)}."
                 )
-            elif SD.is_chunked(value):
-                chunks[i] = SD._local_chunk(key, value, layout)[1]
+            elif CH.is_chunked(value):
+                chunks[i] = CH.local_chunk(key, value, layout)[1]
             else:
                 sl = h.param_shard_slice(i)
                 if sl is not None:

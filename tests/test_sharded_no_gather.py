@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_wrap
 from fsdp_wrap import _collectives
-from fsdp_wrap._state_dict import ChunkLayout, chunk_tensor
+from fsdp_wrap._chunks import ChunkLayout, chunk_tensor
 from tests import _ckpt_common as C
 from tests.test_full_checkpoint import build, train
 

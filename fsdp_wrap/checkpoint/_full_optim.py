@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
-from .. import _state_dict as SD
+from .. import _chunks as CH
 from ..api import StateDictType
 from . import _safetensors
 from ._safetensors import Entry
@@ -105,7 +105,7 @@ def stream(root: FSDP, osd: dict[str, Any], sink: Any, window_bytes: int) -> Non
             local = _local(v).detach().reshape(-1)
             window = max(1, window_bytes // local.element_size())
             for r in range(ws):
-                start, rows = SD._chunk_rows(shape[0], ws, r)
+                start, rows = CH.chunk_rows(shape[0], ws, r)
                 n = rows * row
                 for w0 in range(0, n, window):
                     w1 = min(n, w0 + window)
@@ -163,7 +163,7 @@ def load(
     objects: dict[str, Any],
 ) -> None:
     """Read this rank's chunks, then ``optim_state_dict_to_load`` (a collective, no gather)."""
-    layout = SD.chunk_layout(root, False)
+    layout = CH.chunk_layout(root, False)
     state: dict[str, dict[str, Any]] = {}
     files: dict[str, Any] = {}
     try:
@@ -176,10 +176,10 @@ def load(
                 value: Any = _safetensors.read_tensor(st, f)
             else:
                 row = math.prod(st.shape[1:])
-                start, rows = SD._chunk_rows(st.shape[0], layout.world_size, layout.rank)
+                start, rows = CH.chunk_rows(st.shape[0], layout.world_size, layout.rank)
                 flat = _safetensors.read_flat_range(st, start * row, rows * row, f)
                 local = flat.view(rows, *st.shape[1:]).to(root.compute_device)
-                value = SD.wrap_chunk(local, torch.Size(st.shape), st.dtype, layout, False)
+                value = CH.wrap_chunk(local, torch.Size(st.shape), st.dtype, layout, False)
             state.setdefault(fqn, {})[name] = value
     finally:
         for fh in files.values():
