@@ -97,6 +97,7 @@ class FlatParamHandle(GradientsMixin):
         offload_params: bool = False,
         replicate_group: ProcessGroup | None = None,
         limit_all_gathers: bool = True,
+        use_full_prec_in_eval: bool = False,
     ) -> None:
         self.module = module  # the unit's wrapped module
         self.unit_fqn = unit_fqn
@@ -187,7 +188,7 @@ class FlatParamHandle(GradientsMixin):
         # The forward's views of the original parameters (checked before backward).
         self.compute_views: list[torch.Tensor] = []
         self._skip_writeback_check = os.environ.get("FSDP_SKIP_WRITEBACK_CHECK", "") == "1"
-        self._use_full_prec_in_eval = os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL", "") == "1"
+        self._use_full_prec_in_eval = use_full_prec_in_eval  # the unit's (FSDP_USE_FULL_PREC_IN_EVAL)
         # Swapping views calls a module's own __setattr__/__delattr__ override,
         # as torch does, unless FSDP_USE_UNSAFE_SETATTR=1.
         self._safe_setattr = os.environ.get("FSDP_USE_UNSAFE_SETATTR", "") != "1"

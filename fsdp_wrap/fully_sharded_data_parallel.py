@@ -224,6 +224,7 @@ class FullyShardedDataParallel(nn.Module):
                 offload_params=self.cpu_offload.offload_params,
                 replicate_group=self._inter_node_pg if pg_state.replicate_size > 1 else None,
                 limit_all_gathers=limit_all_gathers,
+                use_full_prec_in_eval=self._use_full_prec_in_eval,
             )
             if self._handle.flat_param.requires_grad:
                 # A fully frozen unit gets no gradient; the end-of-backward
