@@ -387,10 +387,10 @@ def _with_optimizer(root: str) -> list[str]:
                         problems.append(f"{uop}: converted state.{fqn}.{name}")
             if [g["params"] for g in one["optim"]["param_groups"]] != [g["params"] for g in groups]:
                 problems.append(f"{uop}: converted param_groups")
-        want = _losses(model, opt)
+        want = C.train(model, opt, "tied", range(5, 8))  # token ids
         other, other_opt = build(seed=8, uop=not uop)
         load_full_checkpoint(other, path, other_opt)
-        got_losses = _losses(other, other_opt)
+        got_losses = C.train(other, other_opt, "tied", range(5, 8))
         if got_losses != want:
             problems.append(f"{uop}: resumed {got_losses} != {want}")
         # a model without optimizer files: one clear error
@@ -401,20 +401,6 @@ def _with_optimizer(root: str) -> list[str]:
             if "holds no optimizer state" not in str(e):
                 problems.append(str(e))
     return problems
-
-
-def _losses(model: nn.Module, opt: torch.optim.Optimizer) -> list[float]:
-    out = []
-    for s in range(5, 8):
-        g = torch.Generator().manual_seed(100 * s + dist.get_rank())
-        loss = model(torch.randint(0, 16, (4, 3), generator=g)).float().pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        out.append(t.item())
-    return out
 
 
 def test_optimizer_state_saved_and_resumed(pool2: Any, tmp_path: Any) -> None:
