@@ -512,7 +512,7 @@ def _param_names(model: nn.Module, params: list[torch.Tensor]) -> list[str]:
         _, k, fqns = where[id(p)]
         if k < 0 and len(fqns) > 1:
             raise RuntimeError(
-                f"rank {dist.get_rank() if dist.is_initialized() else 0}: rekey_optim_state_dict "
+                f"rank {global_rank()}: rekey_optim_state_dict "
                 f"maps each optimizer parameter id to one name, but the optimizer steps a flat "
                 f"parameter holding {len(fqns)} original parameters ({', '.join(fqns[:3])}"
                 f"{', ...' if len(fqns) > 3 else ''}). Wrap with use_orig_params=True so the "
@@ -521,10 +521,6 @@ def _param_names(model: nn.Module, params: list[torch.Tensor]) -> list[str]:
             )
         names.append(fqns[0])
     return names
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def rekey_optim_state_dict(
@@ -537,7 +533,7 @@ def rekey_optim_state_dict(
     key_type = getattr(optim_state_key_type, "name", None)
     if key_type not in ("PARAM_NAME", "PARAM_ID"):
         raise AssertionError(
-            f"[rank {_rank()}] Expected optim_state_key_type to be PARAM_NAME or PARAM_ID, got "
+            f"[rank {global_rank()}] Expected optim_state_key_type to be PARAM_NAME or PARAM_ID, got "
             f"{optim_state_key_type}; pass OptimStateKeyType.PARAM_NAME or "
             "OptimStateKeyType.PARAM_ID"
         )
@@ -547,7 +543,7 @@ def rekey_optim_state_dict(
     ids = [type(k) is int for k in keys]
     if (any(names) and not all(names)) or (any(ids) and not all(ids)):
         raise ValueError(
-            f"[rank {_rank()}] Invalid parameter keys: {osd['state'].keys()}; an optimizer "
+            f"[rank {global_rank()}] Invalid parameter keys: {osd['state'].keys()}; an optimizer "
             "state dict is keyed either all by parameter id (int) or all by name (str): "
             "rekey the parts separately or drop the foreign entries"
         )

@@ -347,7 +347,7 @@ def verify_full_checkpoint(model: nn.Module, path: str, strict: bool = True) -> 
     nothing else.  Returns the stored tensors by name.
     """
     root = _root(model, "load_full_checkpoint")
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = global_rank()
     if os.path.isdir(path) and _atomic.read_marker(path) is None:
         pass  # a safetensors directory from elsewhere (e.g. Hugging Face): no marker to check
     else:
@@ -422,7 +422,7 @@ def load_full_checkpoint(
     optim_stored: dict[str, Any] = {}
     objects: dict[str, Any] = {}
     if optim is not None:
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        rank = global_rank()
         shapes = {name: e.shape for name, e in plan_entries(root).items()}
         optim_stored, objects = _full_optim.check(path, shapes, rank)
     files: dict[str, Any] = {}
