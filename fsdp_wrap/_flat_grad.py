@@ -190,11 +190,18 @@ class GradientsMixin:
     def _set_grad_views(self) -> None:
         """Original params' ``.grad`` become views of the sharded flat gradient."""
         grad = self.flat_param.grad
+        if grad is not None and not self.uses_sharded_strategy:
+            # The whole flat gradient: one split instead of a slice per parameter.
+            pieces = grad.split(self.layout.segments)
+            for info, seg in zip(self.infos, self.layout.info_segment):
+                if info.param.requires_grad:
+                    _assign_grad(info.param, pieces[seg].view(info.shape))
+                else:
+                    info.param.grad = None
+            return
         for info, sl in zip(self.infos, self._shard_slices):
             if grad is None or sl is None or not info.param.requires_grad:
                 info.param.grad = None
-            elif not self.uses_sharded_strategy:
-                _assign_grad(info.param, grad[info.offset : info.offset + info.numel].view(info.shape))
             else:
                 _assign_grad(info.param, grad[sl[0] : sl[1]])
 

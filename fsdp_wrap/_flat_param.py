@@ -187,6 +187,7 @@ class FlatParamHandle(GradientsMixin):
         self._params_registered = False
         # The forward's views of the original parameters (checked before backward).
         self.compute_views: list[torch.Tensor] = []
+        self._views_have_history = False
         self._skip_writeback_check = os.environ.get("FSDP_SKIP_WRITEBACK_CHECK", "") == "1"
         self._use_full_prec_in_eval = use_full_prec_in_eval  # the unit's (FSDP_USE_FULL_PREC_IN_EVAL)
         # Swapping views calls a module's own __setattr__/__delattr__ override,
@@ -518,8 +519,32 @@ class FlatParamHandle(GradientsMixin):
             tensors.append(view)
             self._set_tensor(info.module, info.name, view)
         self.compute_views = tensors
+        self._views_have_history = torch.is_grad_enabled()
         for shared in self.shared:
             self._set_tensor(shared.module, shared.name, tensors[shared.index])
+
+    def forward_views_reusable(self) -> bool:
+        """Whether backward may keep the forward's views instead of making new ones.
+
+        Only where the unsharded data *is* the flat parameter (NO_SHARD with no
+        cast or move: nothing is gathered or freed, so no early free watches
+        the views' split node), the views were made with autograd history (a
+        recompute inside backward then routes its gradients through them), and
+        every module still holds them.
+        """
+        if (self.uses_sharded_strategy or self._needs_copy or not self._views_have_history
+                or not self.compute_views or self.state is not HandleState.UNSHARDED):
+            return False
+        orig = self.use_orig_params
+        for info, view in zip(self.infos, self.compute_views):
+            held = info.module._parameters if orig else info.module.__dict__
+            if held.get(info.name) is not view:
+                return False
+        for shared in self.shared:
+            held = shared.module._parameters if orig else shared.module.__dict__
+            if held.get(shared.name) is not self.compute_views[shared.index]:
+                return False
+        return True
 
     def _track_graph(self, split_node: Any) -> None:
         """Watch the node that splits ``flat_param`` into this forward's views.
@@ -598,15 +623,22 @@ class FlatParamHandle(GradientsMixin):
                 self._params_registered = False
             return
         self._params_registered = False
+        shard = self.local_shard
+        base, itemsize = shard.data_ptr(), shard.element_size()
         for info, sl in zip(self.infos, self._shard_slices):
+            param = info.param
             if not self.uses_sharded_strategy:
-                data = self.local_shard[info.offset : info.offset + info.numel].view(info.shape)
+                lo, hi, shape = info.offset, info.offset + info.numel, info.shape
             elif sl is not None:
-                data = self.local_shard[sl[0] : sl[1]]
+                lo, hi = sl
+                shape = torch.Size((hi - lo,))
             else:
-                data = self.local_shard[:0]
-            info.param.data = data
-            self._set_param(info.module, info.name, info.param)
+                lo, hi, shape = 0, 0, torch.Size((0,))
+            # Most steps the parameter still views exactly this piece: no new view.
+            if (param.data_ptr() != base + lo * itemsize or param.shape != shape
+                    or param.dtype != shard.dtype or not param.is_contiguous()):
+                param.data = shard[lo:hi].view(shape)
+            self._set_param(info.module, info.name, param)
         for shared in self.shared:
             self._set_param(shared.module, shared.name, self.infos[shared.index].param)
 

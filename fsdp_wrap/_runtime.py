@@ -75,6 +75,9 @@ def root_pre_forward(state: FSDP, args: tuple[Any, ...], kwargs: dict[str, Any])
         if handle.use_orig_params:
             # Replaced parameters/gradients are taken up (or refused) before
             # any collective of this forward.
+            # (A flat gradient whose views were all set to None is dropped
+            # first, so the write-back check has no gradient to zero.)
+            handle.sync_flat_grad_from_orig()
             handle.pre_unshard()
             handle.sync_flat_grad_from_orig()
     _buffers_for_eval(state)
@@ -185,9 +188,12 @@ def _pre_backward_hook(
                      functools.partial(_next_backward_pending, root))
         handle.finish_unshard(full_precision=handle.computes_in_full_precision)
         # Hooks run with grad disabled; reentrant activation checkpointing
-        # recomputes the forward through these views and needs them tracked.
-        with torch.enable_grad():
-            handle.use_unsharded_views()
+        # recomputes the forward through these views and needs them tracked
+        # (and, on a sharded unit, apart from the forward's, whose split node
+        # triggers the early free).  NO_SHARD keeps the forward's when it can.
+        if not handle.forward_views_reusable():
+            with torch.enable_grad():
+                handle.use_unsharded_views()
         if state.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
             _prefetch_backward(state, handle)
         handle.prepare_gradient_for_backward()

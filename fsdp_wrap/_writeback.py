@@ -79,6 +79,8 @@ def write_back_orig_params(handle: FlatParamHandle) -> bool:
     views of the local shard).  Returns whether any parameter data changed,
     in which case the caller must drop gathered copies.
     """
+    if _nothing_replaced(handle):
+        return False
     wrote = False
     shard = handle.local_shard
     grad_full = not handle.uses_sharded_strategy or handle.has_unreduced_grad
@@ -114,6 +116,42 @@ def write_back_orig_params(handle: FlatParamHandle) -> bool:
     if wrote:
         handle.use_sharded_views()  # the original parameters view the shard again
     return wrote
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    lo = t.data_ptr()
+    return lo, lo + t.numel() * t.element_size()
+
+
+def _nothing_replaced(handle: FlatParamHandle) -> bool:
+    """The common case, decided cheaply: every original parameter is still the
+    registered object, its data lies in the local shard and its ``.grad`` in
+    the flat gradient (or both gradients are ``None``).
+
+    Address ranges stand for "same storage" here: while a view keeps a storage
+    alive, no other storage can occupy its bytes.  ``False`` only sends the
+    caller down the full path, which decides (and copies) exactly.
+    """
+    shard_lo, shard_hi = _span(handle.local_shard)
+    flat_grad = handle.flat_param.grad
+    grad_lo, grad_hi = _span(flat_grad) if flat_grad is not None else (0, 0)
+    for info in handle.infos:
+        current = info.module._parameters.get(info.name)
+        if current is None:
+            continue  # (deregistered or None: the full path skips it too)
+        if current is not info.param or not shard_lo <= current.data_ptr() < shard_hi:
+            return False
+        grad = current.grad
+        if grad is None:
+            if flat_grad is not None:
+                return False
+        elif not grad_lo <= grad.data_ptr() < grad_hi:
+            return False
+    for shared in handle.shared:
+        prim = handle.infos[shared.index].param
+        if shared.module._parameters.get(shared.name, prim) is not prim:
+            return False
+    return True
 
 
 def _write_back_grad(handle: FlatParamHandle, index: int, full: bool) -> None:

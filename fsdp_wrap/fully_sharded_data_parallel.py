@@ -232,9 +232,11 @@ class FullyShardedDataParallel(nn.Module):
                 self._handle.flat_param.register_post_accumulate_grad_hook(
                     _runtime.make_post_backward_hook(self, self._handle)
                 )
-                self._handle.on_view_grads_ready = _runtime.make_early_free_hook(
-                    self, self._handle
-                )
+                if self._handle.uses_sharded_strategy:
+                    # (NO_SHARD's unsharded data is the parameter: nothing to free early)
+                    self._handle.on_view_grads_ready = _runtime.make_early_free_hook(
+                        self, self._handle
+                    )
         self.params = [self._handle.flat_param] if self._handle is not None else []
         self._fsdp_wrapped_module = module
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)):

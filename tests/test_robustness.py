@@ -1,6 +1,6 @@
 """Awkward training loops, one named test each, step by step against torch's FSDP1 (2 ranks).
 
-Each case runs FULL_SHARD and SHARD_GRAD_OP with ``use_orig_params`` both
+Each case runs FULL_SHARD, SHARD_GRAD_OP and NO_SHARD with ``use_orig_params`` both
 ways: three steps of the awkward pattern, then two plain steps, comparing the
 loss, every gradient and every parameter after every step; the plain steps
 show the model was left in a correct state.
@@ -111,7 +111,8 @@ def _sweep(kind: str, reentrant_modes: list[bool | None]) -> list[str]:
     warnings.simplefilter("ignore")
     configs = [
         dict(kind=kind, reentrant=r, strategy=s, uop=u, idx=k)
-        for k, (r, s, u) in enumerate(itertools.product(reentrant_modes, ["FULL_SHARD", "SHARD_GRAD_OP"], [False, True]))
+        for k, (r, s, u) in enumerate(itertools.product(
+            reentrant_modes, ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"], [False, True]))
     ]
     return run_configs(configs, _run)
 
