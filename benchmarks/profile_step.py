@@ -65,7 +65,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
         stats = pstats.Stats(prof, stream=s)
         print(f"{v.key} on {w.name}: {stats.total_calls / args.steps:.0f} Python calls per step "
               f"({stats.prim_calls / args.steps:.0f} primitive)")
-        stats.sort_stats("tottime").print_stats(args.top)
+        stats.sort_stats(args.sort).print_stats(args.top)
         print("\n".join(s.getvalue().splitlines()[6:]))
     if args.torch_profiler:
         from torch.profiler import ProfilerActivity, profile
@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workload", default="small", choices=("small", "compute"))
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--sort", default="tottime", choices=("tottime", "cumulative"),
+                   help="order of the cProfile table (own time, or time including callees)")
     p.add_argument("--torch-profiler", action="store_true")
     args = p.parse_args(argv)
     import socket

@@ -193,11 +193,15 @@ class GradientsMixin:
         if grad is not None and not self.uses_sharded_strategy:
             # The whole flat gradient: one split instead of a slice per parameter.
             pieces = grad.split(self.layout.segments)
+            # (the views match the parameters unless the gradient keeps a low dtype)
+            exact = grad.dtype == self.flat_param.dtype and grad.device == self.flat_param.device
             for info, seg in zip(self.infos, self.layout.info_segment):
-                if info.param.requires_grad:
-                    _assign_grad(info.param, pieces[seg].view(info.shape))
-                else:
+                if not info.param.requires_grad:
                     info.param.grad = None
+                elif exact:
+                    info.param.grad = pieces[seg].view(info.shape)
+                else:
+                    _assign_grad(info.param, pieces[seg].view(info.shape))
             return
         for info, sl in zip(self.infos, self._shard_slices):
             if grad is None or sl is None or not info.param.requires_grad:

@@ -193,6 +193,13 @@ class FlatParamHandle(GradientsMixin):
         # Swapping views calls a module's own __setattr__/__delattr__ override,
         # as torch does, unless FSDP_USE_UNSAFE_SETATTR=1.
         self._safe_setattr = os.environ.get("FSDP_USE_UNSAFE_SETATTR", "") != "1"
+        # Whether every module holding a parameter takes plain dict writes (no
+        # class overrides __setattr__/__delattr__): then the per-step view swaps
+        # skip the per-module check.
+        self._plain_modules = not self._safe_setattr or not any(
+            _overrides_setattr(m) for m in [i.module for i in self.infos]
+            + [sh.module for sh in self.shared]
+        )
         self._release_original_storage()
         if not use_orig_params:
             module._parameters[FLAT_PARAM_NAME] = self.flat_param
@@ -512,12 +519,19 @@ class FlatParamHandle(GradientsMixin):
         if track_graph:
             self._track_graph(views[0].grad_fn)
         tensors: list[torch.Tensor] = []
+        orig, plain = self.use_orig_params, self._plain_modules
         for info, seg in zip(self.infos, self._info_segment):
             view = views[seg].view(info.shape)
-            if self.use_orig_params and not info.param.requires_grad:
+            if orig and not info.param.requires_grad:
                 view = view.detach()  # (without, views follow flat_param's requires_grad)
             tensors.append(view)
-            self._set_tensor(info.module, info.name, view)
+            if not plain:
+                self._set_tensor(info.module, info.name, view)
+            elif orig:  # (the writes _set_tensor makes, inlined: this runs every step)
+                info.module.__dict__.pop(info.name, None)
+                info.module._parameters[info.name] = view  # type: ignore[assignment]
+            else:
+                info.module.__dict__[info.name] = view
         self.compute_views = tensors
         self._views_have_history = torch.is_grad_enabled()
         for shared in self.shared:
@@ -594,10 +608,7 @@ class FlatParamHandle(GradientsMixin):
         the swap, as torch's default does (delattr, then setattr); the caller
         then puts ``value`` where this handle keeps it.  Modules without an
         override take only the plain dict writes (same result, no cost)."""
-        cls = type(module)
-        if not self._safe_setattr or (
-            cls.__setattr__ is nn.Module.__setattr__ and cls.__delattr__ is nn.Module.__delattr__
-        ):
+        if not self._safe_setattr or not _overrides_setattr(module):
             return
         if hasattr(module, name):
             delattr(module, name)
@@ -625,6 +636,7 @@ class FlatParamHandle(GradientsMixin):
         self._params_registered = False
         shard = self.local_shard
         base, itemsize = shard.data_ptr(), shard.element_size()
+        plain = self._plain_modules
         for info, sl in zip(self.infos, self._shard_slices):
             param = info.param
             if not self.uses_sharded_strategy:
@@ -638,7 +650,11 @@ class FlatParamHandle(GradientsMixin):
             if (param.data_ptr() != base + lo * itemsize or param.shape != shape
                     or param.dtype != shard.dtype or not param.is_contiguous()):
                 param.data = shard[lo:hi].view(shape)
-            self._set_param(info.module, info.name, param)
+            if plain:  # (_set_param's writes, inlined: this runs every step)
+                info.module.__dict__.pop(info.name, None)
+                info.module._parameters[info.name] = param
+            else:
+                self._set_param(info.module, info.name, param)
         for shared in self.shared:
             self._set_param(shared.module, shared.name, self.infos[shared.index].param)
 
@@ -722,6 +738,11 @@ class FlatParamHandle(GradientsMixin):
                 )
             else:
                 self.local_shard.copy_(slot.buffer[: self.unpadded_numel])
+
+
+def _overrides_setattr(module: nn.Module) -> bool:
+    cls = type(module)
+    return cls.__setattr__ is not nn.Module.__setattr__ or cls.__delattr__ is not nn.Module.__delattr__
 
 
 def _ensure_storage(buffer: torch.Tensor) -> None:
