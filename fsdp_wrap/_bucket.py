@@ -21,10 +21,13 @@ Every element goes through the same casts, divisions and sum as in
 to per-unit reduction.
 
 [Note: when reduced gradients appear]
-A bucket's collective is issued asynchronously once it is full, and waited
-for when the next bucket is issued or at the end of backward (the root's
-final callback calls :meth:`GradBuckets.finish` before anything else), so at
-most one bucket is in flight.  Until then the units in it have
+A bucket's collective is issued asynchronously once it is full.  A sharded
+bucket is waited for when the next bucket is issued, so at most one is in
+flight (its buffers are extra memory); NO_SHARD buckets, whose buffers become
+the reduced gradients the step keeps anyway, all stay in flight until the
+end of backward (the root's final callback calls :meth:`GradBuckets.finish`
+before anything else) unless a sharded bucket comes after them.  Until then
+the units in it have
 ``flat_param.grad is None``; every unit's reduced gradient is installed
 before ``backward()`` returns.
 
@@ -39,6 +42,7 @@ copy into a bucket buffer, so large units cost no extra memory).
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 from dataclasses import dataclass, field
@@ -131,7 +135,7 @@ class GradBuckets:
     def __init__(self, cap_bytes: int) -> None:
         self.cap_bytes = cap_bytes
         self._open = _Bucket()
-        self._in_flight: _InFlight | None = None
+        self._in_flight: collections.deque[_InFlight] = collections.deque()
 
     def reduce(self, handle: FlatParamHandle, sync: bool, alone: bool = False) -> None:
         """Reduce ``handle``'s gradient now or put it into the open bucket.
@@ -145,9 +149,7 @@ class GradBuckets:
                 self._issue()
             handle.reduce_gradient(sync)
             return
-        if handle in self._open.handles or (
-            self._in_flight is not None and handle in self._in_flight.handles
-        ):
+        if handle in self._open.handles or any(handle in f.handles for f in self._in_flight):
             # A second post-backward of one unit in one backward: finish the
             # first reduction before taking the new gradient, as without buckets.
             self.finish()
@@ -179,11 +181,12 @@ class GradBuckets:
     def finish(self) -> None:
         """Reduce the open bucket and install every reduced gradient."""
         self._issue()
-        self._wait()
+        while self._in_flight:
+            self._wait()
 
     @property
     def idle(self) -> bool:
-        return not self._open.handles and self._in_flight is None
+        return not self._open.handles and not self._in_flight
 
     # ----------------------------------------------------------------- steps
 
@@ -195,11 +198,18 @@ class GradBuckets:
         bucket, self._open = self._open, _Bucket()
         if not bucket.handles:
             return
-        self._wait()  # at most one bucket in flight: bounded memory
+        spec = bucket.handles[0].reduce_spec
+        if spec.sharded:
+            # At most one sharded bucket in flight: its buffers are memory the
+            # step would not otherwise hold.  A NO_SHARD bucket's buffer takes
+            # the place of its units' gradients (freed once copied in) and then
+            # *is* their reduced gradients, so NO_SHARD buckets are not held
+            # back: every one is in flight until the end of backward, as DDP's.
+            while self._in_flight:
+                self._wait()
         if len(bucket.handles) == 1:
             _reduce_alone(bucket.handles[0], bucket.grads[0])
             return
-        spec = bucket.handles[0].reduce_spec
         pre, post = spec.divide
         device = bucket.grads[0].device
         if spec.sharded:
@@ -225,13 +235,13 @@ class GradBuckets:
         else:
             output = flat_in
             work = C.all_reduce(output, spec.group, async_op=True)
-        self._in_flight = _InFlight(work, bucket.handles, list(output.split(widths)), output,
-                                    flat_in, post)
+        self._in_flight.append(_InFlight(work, bucket.handles, list(output.split(widths)), output,
+                                         flat_in, post))
 
     def _wait(self) -> None:
-        flight, self._in_flight = self._in_flight, None
-        if flight is None:
+        if not self._in_flight:
             return
+        flight = self._in_flight.popleft()
         if flight.work is not None:
             flight.work.wait()
         if flight.post > 1:
