@@ -5,6 +5,9 @@ ways: three steps of the awkward pattern, then two plain steps, comparing the
 loss, every gradient and every parameter after every step; the plain steps
 show the model was left in a correct state.
 
+The last test pins where backward reuses the forward's parameter views
+(NO_SHARD without casts) and where it makes new ones.
+
 Known and not tested as passing: reentrant activation checkpointing with
 several forwards before one backward fails in torch's FSDP1 and in fsdp_wrap
 alike (the reentrant recomputation of the first forward runs while the unit
@@ -140,3 +143,47 @@ def test_activation_checkpointing_non_reentrant(pool2: Any) -> None:
 
 def test_no_grad_inference_mode_and_eval_forwards_between_steps(pool2: Any) -> None:
     _check(pool2, "eval_between", [None, False, True])
+
+
+def _views_seen_in_backward() -> list[tuple[str, bool, bool, bool]]:
+    """For each (strategy, use_orig_params, mixed precision): whether the
+    weight a block computes with in backward is the very tensor its forward
+    used.  NO_SHARD without casts keeps the forward's views (nothing is gathered
+    or freed); every other case makes new ones, as torch does."""
+    warnings.simplefilter("ignore")
+    out = []
+    for strategy, uop, mp in itertools.product(["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"],
+                                               [False, True], [False, True]):
+        torch.manual_seed(0)
+        kw = fsdp_kwargs("ours", sharding_strategy=strategy, use_orig_params=uop)
+        if mp:
+            kw["mixed_precision"] = fsdp_api("ours").MixedPrecision(param_dtype=torch.float64)
+        model = _wrap_kw(Net(), kw)
+        block = model.blocks[1]
+        inner = block.module if hasattr(block, "module") else block
+        seen: dict[str, torch.Tensor] = {}
+
+        def in_forward(module: nn.Module, args: Any, output: torch.Tensor,
+                       seen: dict[str, torch.Tensor] = seen) -> None:
+            seen.setdefault("fwd", module.weight)
+
+            def in_backward(grad: torch.Tensor) -> None:  # (inside the block's backward)
+                seen["bwd"] = module.weight
+
+            output.register_hook(in_backward)
+
+        inner.fc1.register_forward_hook(in_forward)
+        model(torch.randn(3, 4)).sum().backward()
+        out.append((strategy, uop, mp, seen["bwd"] is seen["fwd"]))
+    return out
+
+
+def _wrap_kw(model: nn.Module, kw: dict[str, Any]) -> nn.Module:
+    policy = wrap_api("ours").ModuleWrapPolicy({CkptBlock})
+    return fsdp_api("ours").FullyShardedDataParallel(model, auto_wrap_policy=policy, **kw)
+
+
+def test_no_shard_backward_keeps_the_forward_views(pool2: Any) -> None:
+    for rows in pool2.run(_views_seen_in_backward):
+        wrong = [r for r in rows if r[3] != (r[0] == "NO_SHARD" and not r[2])]
+        assert len(rows) == 12 and not wrong, wrong
