@@ -188,6 +188,8 @@ class FlatParamHandle(GradientsMixin):
         # The forward's views of the original parameters (checked before backward).
         self.compute_views: list[torch.Tensor] = []
         self._views_have_history = False
+        # NO_SHARD: the views of one forward, kept for the next (see _reusable_views).
+        self._kept_views: tuple[tuple[object, ...], list[torch.Tensor]] | None = None
         self._skip_writeback_check = os.environ.get("FSDP_SKIP_WRITEBACK_CHECK", "") == "1"
         self._use_full_prec_in_eval = use_full_prec_in_eval  # the unit's (FSDP_USE_FULL_PREC_IN_EVAL)
         # Swapping views calls a module's own __setattr__/__delattr__ override,
@@ -229,6 +231,7 @@ class FlatParamHandle(GradientsMixin):
                 "only with a same-shaped tensor (e.g. flat_param.data = flat_param.data.float())"
             )
         self.local_shard = data
+        self._kept_views = None  # (they view the old data: let it go now)
         if data.dtype != self.orig_dtype:
             param_dtype, reduce_dtype = self._mp_dtypes
             self.orig_dtype = data.dtype
@@ -515,16 +518,20 @@ class FlatParamHandle(GradientsMixin):
                 [views[seg].view(info.shape) for info, seg in zip(self.infos, self._info_segment)]
             )
             return
-        views = self.flat_param.split(self._segments)
-        if track_graph:
-            self._track_graph(views[0].grad_fn)
-        tensors: list[torch.Tensor] = []
         orig, plain = self.use_orig_params, self._plain_modules
-        for info, seg in zip(self.infos, self._info_segment):
-            view = views[seg].view(info.shape)
-            if orig and not info.param.requires_grad:
-                view = view.detach()  # (without, views follow flat_param's requires_grad)
-            tensors.append(view)
+        tensors = self._reusable_views()
+        if tensors is None:
+            views = self.flat_param.split(self._segments)
+            if track_graph:
+                self._track_graph(views[0].grad_fn)
+            tensors = []
+            for info, seg in zip(self.infos, self._info_segment):
+                view = views[seg].view(info.shape)
+                if orig and not info.param.requires_grad:
+                    view = view.detach()  # (without, views follow flat_param's requires_grad)
+                tensors.append(view)
+            self._keep_views(tensors)
+        for info, view in zip(self.infos, tensors):
             if not plain:
                 self._set_tensor(info.module, info.name, view)
             elif orig:  # (the writes _set_tensor makes, inlined: this runs every step)
@@ -536,6 +543,48 @@ class FlatParamHandle(GradientsMixin):
         self._views_have_history = torch.is_grad_enabled()
         for shared in self.shared:
             self._set_tensor(shared.module, shared.name, tensors[shared.index])
+
+    def _view_key(self) -> tuple[object, ...] | None:
+        """What kept views depend on, or ``None`` where views are never kept:
+        only where the unsharded data is the flat parameter itself (NO_SHARD
+        with no cast or move), and only views with autograd history."""
+        if self.uses_sharded_strategy or self._needs_copy or not torch.is_grad_enabled():
+            return None
+        flat = self.flat_param
+        frozen = tuple(not i.param.requires_grad for i in self.infos) if self.use_orig_params else ()
+        # (_version: autograd refuses split views whose base was written in place
+        # since, e.g. by an optimizer stepping on the flat parameter itself)
+        return (flat.data_ptr(), flat.dtype, flat.requires_grad, flat._version, frozen)
+
+    def _reusable_views(self) -> list[torch.Tensor] | None:
+        """The views kept from an earlier forward, if still exactly right.
+
+        NO_SHARD's unsharded data never moves, so one set of views (the split
+        and view nodes they carry save no tensors: autograd may run them in
+        any number of backwards) serves every forward until the flat
+        parameter's data, dtype, ``requires_grad`` or version (an in-place
+        write) change or, with ``use_orig_params``, which parameters are
+        frozen.  With ``use_orig_params`` the optimizer steps on the original
+        parameters (their own version counters), so the views last; without,
+        it writes the flat parameter and every forward makes new ones.  Views
+        someone hooked (``register_hook``, ``retain_grad``) are never reused,
+        so per-step hooks do not pile up.
+        """
+        kept = self._kept_views
+        if kept is None or kept[0] != self._view_key():
+            return None
+        for view in kept[1]:
+            # A hook or retain_grad() put on a view during a step would carry
+            # over to the next one: such views are not reused.
+            if view._backward_hooks or view.retains_grad:
+                self._kept_views = None
+                return None
+        return kept[1]
+
+    def _keep_views(self, tensors: list[torch.Tensor]) -> None:
+        key = self._view_key()
+        if key is not None:  # (views of a no-grad forward leave the kept ones alone)
+            self._kept_views = (key, tensors)
 
     def forward_views_reusable(self) -> bool:
         """Whether backward may keep the forward's views instead of making new ones.

@@ -81,6 +81,19 @@ def _loss(model: nn.Module, kind: str, xs: list[torch.Tensor], step: int) -> tor
         model(xs[1])  # grad-enabled forward in eval mode, never backpropagated
         model.train()
         return loss
+    if kind == "hook_in_forward":
+        # A gradient hook put on a weight during each forward (gradient
+        # monitoring code does this): it must act once per step, never pile up.
+        def hook_weight(module: nn.Module, args: Any) -> None:
+            if module.weight.requires_grad:
+                module.weight.register_hook(lambda g: g * 2)
+
+        blocks = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == 9]
+        handles = [b.register_forward_pre_hook(hook_weight) for b in blocks]
+        loss = loss_of(model(xs[0]))
+        for h in handles:
+            h.remove()
+        return loss
     return loss_of(model(xs[0]))
 
 
@@ -131,6 +144,10 @@ def test_several_forwards_before_one_backward(pool2: Any) -> None:
 
 def test_unit_unused_in_a_step(pool2: Any) -> None:
     _check(pool2, "unused_unit", [None, False])
+
+
+def test_gradient_hook_registered_in_every_forward(pool2: Any) -> None:
+    _check(pool2, "hook_in_forward", [None])
 
 
 def test_activation_checkpointing_reentrant(pool2: Any) -> None:
@@ -187,3 +204,31 @@ def test_no_shard_backward_keeps_the_forward_views(pool2: Any) -> None:
     for rows in pool2.run(_views_seen_in_backward):
         wrong = [r for r in rows if r[3] != (r[0] == "NO_SHARD" and not r[2])]
         assert len(rows) == 12 and not wrong, wrong
+
+
+def _views_kept_across_steps() -> list[tuple[str, bool, bool]]:
+    """Whether the weight view a block computes with is the same object in two
+    training steps (an SGD step between them)."""
+    warnings.simplefilter("ignore")
+    out = []
+    for strategy, uop in itertools.product(["FULL_SHARD", "NO_SHARD"], [False, True]):
+        torch.manual_seed(0)
+        model = _wrap_kw(Net(), fsdp_kwargs("ours", sharding_strategy=strategy, use_orig_params=uop))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        inner = model.blocks[1].module
+        seen: list[torch.Tensor] = []
+        inner.fc1.register_forward_pre_hook(lambda m, a, seen=seen: seen.append(m.weight))
+        for _ in range(2):
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        out.append((strategy, uop, seen[0] is seen[1]))
+    return out
+
+
+def test_no_shard_keeps_its_views_across_steps_with_use_orig_params(pool2: Any) -> None:
+    # Without use_orig_params the optimizer writes the flat parameter itself,
+    # after which autograd refuses the old split views: new ones every step.
+    for rows in pool2.run(_views_kept_across_steps):
+        assert rows == [("FULL_SHARD", False, False), ("FULL_SHARD", True, False),
+                        ("NO_SHARD", False, False), ("NO_SHARD", True, True)], rows
