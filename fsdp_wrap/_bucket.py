@@ -115,7 +115,7 @@ class _Bucket:
 class _InFlight:
     """One issued bucket: its collective and where each unit's result lies."""
 
-    work: C.Work | None
+    work: C.Work | C.ChunkCopyWork | None
     handles: list[FlatParamHandle]
     results: list[torch.Tensor]  # views of ``output``, one per unit
     output: torch.Tensor
@@ -231,7 +231,8 @@ class GradBuckets:
             flat_in.div_(pre)
         if spec.sharded:
             output = flat_in.new_empty(sum(widths))
-            work = C.reduce_scatter_sum(output, flat_in, spec.group, async_op=True)
+            work = C.reduce_scatter_sum(output, flat_in, spec.group, async_op=True,
+                                        input_is_scratch=True)
         else:
             output = flat_in
             work = C.all_reduce(output, spec.group, async_op=True)

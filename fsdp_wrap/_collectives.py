@@ -64,12 +64,60 @@ def gather_into(
 
 
 def reduce_scatter_sum(
-    output: torch.Tensor, padded_input: torch.Tensor, group: ProcessGroup, async_op: bool = False
-) -> Work | None:
-    """Sum ``padded_input`` over ranks and keep this rank's chunk in ``output``."""
+    output: torch.Tensor,
+    padded_input: torch.Tensor,
+    group: ProcessGroup,
+    async_op: bool = False,
+    input_is_scratch: bool = False,
+) -> Work | ChunkCopyWork | None:
+    """Sum ``padded_input`` over ranks and keep this rank's chunk in ``output``.
+
+    ``input_is_scratch``: the caller is done with ``padded_input`` (a gradient
+    it took for reduction, or its own padded copy or bucket), so its contents
+    may be overwritten.  Gloo's reduce-scatter clones its whole input, all-reduces
+    the clone and copies this rank's chunk out; with a scratch input the same
+    all-reduce then runs on the input itself: the same algorithm, bytes and
+    sums (bit-identical), without the input-sized copy, i.e. one unsharded
+    gradient less at the peak of every reduction.  Other backends (NCCL) get
+    the reduce-scatter, which sends half the bytes of an all-reduce.
+    """
+    if input_is_scratch and _reduce_scatter_clones_input(group, padded_input):
+        work = dist.all_reduce(padded_input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        chunk = padded_input.view(-1).chunk(dist.get_world_size(group))[dist.get_rank(group)]
+        pending = ChunkCopyWork(work, output, chunk)
+        if async_op:
+            return pending
+        pending.wait()
+        return None
     return getattr(dist, REDUCE_SCATTER_SINGLE)(
         output, padded_input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
     )
+
+
+class ChunkCopyWork:
+    """An all-reduce standing in for a reduce-scatter: waiting for it also
+    copies this rank's chunk of the sum into the reduce-scatter's output."""
+
+    def __init__(self, work: Work | None, output: torch.Tensor, chunk: torch.Tensor) -> None:
+        self.work, self.output, self.chunk = work, output, chunk
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        self.output.view(-1).copy_(self.chunk)
+        return True
+
+
+def _reduce_scatter_clones_input(group: ProcessGroup, tensor: torch.Tensor) -> bool:
+    """Whether ``group`` reduce-scatters ``tensor`` through gloo (which clones the input)."""
+    if tensor.device.type != "cpu" or not hasattr(dist, "ProcessGroupGloo"):
+        return False
+    try:
+        backend = group._get_backend(tensor.device)
+    except (RuntimeError, AttributeError):
+        return False
+    return isinstance(backend, dist.ProcessGroupGloo)
 
 
 def all_reduce(

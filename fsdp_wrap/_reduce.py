@@ -53,7 +53,9 @@ def reduce_default(grad: torch.Tensor, spec: ReduceSpec) -> torch.Tensor:
         if pre > 1:
             padded.div_(pre)
         reduced = grad.new_empty(spec.shard_numel)
-        C.reduce_scatter_sum(reduced, padded, spec.group)
+        # ``padded`` is the gradient taken off the flat parameter (or a padded
+        # or cast copy of it): nothing reads it after this reduction.
+        C.reduce_scatter_sum(reduced, padded, spec.group, input_is_scratch=True)
     else:
         reduced = grad
         if pre > 1:

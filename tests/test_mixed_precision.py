@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fsdp_wrap import _collectives as C
 from tests._options_common import loss_of, maxdiff, rank_tag, run_configs, shape_of
 from tests.models import build, fsdp_api, make_input, new_model, wrap_api
 
@@ -189,9 +190,22 @@ def _record_collectives(log: list[tuple[str, str]]) -> Iterator[None]:
 
     for name in saved:
         setattr(dist, name, spy(name))
+    # On gloo, fsdp_wrap reduce-scatters a scratch gradient as an all-reduce
+    # of it (see ``reduce_scatter_sum``): log that call as the reduce-scatter it is.
+    real_rs = C.reduce_scatter_sum
+
+    def reduce_scatter_sum(output: Any, padded_input: Any, *args: Any, **kwargs: Any) -> Any:
+        n = len(log)
+        out = real_rs(output, padded_input, *args, **kwargs)
+        del log[n:]
+        log.append(("RS", str(padded_input.dtype)))
+        return out
+
+    C.reduce_scatter_sum = reduce_scatter_sum  # type: ignore[assignment]
     try:
         yield
     finally:
+        C.reduce_scatter_sum = real_rs  # type: ignore[assignment]
         for name, fn in saved.items():
             setattr(dist, name, fn)
 
