@@ -1,0 +1,136 @@
+"""The gloo forms of fsdp_wrap's collectives (``fsdp_wrap/_collectives.py``).
+
+On gloo with CPU tensors a large all-gather runs as one broadcast per rank and
+a reduce-scatter of a scratch input as an in-place all-reduce.  Checked here:
+both give exactly what torch's collectives give (2 and 3 ranks, a subgroup,
+synchronous and asynchronous, below and above the size where broadcasts take
+over), they issue the c10d ops they claim to, and
+training with units larger than that size matches torch's FSDP1 step by step.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import warnings
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fsdp_wrap import _collectives as C
+from tests._options_common import compare_step, loss_of, rank_tag, run_configs, train_step
+from tests.models import fsdp_api, fsdp_kwargs, wrap_api
+
+
+class _C10dOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace == "c10d":
+            self.ops[func._schema.name.split("::")[-1]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _gathers_and_reductions() -> list[str]:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    fails: list[str] = []
+    groups = [dist.group.WORLD]
+    if ws == 3:
+        groups.append(dist.new_group([0, 2]))  # a subgroup: group ranks differ from global ones
+    big = C.GLOO_BROADCAST_MIN_BYTES // 4  # fp32 elements in the threshold
+    for group, numel, async_op in itertools.product(groups, [1000, big, 3 * big + 6], [False, True]):
+        members = dist.get_process_group_ranks(group)
+        if rank not in members:
+            continue
+        n = len(members)
+        shard_numel = -(-numel // n)
+        shard = torch.arange(shard_numel, dtype=torch.float32) + 1000.0 * rank
+        expected = torch.empty(n * shard_numel)
+        dist.all_gather_into_tensor(expected, shard, group=group)
+        out = torch.full((n * shard_numel,), float("nan"))
+        with _C10dOps() as seen:
+            work = C.all_gather_into(out, shard, group, async_op=async_op)
+            if work is not None:
+                work.wait()
+        tag = f"{rank_tag()} all-gather n={n} numel={numel} async={async_op}"
+        if not torch.equal(out, expected):
+            fails.append(f"{tag}: wrong values")
+        by_broadcast = n * shard_numel * 4 >= C.GLOO_BROADCAST_MIN_BYTES
+        want = {"broadcast_": n} if by_broadcast else {"_allgather_base_": 1}
+        if dict(seen.ops) != want:
+            fails.append(f"{tag}: c10d ops {dict(seen.ops)}, expected {want}")
+
+        gen = torch.Generator().manual_seed(7 + rank)
+        grad = torch.randn(n * shard_numel, generator=gen)
+        expected_rs = torch.empty(shard_numel)
+        dist.reduce_scatter_tensor(expected_rs, grad.clone(), group=group)
+        for scratch in (False, True):
+            out_rs = torch.full((shard_numel,), float("nan"))
+            with _C10dOps() as seen:
+                work = C.reduce_scatter_sum(out_rs, grad.clone(), group, async_op=async_op,
+                                            input_is_scratch=scratch)
+                if work is not None:
+                    work.wait()
+            tag_rs = f"{rank_tag()} reduce-scatter n={n} numel={numel} scratch={scratch} async={async_op}"
+            if not torch.equal(out_rs, expected_rs):
+                fails.append(f"{tag_rs}: max |diff| {(out_rs - expected_rs).abs().max():.3g}")
+            want = {"allreduce_": 1} if scratch else {"_reduce_scatter_base_": 1}
+            if dict(seen.ops) != want:
+                fails.append(f"{tag_rs}: c10d ops {dict(seen.ops)}, expected {want}")
+    return fails
+
+
+def test_gloo_forms_equal_torch_collectives(pool2: Any, pool3: Any) -> None:
+    fails = [f for pool in (pool2, pool3) for r in pool.run(_gathers_and_reductions) for f in r]
+    assert not fails, "\n".join(fails)
+
+
+class _Big(nn.Module):
+    """Units of about 1.1 MiB of fp32 parameters: gathered by broadcasts."""
+
+    def __init__(self, d: int = 384) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, d + 9)
+        self.fc2 = nn.Linear(d + 9, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+def _train_big(cfg: dict[str, Any]) -> list[str]:
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 384), _Big(), _Big(), nn.Linear(384, 4))
+    models = []
+    for impl in ("torch", "ours"):
+        policy = wrap_api(impl).ModuleWrapPolicy({_Big})
+        models.append(fsdp_api(impl).FullyShardedDataParallel(
+            copy.deepcopy(base), auto_wrap_policy=policy,
+            **fsdp_kwargs(impl, sharding_strategy=cfg["strategy"], use_orig_params=cfg["uop"],
+                          limit_all_gathers=cfg["limit"])))
+    names = [n for n, _ in models[0].named_parameters()]
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in models]
+    gen = torch.Generator().manual_seed(11 + dist.get_rank())
+    fails: list[str] = []
+    for step in range(3):
+        x = torch.randn(8, 16, generator=gen)
+        res = [train_step(m, o, loss_of(m(x))) for m, o in zip(models, opts)]
+        fails += compare_step(f"{rank_tag()} {cfg} step {step}", names, res[0], res[1])
+    return fails
+
+
+def _sweep_big() -> list[str]:
+    warnings.simplefilter("ignore")
+    configs = [dict(strategy=s, uop=u, limit=lim) for s, u, lim in itertools.product(
+        ["FULL_SHARD", "SHARD_GRAD_OP"], [False, True], [True, False])]
+    return run_configs(configs, _train_big)
+
+
+def test_training_with_broadcast_gathers_matches_torch(pool2: Any) -> None:
+    fails = [f for r in pool2.run(_sweep_big) for f in r]
+    assert not fails, "\n".join(fails)
