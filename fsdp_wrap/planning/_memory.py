@@ -34,6 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .._collectives import GLOO_BROADCAST_MIN_BYTES
 from ..api import BackwardPrefetch
 from ._units import UnitPlan
 
@@ -150,7 +151,8 @@ class Backend:
     ``async_gathers``: a prefetched all-gather is in flight while the current
     unit computes (its source shard copy lives until it is waited for).
     ``*_staging``: extra bytes a collective holds while it runs, as a multiple
-    of its tensor, by element size.
+    of its tensor, by element size; ``gather_staging`` only for outputs under
+    ``gather_staging_below`` bytes.
     """
 
     name: str
@@ -158,6 +160,7 @@ class Backend:
     gather_staging: float
     reduce_scatter_staging: dict[int, float]
     all_reduce_staging: dict[int, float]
+    gather_staging_below: int = 0
 
 
 #: NCCL writes into the caller's buffers: no staging.
@@ -165,11 +168,16 @@ NCCL = Backend("nccl", True, 0.0, {}, {})
 
 
 def gloo(limit_all_gathers: bool) -> Backend:
-    """gloo on CPU, as measured inside training steps with torch 2.13 (``docs/plan.rst``):
-    a reduce-scatter keeps about 1.25x its input in fp32 and 1x in 16-bit types, a 16-bit
-    all-reduce 0.5x, an asynchronous all-gather (``limit_all_gathers=False``) 1x its
-    output until it is waited for."""
-    return Backend("gloo", not limit_all_gathers, 1.0, {4: 1.25, 2: 1.0}, {2: 0.5})
+    """gloo on CPU, as measured inside training steps with torch 2.13 (``docs/plan.rst``).
+
+    fsdp_wrap's gloo forms (``fsdp_wrap/_collectives.py``): a reduce-scatter is
+    an in-place all-reduce of the gradient, which stages nothing in fp32 and
+    0.5x in 16-bit types; an all-gather of 1 MiB or more is broadcasts into the
+    output (no staging); a smaller asynchronous all-gather
+    (``limit_all_gathers=False``) keeps 1x its output until it is waited for.
+    """
+    return Backend("gloo", not limit_all_gathers, 1.0, {2: 0.5}, {2: 0.5},
+                   gather_staging_below=GLOO_BROADCAST_MIN_BYTES)
 
 
 def estimate(
@@ -226,7 +234,8 @@ def _unsharded_peaks(
     src = [gather_source_bytes(u) for u in units]
     # A unit being gathered holds its output and source (and staging if async).
     gathering = [
-        g[i] + src[i] + (int(backend.gather_staging * g[i]) if backend.async_gathers else 0)
+        g[i] + src[i] + (int(backend.gather_staging * g[i])
+                         if backend.async_gathers and g[i] < backend.gather_staging_below else 0)
         for i in range(len(units))
     ]
     # A prefetched unit while the current one computes: still in flight if async.
