@@ -108,8 +108,8 @@ def measure(cfg: dict[str, Any], device: str = "cpu") -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
         # With use_orig_params the flat gradients behind the (now None) views
         # are dropped at the next forward; they are not part of the baseline.
-        stale = sum(h.flat_param.grad.untyped_storage().nbytes() for h in handles
-                    if h.flat_param.grad is not None)
+        # (Counted once per storage: units reduced in one bucket share one.)
+        stale = _storage_bytes(h.flat_param.grad for h in handles)
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
