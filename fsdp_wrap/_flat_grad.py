@@ -196,12 +196,17 @@ class GradientsMixin:
             # (the views match the parameters unless the gradient keeps a low dtype)
             exact = grad.dtype == self.flat_param.dtype and grad.device == self.flat_param.device
             for info, seg in zip(self.infos, self.layout.info_segment):
-                if not info.param.requires_grad:
-                    info.param.grad = None
-                elif exact:
-                    info.param.grad = pieces[seg].view(info.shape)
+                param = info.param
+                if not param.requires_grad:
+                    param.grad = None
+                    continue
+                piece = pieces[seg]
+                if len(info.shape) != 1:  # (1-D pieces already have the shape)
+                    piece = piece.view(info.shape)
+                if exact:
+                    param.grad = piece
                 else:
-                    _assign_grad(info.param, pieces[seg].view(info.shape))
+                    _assign_grad(param, piece)
             return
         for info, sl in zip(self.infos, self._shard_slices):
             if grad is None or sl is None or not info.param.requires_grad:

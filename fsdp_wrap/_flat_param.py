@@ -438,15 +438,18 @@ class FlatParamHandle(GradientsMixin):
         slot.buffer.view(self.world_size, self.shard_numel).copy_(rows)
         slot.valid = True
 
-    def pre_unshard(self) -> None:
+    def pre_unshard(self) -> bool:
         """Take up original parameters or gradients replaced since the last
-        step (``use_orig_params=True``), as torch does before every unshard."""
+        step (``use_orig_params=True``), as torch does before every unshard;
+        whether any parameter was."""
         if (self.use_orig_params and self.state is HandleState.SHARDED
                 and not self._params_registered and not self._skip_writeback_check
                 and write_back_orig_params(self)):
             for slot in self._gathered.values():
                 slot.wait()
                 slot.free()
+            return True
+        return False
 
     def finish_unshard(self, full_precision: bool = True) -> None:
         """Wait for the gather and point ``flat_param`` at the unsharded data."""

@@ -78,8 +78,8 @@ def root_pre_forward(state: FSDP, args: tuple[Any, ...], kwargs: dict[str, Any])
             # (A flat gradient whose views were all set to None is dropped
             # first, so the write-back check has no gradient to zero.)
             handle.sync_flat_grad_from_orig()
-            handle.pre_unshard()
-            handle.sync_flat_grad_from_orig()
+            if handle.pre_unshard():  # (a replaced parameter may have left no views)
+                handle.sync_flat_grad_from_orig()
     _buffers_for_eval(state)
     if state._forward_pending_backward:
         # The previous forward was never followed by a backward (e.g. an
