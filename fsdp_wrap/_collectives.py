@@ -93,7 +93,6 @@ class BroadcastsWork:
         return True
 
 
-
 def gather_into(
     output: torch.Tensor | None, shard: torch.Tensor, dst_group_rank: int, group: ProcessGroup
 ) -> None:
