@@ -66,7 +66,7 @@ class _Gathered:
 
     buffer: torch.Tensor | None = None
     valid: bool = False
-    pending: C.Work | None = None
+    pending: C.Work | C.BroadcastsWork | None = None
     source: torch.Tensor | None = None
 
     def wait(self) -> None:
