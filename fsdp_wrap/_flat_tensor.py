@@ -17,7 +17,10 @@ import torch.nn as nn
 
 from . import _collectives as C
 
-__all__ = ["FlatParameter", "HandleState"]
+__all__ = ["FLAT_PARAM_NAME", "FlatParameter", "HandleState"]
+
+#: The name a flat parameter is registered under on its unit's module.
+FLAT_PARAM_NAME = "_flat_param"
 
 
 class _FlatParameterMeta(type(nn.Parameter)):  # type: ignore[misc]
