@@ -112,10 +112,11 @@ class FlatParamHandle(GradientsMixin, ViewsMixin):
         self.replicate_group = replicate_group
         self.offload_params = offload_params
         # Accelerators gather asynchronously (overlapping compute on the
-        # communication stream).  Gloo stages an asynchronous gather through a
-        # full-unit buffer that lives until wait(), so on CPU an in-flight
-        # prefetch costs one extra unit: ``limit_all_gathers`` (torch's
-        # memory-vs-overlap switch) keeps CPU gathers synchronous.
+        # communication stream).  On CPU an asynchronous prefetch competes with
+        # compute for the cores, and gloo's all-gather (used under 1 MiB; larger
+        # gathers are broadcasts, see _collectives) stages a full-unit buffer
+        # until wait(): ``limit_all_gathers`` (torch's memory-vs-overlap switch)
+        # keeps CPU gathers synchronous.
         self.async_gathers = device.type != "cpu" or not limit_all_gathers
 
         check_unit_params(params, f"(rank {rank}, FSDP unit '{unit_fqn or '<root>'}')",
