@@ -55,7 +55,6 @@ class ViewsMixin:
         def _info_segment(self) -> tuple[int, ...]: ...
         def _install_views(self, tensors: Sequence[torch.Tensor]) -> None: ...
 
-
     def use_unsharded_views(
         self,
         as_params: bool = False,
