@@ -115,7 +115,7 @@ class _Bucket:
 class _InFlight:
     """One issued bucket: its collective and where each unit's result lies."""
 
-    work: C.Work | C.ChunkCopyWork | None
+    work: C.Work | C.PendingWork | None
     handles: list[FlatParamHandle]
     results: list[torch.Tensor]  # views of ``output``, one per unit
     output: torch.Tensor

@@ -16,7 +16,7 @@ collectives (measured on torch 2.13, 2 ranks, ``docs/performance.rst``):
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -58,7 +58,7 @@ GLOO_BROADCAST_MIN_BYTES = 1 << 20
 
 def all_gather_into(
     output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool = False
-) -> Work | BroadcastsWork | None:
+) -> Work | PendingWork | None:
     """Gather every rank's equally sized ``shard`` into ``output`` (rank order).
 
     On gloo with a contiguous CPU output of at least
@@ -71,8 +71,8 @@ def all_gather_into(
         ranks = dist.get_process_group_ranks(group)  # (global ranks, group order)
         rows = output.view(len(ranks), -1)
         rows[dist.get_rank(group)].copy_(shard.reshape(-1))
-        pending = BroadcastsWork([dist.broadcast(rows[r], src=src, group=group, async_op=True)
-                                  for r, src in enumerate(ranks)])
+        pending = PendingWork([dist.broadcast(rows[r], src=src, group=group, async_op=True)
+                               for r, src in enumerate(ranks)])
         if async_op:
             return pending
         pending.wait()
@@ -80,16 +80,22 @@ def all_gather_into(
     return getattr(dist, ALL_GATHER_SINGLE)(output, shard, group=group, async_op=async_op)
 
 
-class BroadcastsWork:
-    """The broadcasts standing in for one all-gather, waited for as one."""
+class PendingWork:
+    """Collectives standing in for one (the broadcasts of a gloo all-gather, the
+    all-reduce of a gloo reduce-scatter), waited for as one; ``then`` finishes
+    the result once they are done (copying this rank's chunk out)."""
 
-    def __init__(self, works: list[Work]) -> None:
-        self.works = works
+    def __init__(self, works: list[Work | None], then: Callable[[], object] | None = None) -> None:
+        self.works, self.then = works, then
 
     def wait(self) -> bool:
         for work in self.works:
-            work.wait()
+            if work is not None:
+                work.wait()
         self.works = []
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
         return True
 
 
@@ -112,7 +118,7 @@ def reduce_scatter_sum(
     group: ProcessGroup,
     async_op: bool = False,
     input_is_scratch: bool = False,
-) -> Work | ChunkCopyWork | None:
+) -> Work | PendingWork | None:
     """Sum ``padded_input`` over ranks and keep this rank's chunk in ``output``.
 
     ``input_is_scratch``: the caller is done with ``padded_input`` (a gradient
@@ -127,7 +133,7 @@ def reduce_scatter_sum(
     if input_is_scratch and _is_gloo_cpu(group, padded_input):
         work = dist.all_reduce(padded_input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
         chunk = padded_input.view(-1).chunk(dist.get_world_size(group))[dist.get_rank(group)]
-        pending = ChunkCopyWork(work, output, chunk)
+        pending = PendingWork([work], lambda: output.view(-1).copy_(chunk))
         if async_op:
             return pending
         pending.wait()
@@ -135,21 +141,6 @@ def reduce_scatter_sum(
     return getattr(dist, REDUCE_SCATTER_SINGLE)(
         output, padded_input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
     )
-
-
-class ChunkCopyWork:
-    """An all-reduce standing in for a reduce-scatter: waiting for it also
-    copies this rank's chunk of the sum into the reduce-scatter's output."""
-
-    def __init__(self, work: Work | None, output: torch.Tensor, chunk: torch.Tensor) -> None:
-        self.work, self.output, self.chunk = work, output, chunk
-
-    def wait(self) -> bool:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-        self.output.view(-1).copy_(self.chunk)
-        return True
 
 
 def _is_gloo_cpu(group: ProcessGroup, tensor: torch.Tensor) -> bool:

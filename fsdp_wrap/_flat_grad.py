@@ -178,42 +178,38 @@ class GradientsMixin:
             self._set_grad_views()
 
     def _set_unsharded_grad_views(self, grad: torch.Tensor, frozen_too: bool = False) -> None:
-        """Under ``no_sync`` the original params carry full-shape local gradients
-        (``summon_full_params(with_grads=True)``: frozen ones too)."""
-        views = grad.split(self.layout.segments)
+        """The original params' ``.grad`` become full-shape views of ``grad``, an
+        unsharded flat gradient: NO_SHARD's reduced one, the local one under
+        ``no_sync`` (``summon_full_params(with_grads=True)``: frozen ones too)."""
+        pieces = grad.split(self.layout.segments)  # (one split, not a slice per parameter)
+        # Plain ``.grad =`` where the views match the parameters: NO_SHARD's
+        # full-shape parameters, unless the gradient keeps a low dtype.
+        exact = (not self.uses_sharded_strategy and grad.dtype == self.flat_param.dtype
+                 and grad.device == self.flat_param.device)
         for info, seg in zip(self.infos, self.layout.info_segment):
-            if not info.param.requires_grad and not frozen_too:
-                info.param.grad = None
+            param = info.param
+            if not param.requires_grad and not frozen_too:
+                param.grad = None
+                continue
+            piece = pieces[seg]
+            if len(info.shape) != 1:  # (1-D pieces already have the shape)
+                piece = piece.view(info.shape)
+            if exact:
+                param.grad = piece
             else:
-                _assign_grad(info.param, views[seg].view(info.shape))
+                _assign_grad(param, piece)
 
     def _set_grad_views(self) -> None:
         """Original params' ``.grad`` become views of the sharded flat gradient."""
         grad = self.flat_param.grad
         if grad is not None and not self.uses_sharded_strategy:
-            # The whole flat gradient: one split instead of a slice per parameter.
-            pieces = grad.split(self.layout.segments)
-            # (the views match the parameters unless the gradient keeps a low dtype)
-            exact = grad.dtype == self.flat_param.dtype and grad.device == self.flat_param.device
-            for info, seg in zip(self.infos, self.layout.info_segment):
-                param = info.param
-                if not param.requires_grad:
-                    param.grad = None
-                    continue
-                piece = pieces[seg]
-                if len(info.shape) != 1:  # (1-D pieces already have the shape)
-                    piece = piece.view(info.shape)
-                if exact:
-                    param.grad = piece
-                else:
-                    _assign_grad(param, piece)
+            self._set_unsharded_grad_views(grad)
             return
         for info, sl in zip(self.infos, self._shard_slices):
             if grad is None or sl is None or not info.param.requires_grad:
                 info.param.grad = None
             else:
                 _assign_grad(info.param, grad[sl[0] : sl[1]])
-
 
 
 def _assign_grad(param: torch.Tensor, grad: torch.Tensor) -> None:

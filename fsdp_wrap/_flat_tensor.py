@@ -69,7 +69,7 @@ class _Gathered:
 
     buffer: torch.Tensor | None = None
     valid: bool = False
-    pending: C.Work | C.BroadcastsWork | None = None
+    pending: C.Work | C.PendingWork | None = None
     source: torch.Tensor | None = None
 
     def wait(self) -> None:

@@ -108,7 +108,7 @@ class ViewsMixin:
         """What kept views depend on, or ``None`` where views are never kept:
         only where the unsharded data is the flat parameter itself (NO_SHARD
         with no cast or move), and only views with autograd history."""
-        if self.uses_sharded_strategy or self._needs_copy or not torch.is_grad_enabled():
+        if self._needs_copy or not torch.is_grad_enabled():  # (always true when sharded)
             return None
         flat = self.flat_param
         frozen = tuple(not i.param.requires_grad for i in self.infos) if self.use_orig_params else ()
@@ -155,7 +155,7 @@ class ViewsMixin:
         recompute inside backward then routes its gradients through them), and
         every module still holds them.
         """
-        if (self.uses_sharded_strategy or self._needs_copy or not self._views_have_history
+        if (self._needs_copy or not self._views_have_history  # (_needs_copy: always when sharded)
                 or not self.compute_views or self.state is not HandleState.UNSHARDED):
             return False
         orig = self.use_orig_params
