@@ -28,10 +28,14 @@ Guarantees between tasks:
   output, each line prefixed ``[rank r]``;
 * a rank that raised while the others are blocked in a collective does not
   hang the pool: once one rank has failed, the others get ``failure_grace``
-  seconds to finish; whatever is still running then (or at ``timeout`` in any
-  case) has its Python stack dumped, the pool is killed and restarted, and
-  :class:`WorkerTimeoutError` (a ``WorkerError`` *and* a ``TimeoutError``)
-  names the function;
+  seconds to finish; whatever is still running then (or once ``timeout``
+  seconds have passed without progress) has its Python stack dumped, the pool
+  is killed and restarted, and :class:`WorkerTimeoutError` (a ``WorkerError``
+  *and* a ``TimeoutError``) names the function;
+* progress: ``timeout`` counts from the task's start or from the last
+  :func:`progress` call on any rank, so a long sweep that calls
+  :func:`progress` after each configuration may run as long as it needs while
+  a hang is still reported ``timeout`` seconds after it began;
 * if ranks end a task with different collective counts on the default group
   (a rank died, raised half way, or a test left the group out of step), the
   pool is restarted so the next task begins with a clean group.
@@ -46,8 +50,8 @@ exists (a clean server process that has imported torch forks them, so a pool
 starts or restarts in well under a second instead of every rank importing
 torch), otherwise ``spawn``; never plain ``fork`` of the test process.
 
-Environment: ``FSDP_WRAP_TEST_TIMEOUT`` (seconds) changes the default task
-timeout of :func:`get_pool`; ``FSDP_WRAP_TEST_START_METHOD=spawn`` forces spawn.
+Environment: ``FSDP_WRAP_TEST_TIMEOUT`` (seconds) changes the default
+no-progress timeout of :func:`get_pool` (60 s); ``FSDP_WRAP_TEST_START_METHOD=spawn`` forces spawn.
 """
 
 from __future__ import annotations
@@ -79,13 +83,18 @@ __all__ = [
     "get_pool",
     "close_all_pools",
     "silence_torch_noise",
+    "progress",
 ]
 
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 _REPO_ROOT = os.path.dirname(_TESTS_DIR)
 
 _HOST = "127.0.0.1"
-_DEFAULT_TIMEOUT = 240.0
+# Seconds a task may go without progress (see ``progress``): the longest any
+# test waits on a hang.  Tasks in this suite finish, or call ``progress``,
+# within a few seconds on a 2-core machine, so this leaves room for a machine
+# ten times slower.
+_DEFAULT_TIMEOUT = 60.0
 _MAX_OUTPUT_CHARS = 20_000  # per rank, in error messages
 
 # Warnings raised *inside* torch about torch's own internals.  A FutureWarning
@@ -116,6 +125,19 @@ class WorkerTimeoutError(WorkerError, TimeoutError):
 # --------------------------------------------------------------------------
 # worker side
 # --------------------------------------------------------------------------
+
+_TASK_CONN: multiprocessing.connection.Connection | None = None  # set in workers
+
+
+def progress() -> None:
+    """Tell the pool this rank is still making progress (from inside a task).
+
+    The pool's ``timeout`` then counts again from now.  A no-op outside a
+    worker, so shared test code may call it anywhere.
+    """
+    if _TASK_CONN is not None:
+        _TASK_CONN.send_bytes(pickle.dumps(("beat", None, None)))
+
 
 
 def _resolve(module_name: str, qualname: str) -> Any:
@@ -247,6 +269,8 @@ def _worker_main(
             pass
 
     conn.send_bytes(pickle.dumps(("ready", os.getpid(), seq())))
+    global _TASK_CONN
+    _TASK_CONN = conn
 
     # 4. Serve tasks until told to stop (None) or the parent goes away.
     while True:
@@ -576,10 +600,17 @@ class DistPool:
         # ("ok", value, seq) | ("err", traceback, seq) | ("died", exitcode, None)
         results: dict[int, tuple[Any, Any, Any]] = {}
 
+        last_progress = time.monotonic()
+
         def collect(r: int) -> None:
+            nonlocal last_progress
             try:
-                if self._conns[r].poll():
-                    results[r] = pickle.loads(self._conns[r].recv_bytes())
+                while self._conns[r].poll():
+                    msg = pickle.loads(self._conns[r].recv_bytes())
+                    if msg[0] == "beat":
+                        last_progress = time.monotonic()
+                        continue
+                    results[r] = msg
                     return
             except (EOFError, OSError):
                 pass
@@ -601,13 +632,15 @@ class DistPool:
                 self._procs[r].join(timeout=1)
                 results[r] = ("died", self._procs[r].exitcode, None)
 
-        start = time.monotonic()
-        deadline = start + self.timeout
+        start = last_progress = time.monotonic()
         first_failure: float | None = None
+        timed_out = False
         while len(results) < ws:
             now = time.monotonic()
             if first_failure is None and any(v[0] != "ok" for v in results.values()):
                 first_failure = now
+            deadline = last_progress + self.timeout
+            timed_out = now >= deadline
             wait_until = deadline
             if first_failure is not None:
                 wait_until = min(deadline, first_failure + self.failure_grace)
@@ -652,8 +685,8 @@ class DistPool:
         if stuck:
             why = (
                 f"after rank(s) {sorted(failures)} failed (failure_grace={self.failure_grace:g}s)"
-                if failures and elapsed < self.timeout
-                else f"(timeout={self.timeout:g}s)"
+                if failures and not timed_out
+                else f"(no progress for timeout={self.timeout:g}s)"
             )
             msg = (
                 f"{name} did not finish on rank(s) {stuck} of {ws} within {elapsed:.1f}s {why}; "

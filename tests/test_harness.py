@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests._dist import DistPool, WorkerError, WorkerTimeoutError
+from tests._dist import DistPool, WorkerError, WorkerTimeoutError, progress
 
 # ---------------------------------------------------------------- rank functions
 
@@ -48,6 +48,17 @@ def _rank1_raises_while_rank0_in_collective() -> None:
 
 def _hang() -> None:
     time.sleep(600)
+
+
+def _beat_for(seconds: float, then_hang: bool) -> int:
+    """Call ``progress`` every 0.5 s for ``seconds``, then return or go silent."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(0.5)
+        progress()
+    if then_hang:
+        time.sleep(600)
+    return dist.get_rank()
 
 
 def _die_on_rank1() -> int:
@@ -197,6 +208,17 @@ def test_timeout_kills_and_restarts(short_pool):
     ):
         short_pool.run(_hang)
     assert short_pool.generation == generation + 1
+    assert short_pool.run(_all_reduce_rank_plus_one) == [[3.0, 3.0], [3.0, 3.0]]
+
+
+def test_progress_extends_the_timeout(short_pool):
+    # 5 s of work with progress reports fits a 3 s no-progress timeout ...
+    assert short_pool.run(_beat_for, 5.0, False) == [0, 1]
+    # ... and once the reports stop, the hang is reported 3 s later, not at the end of time.
+    t0 = time.monotonic()
+    with pytest.raises(WorkerTimeoutError, match=r"no progress for timeout=3s"):
+        short_pool.run(_beat_for, 2.0, True)
+    assert time.monotonic() - t0 < 2.0 + 3.0 + 3.0
     assert short_pool.run(_all_reduce_rank_plus_one) == [[3.0, 3.0], [3.0, 3.0]]
 
 

@@ -1,11 +1,29 @@
-"""Step-by-step parity with torch's FSDP1 on real gloo groups (2 and 3 ranks).
+"""Step-by-step parity with torch's FSDP1 on real gloo groups (2, 3 and 4 ranks).
 
 For every configuration one model is deep-copied into torch's FSDP1 and into
 fsdp_wrap.  Both train in lockstep on different data per rank; after every
 step the loss, every gradient, every parameter the optimizer sees and the
-clip norm must agree to 1e-5 (fp32).  Each world size runs its whole sweep in
-one ``pool.run``; the workers return a list of failures (config + what
-differed), so one broken configuration reads clearly in the assertion.
+clip norm are compared.  How closely depends on one question: does fsdp_wrap
+add each gradient element across ranks in the same order as torch?
+
+* **Same order: bit-exact.**  At 2 ranks a sum of two numbers does not
+  depend on order; without buckets (``bucket_cap_mb=0``) fsdp_wrap issues
+  torch's own per-unit collective.  Every other operation is torch's on the
+  same tensors, so any difference at all is a bug.
+* **Bucketed, 3 or more ranks: bounded against float64.**  A bucket puts a
+  unit's gradient at another offset of the message, and gloo's ring starts
+  each chunk's sum at a different rank, so elements are rounded differently
+  (as with DDP's buckets).  Then torch's and fsdp_wrap's trajectories are
+  both fp32 approximations of the same exact one; each is compared with a
+  float64 replicated model (:class:`Exact64`) under the bound of
+  :func:`fp32_bound`, and torch's FSDP1 must meet the same bound, which
+  checks the bound itself.
+
+Configurations cycle through three bucket caps (the default, where every unit
+of these small models shares one bucket; 0, torch's order; and a cap that
+splits them into a few buckets), so every world size runs each.  Each world
+size runs its sweep in one ``pool.run``; the workers return a list of
+failures (config + what differed), so one broken configuration reads clearly.
 
 Also here: FULL_STATE_DICT equality with torch's (keys, order, values), with
 ``rank0_only`` and ``offload_to_cpu`` (torch's offload crashes on a CPU
@@ -15,10 +33,10 @@ device, so ours is compared against torch's non-offloaded dict), and
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import time
-import traceback
 import warnings
 from typing import Any
 
@@ -28,13 +46,18 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tests._dist import get_pool
-from tests.models import build, fsdp_api, make_input, new_model
+from tests._sweep import Injection, any_rank, injected, run_sweep
+from tests.models import VOCAB, build, fsdp_api, make_input, new_model
 
-TOL = 1e-5
+U32 = 2.0**-24  # unit roundoff of float32
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
 PREFETCH = ["BACKWARD_PRE", "BACKWARD_POST", None]
 CLIPS = [None, 2.0, math.inf]
 MAX_NORM = {2.0: 0.05, math.inf: 0.01}  # small, so that clipping really scales
+# bucket_cap_mb: default (1 MiB: one bucket), 0 (per unit: torch's order),
+# 0.0005 MiB = 512 bytes (these models' units are 100-300 floats: a few buckets)
+CAPS: list[float | None] = [None, 0.0, 0.0005]
+WORLD_SIZES = [2, 3, 4]
 
 
 # ---------------------------------------------------------------------------
@@ -49,8 +72,10 @@ def _cycle(k: int) -> int:
 
 
 def _configs(ws: int = 2) -> list[dict[str, Any]]:
-    """The sweep; on 3 ranks the transformer grid cycles backward_prefetch
-    instead of crossing it (3x fewer configs, every other axis still crossed)."""
+    """The sweep; on 3+ ranks the transformer grid cycles backward_prefetch
+    instead of crossing it (3x fewer configs, every other axis still crossed);
+    on 4 ranks every third configuration and the state-dict ones run (the grid
+    is for 2 and 3; 4 ranks adds a longer ring)."""
     out: list[dict[str, Any]] = []
 
     def add(**cfg: Any) -> None:
@@ -59,6 +84,7 @@ def _configs(ws: int = 2) -> list[dict[str, Any]]:
         cfg.setdefault("opt", ("adam", "sgd")[(i // 2) % 2])
         cfg.setdefault("accum", False)
         cfg.setdefault("sd", False)
+        cfg["cap"] = CAPS[_cycle(i // 2)]
         cfg["idx"] = i
         out.append(cfg)
 
@@ -112,11 +138,17 @@ def _configs(ws: int = 2) -> list[dict[str, Any]]:
         if key not in seen and not cfg["accum"]:
             seen.add(key)
             cfg["sd"] = True
+            if ws >= 3:
+                # the state-dict checks compare trained values bit for bit, so
+                # they run where the reduction order is torch's
+                cfg["cap"] = 0.0
+    if ws >= 4:
+        out = [c for c in out if c["idx"] % 3 == 0 or c["sd"]]
     return out
 
 
 def _describe(cfg: dict[str, Any]) -> str:
-    keys = ("model", "strategy", "uop", "bp", "fp", "nosync", "clip", "opt", "accum")
+    keys = ("model", "strategy", "uop", "bp", "fp", "nosync", "clip", "opt", "accum", "cap")
     return "{" + ", ".join(f"{k}={cfg[k]}" for k in keys) + "}"
 
 
@@ -135,21 +167,34 @@ def _optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
+def _order_is_torchs(cfg: dict[str, Any]) -> bool:
+    """Does fsdp_wrap add each gradient element across ranks in torch's order?
+
+    At 2 ranks always (``a + b == b + a`` exactly); at more only without
+    buckets, where it issues torch's per-unit collective.
+    """
+    return dist.get_world_size() <= 2 or cfg["cap"] == 0.0
+
+
 def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
     if not a.numel():
         return 0.0
-    # Offloaded state dicts are on the CPU, torch's may be on the GPU.
-    return float((a.detach().float().cpu() - b.detach().float().cpu()).abs().max())
+    # in float64, so that comparing with the float64 reference adds no rounding;
+    # offloaded state dicts are on the CPU, torch's may be on the GPU
+    return float((a.detach().double().cpu() - b.detach().double().cpu()).abs().max())
 
 
 def _cmp_tensors(what: str, a: torch.Tensor | None, b: torch.Tensor | None) -> str | None:
-    """None if ``a`` (torch) and ``b`` (ours) agree, else why not."""
+    """None if ``a`` (torch) and ``b`` (ours) are identical, else why not."""
+    bad = injected(what)
+    if bad:
+        return bad
     if a is None or b is None:
         return None if a is None and b is None else f"{what}: torch {_sh(a)} vs ours {_sh(b)}"
     if a.shape != b.shape or a.dtype != b.dtype:
         return f"{what}: torch {_sh(a)} vs ours {_sh(b)}"
     d = _maxdiff(a, b)
-    return None if d <= TOL else f"{what}: max |diff| {d:.3g}"
+    return None if d == 0.0 else f"{what}: max |diff| {d:.3g} (must be bit-exact)"
 
 
 def _sh(t: torch.Tensor | None) -> str:
@@ -160,66 +205,232 @@ def _param_names(model: nn.Module) -> list[str]:
     return [n for n, _ in model.named_parameters()]
 
 
+# ---------------------------------------------------------------------------
+# the float64 reference and the bound for bucketed reductions at 3+ ranks
+# ---------------------------------------------------------------------------
+
+
+# The longest sum any of the models computes: the loss's mean over the
+# transformer's 3 x 5 x VOCAB logits (matmuls sum over at most 11 terms, the
+# backward's weight gradients over 15 rows).
+LONGEST_SUM = 3 * 5 * VOCAB
+
+
+def fp32_bound(step: int, ws: int, scale: float) -> float:
+    """How far an fp32 FSDP value may be from the float64 one after ``step + 1`` steps.
+
+    Higham's bound for a sum of ``n`` terms in floating point is
+    ``gamma_n ~= n * u`` times the sum of their magnitudes, whatever the order.
+    One step computes sums of at most :data:`LONGEST_SUM` terms on each rank,
+    then a sum over ``ws`` ranks: at most ``(LONGEST_SUM + ws - 1) * u``
+    relative to the value's scale.  To first order the errors of successive
+    steps add, hence the factor ``step + 1``.  ``scale`` is the largest
+    magnitude in the float64 tensor.
+
+    The bound holds for any summation order, so it holds for torch's FSDP1 as
+    for fsdp_wrap; the sweep checks both.  Measured on a 2-core Xeon, the worst
+    value reaches about 1/4 of it (parameters after 3 Adam steps at 3 ranks).
+    It still catches real errors: a reference whose gradients are off by one
+    part in 10**4 fails it in 22 of 24 bucketed configurations at 3 ranks (the
+    other two clip, which cancels a uniform scaling); a rank's contribution
+    lost or counted twice is an error of 1 part in 3.
+    """
+    return (step + 1) * (LONGEST_SUM + ws - 1) * U32 * scale
+
+
+class Exact64:
+    """The same training as the FSDP models, in float64 on a plain model replicated
+    on every rank: gradients all-reduced and divided by the world size, then
+    clipping and the optimizer as in FSDP.  Its own rounding (2**-53) is 2**29
+    times below fp32's, so it stands for the exact trajectory."""
+
+    def __init__(self, base: nn.Module, cfg: dict[str, Any]) -> None:
+        self.model = copy.deepcopy(base).double()
+        self.opt = _optimizer(self.model, cfg["opt"])
+        self.cfg = cfg
+
+    def _loss(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.double() if x.is_floating_point() else x
+        return self.model(x).pow(2).mean()
+
+    def step(self, x: torch.Tensor, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cfg, ws = self.cfg, dist.get_world_size()
+        if cfg["nosync"]:
+            self._loss(x2).backward()
+        loss = self._loss(x)
+        loss.backward()
+        for p in self.model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad.div_(ws)
+        norm = None
+        if cfg["clip"] is not None:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            norm = torch.nn.utils.clip_grad_norm_(params, MAX_NORM[cfg["clip"]], cfg["clip"])
+        self.opt.step()
+        if not cfg["accum"]:
+            self.opt.zero_grad()
+        return loss.detach(), norm
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.model.named_parameters()}
+
+
+def _full_params(model: nn.Module, impl: str) -> dict[str, torch.Tensor]:
+    """Every original parameter, unsharded, by its clean name (collective)."""
+    cls = fsdp_api(impl).FullyShardedDataParallel
+    with cls.summon_full_params(model, writeback=False):
+        return {
+            n.replace("_fsdp_wrapped_module.", ""): p.detach().clone()
+            for n, p in model.named_parameters()
+        }
+
+
+def _cmp_exact64(
+    what: str, step: int, exact: torch.Tensor | None, got: dict[str, Any], stats: dict[str, float]
+) -> list[str]:
+    """Each implementation's value against the float64 one, within :func:`fp32_bound`."""
+    bad = injected(what)
+    if bad:
+        return [bad]
+    if exact is None:
+        return [
+            f"{what}: {impl} has {_sh(t)}, float64 has None"
+            for impl, t in got.items()
+            if t is not None
+        ]
+    scale = float(exact.abs().max()) if exact.numel() else 0.0
+    bound = fp32_bound(step, dist.get_world_size(), scale)
+    errs = []
+    for impl, t in got.items():
+        if t is None or t.shape != exact.shape:
+            errs.append(f"{what}: {impl} has {_sh(t)}, float64 has {_sh(exact)}")
+            continue
+        d = _maxdiff(exact, t)
+        key = f"worst/bound:{what.split()[0]}:{impl}"
+        if scale:
+            stats[key] = max(stats.get(key, 0.0), d / bound)
+        if d > bound:
+            errs.append(
+                f"{what}: {impl} is {d:.3g} from float64 (bound {bound:.3g} at step {step})"
+            )
+    return errs
+
+
+def _step_both(
+    models: tuple[nn.Module, nn.Module],
+    opts: tuple[torch.optim.Optimizer, torch.optim.Optimizer],
+    cfg: dict[str, Any],
+    x: torch.Tensor,
+    x2: torch.Tensor,
+) -> list[tuple[Any, ...]]:
+    clip, res = cfg["clip"], []
+    for model, opt in zip(models, opts):
+        if cfg["nosync"]:
+            with model.no_sync():
+                _loss(model(x2)).backward()
+        loss = _loss(model(x))
+        loss.backward()
+        norm = model.clip_grad_norm_(MAX_NORM[clip], clip) if clip is not None else None
+        grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+        opt.step()
+        if not cfg["accum"]:
+            opt.zero_grad()
+        params = [p.detach().clone() for p in model.parameters()]
+        res.append((loss.detach(), norm, grads, params))
+    return res
+
+
 def _train_compare(
     ref: nn.Module,
     ours: nn.Module,
+    base: nn.Module,
     cfg: dict[str, Any],
     gen: torch.Generator,
     steps: int,
     tag: str,
     stats: dict[str, float],
 ) -> list[str]:
-    """Train both in lockstep; return what differed (stop at the first bad step)."""
-    fails: list[str] = []
+    """Train both in lockstep; return what differed (stop after the first bad step,
+    on every rank: the decision is agreed).
+
+    ``base`` (the unwrapped model both started from) seeds the float64
+    reference where the reduction order is not torch's.
+    """
     names = _param_names(ref)
     if names != _param_names(ours) or [p.shape for p in ref.parameters()] != [
         p.shape for p in ours.parameters()
     ]:
+        # the same on every rank (construction is deterministic): no collective skipped unevenly
         return [
             f"{tag}: optimizer-visible params differ: torch "
             f"{[(n, tuple(p.shape)) for n, p in ref.named_parameters()]} vs ours "
             f"{[(n, tuple(p.shape)) for n, p in ours.named_parameters()]}"
         ]
+    exact = None if _order_is_torchs(cfg) else Exact64(base, cfg)
     opts = (_optimizer(ref, cfg["opt"]), _optimizer(ours, cfg["opt"]))
     clip = cfg["clip"]
     for step in range(steps):
         x = make_input(cfg["model"], gen)
         x2 = make_input(cfg["model"], gen)
-        res = []
-        for model, opt in zip((ref, ours), opts):
-            if cfg["nosync"]:
-                with model.no_sync():
-                    _loss(model(x2)).backward()
-            loss = _loss(model(x))
-            loss.backward()
-            norm = model.clip_grad_norm_(MAX_NORM[clip], clip) if clip is not None else None
-            grads = [
-                None if p.grad is None else p.grad.detach().clone() for p in model.parameters()
-            ]
-            opt.step()
-            if not cfg["accum"]:
-                opt.zero_grad()
-            params = [p.detach().clone() for p in model.parameters()]
-            res.append((loss.detach(), norm, grads, params))
-        (l1, n1, g1, p1), (l2, n2, g2, p2) = res
-        where = f"{tag} step {step}"
-        errs = [_cmp_tensors("loss", l1, l2)]
-        if clip is not None:
-            errs.append(_cmp_tensors(f"clip_grad_norm_({MAX_NORM[clip]}, {clip}) result", n1, n2))
-            if n1 is not None and float(n1) > MAX_NORM[clip]:
-                stats["clipped"] += 1
-        errs += [_cmp_tensors(f"grad of {names[i]}", a, b) for i, (a, b) in enumerate(zip(g1, g2))]
-        errs += [_cmp_tensors(f"param {names[i]}", a, b) for i, (a, b) in enumerate(zip(p1, p2))]
-        errs = [e for e in errs if e]
+        (l1, n1, g1, p1), (l2, n2, g2, p2) = _step_both((ref, ours), opts, cfg, x, x2)
+        if clip is not None and n1 is not None and float(n1) > MAX_NORM[clip]:
+            stats["clipped"] += 1
         stats["grads_seen"] += sum(g is not None for g in g1)
-        if errs:
-            fails.append(
-                f"{where}: "
-                + "; ".join(errs[:6])
-                + (f" (+{len(errs) - 6} more)" if len(errs) > 6 else "")
-            )
-            break
-    return fails
+        where = f"{tag} step {step}"
+        if exact is None:
+            errs = [_cmp_tensors("loss", l1, l2)]
+            if clip is not None:
+                errs.append(
+                    _cmp_tensors(f"clip_grad_norm_({MAX_NORM[clip]}, {clip}) result", n1, n2)
+                )
+            errs += [
+                _cmp_tensors(f"grad of {names[i]}", a, b) for i, (a, b) in enumerate(zip(g1, g2))
+            ]
+            errs += [
+                _cmp_tensors(f"param {names[i]}", a, b) for i, (a, b) in enumerate(zip(p1, p2))
+            ]
+            found = [e for e in errs if e]
+        else:
+            found = _cmp_with_exact64(exact, (ref, ours), step, x, x2, (l1, l2), (n1, n2), stats)
+            # the structure still matches torch's exactly: which grads exist, their shapes
+            found += [
+                f"grad of {names[i]}: torch {_sh(a)} vs ours {_sh(b)}"
+                for i, (a, b) in enumerate(zip(g1, g2))
+                if (a is None) != (b is None)
+                or (a is not None and b is not None and a.shape != b.shape)
+            ]
+        if found:
+            more = f" (+{len(found) - 6} more)" if len(found) > 6 else ""
+            fails = [f"{where}: " + "; ".join(found[:6]) + more]
+        else:
+            fails = []
+        if any_rank(bool(fails)):
+            return fails
+    return []
+
+
+def _cmp_with_exact64(
+    exact: Exact64,
+    models: tuple[nn.Module, nn.Module],
+    step: int,
+    x: torch.Tensor,
+    x2: torch.Tensor,
+    losses: tuple[torch.Tensor, torch.Tensor],
+    norms: tuple[Any, Any],
+    stats: dict[str, float],
+) -> list[str]:
+    loss64, norm64 = exact.step(x, x2)
+    found = _cmp_exact64("loss", step, loss64, dict(torch=losses[0], ours=losses[1]), stats)
+    if norm64 is not None:
+        found += _cmp_exact64(
+            "clip_grad_norm_", step, norm64, dict(torch=norms[0], ours=norms[1]), stats
+        )
+    full = [_full_params(m, impl) for m, impl in zip(models, ("torch", "ours"))]
+    for name, p64 in exact.params().items():
+        got = dict(torch=full[0].get(name), ours=full[1].get(name))
+        found += _cmp_exact64(f"param {name}", step, p64, got, stats)
+    return found
 
 
 def _cmp_state_dicts(what: str, ref_sd: dict[str, Any], our_sd: dict[str, Any]) -> list[str]:
@@ -291,7 +502,7 @@ def _state_dict_checks(
     # Round trips: torch's dict into a fresh ours, ours into a fresh torch.
     torch.manual_seed(4242 + cfg["idx"])
     base2 = new_model(cfg["model"])
-    ref2 = build(cfg["model"], "torch", base2, **kw)
+    ref2 = build(cfg["model"], "torch", base2, **_torch_kw(kw))
     ours2 = build(cfg["model"], "ours", base2, **kw)
     ours2.load_state_dict(ref_sd)
     ref2.load_state_dict(our_sd)
@@ -302,10 +513,15 @@ def _state_dict_checks(
         f"{tag}: torch after loading our FULL dict", our_sd, _full_sd(ref2, "torch")
     )
     fails += _train_compare(
-        ref2, ours2, cfg, gen, 2, f"{tag} after cross-loading state dicts", stats
+        ref2, ours2, base2, cfg, gen, 2, f"{tag} after cross-loading state dicts", stats
     )
     stats["sd_checked"] += 1
     return fails
+
+
+def _torch_kw(kw: dict[str, Any]) -> dict[str, Any]:
+    """``kw`` without fsdp_wrap's additions (torch's FSDP1 has no bucket_cap_mb)."""
+    return {k: v for k, v in kw.items() if k != "bucket_cap_mb"}
 
 
 def _run_config(cfg: dict[str, Any], stats: dict[str, float]) -> list[str]:
@@ -321,11 +537,14 @@ def _run_config(cfg: dict[str, Any], stats: dict[str, float]) -> list[str]:
     )
     if cfg.get("device"):  # the CUDA sweeps (tests/test_cuda.py) set it
         kw["device_id"] = torch.device(cfg["device"])
-    ref = build(cfg["model"], "torch", base, **kw)
+    if cfg["cap"] is not None:
+        kw["bucket_cap_mb"] = cfg["cap"]
+    ref = build(cfg["model"], "torch", base, **_torch_kw(kw))
     ours = build(cfg["model"], "ours", base, **kw)
     gen = torch.Generator().manual_seed(1000 + 7919 * rank + cfg["idx"])  # different data per rank
-    fails = _train_compare(ref, ours, cfg, gen, 3, tag, stats)
-    if cfg["sd"] and not fails:
+    fails = _train_compare(ref, ours, base, cfg, gen, 3, tag, stats)
+    # agreed: a difference on one rank must not make it skip the others' collectives
+    if cfg["sd"] and not any_rank(bool(fails)):
         fails += _state_dict_checks(ref, ours, cfg, kw, gen, tag, stats)
     return fails
 
@@ -334,33 +553,26 @@ def _group(cfg: dict[str, Any]) -> str:
     return "accumulation" if cfg["accum"] else cfg["model"]
 
 
-def _sweep(configs: list[dict[str, Any]]) -> tuple[list[tuple[str, str]], dict[str, float]]:
+def _sweep(
+    configs: list[dict[str, Any]], inject: Injection | None = None
+) -> tuple[list[tuple[str, str]], dict[str, float]]:
     """Run every config; return ``(group, failure)`` pairs and counters."""
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     stats: dict[str, float] = {"clipped": 0, "grads_seen": 0, "sd_checked": 0}
-    fails: list[tuple[str, str]] = []
-    for cfg in configs:
+
+    def one(cfg: dict[str, Any]) -> list[tuple[str, str]]:
         group = _group(cfg)
         t0, c0 = time.perf_counter(), time.process_time()
-        try:
-            fails += [(group, f) for f in _run_config(cfg, stats)]  # type: ignore[arg-type]
-        except Exception as e:  # noqa: BLE001
-            # A config-level error (construction, a check before any collective)
-            # is raised by every rank at the same point, so the sweep goes on.
-            tb = "".join(traceback.format_exception(e)[-4:])
-            fails.append(
-                (
-                    group,
-                    f"[rank {dist.get_rank()}] {_describe(cfg)}: raised {type(e).__name__}: {e}\n{tb}",
-                )
-            )
+        fails = [(group, f) for f in _run_config(cfg, stats)]
         stats[f"configs:{group}"] = stats.get(f"configs:{group}", 0) + 1
         stats[f"seconds:{group}"] = stats.get(f"seconds:{group}", 0.0) + time.perf_counter() - t0
         stats[f"cpu_seconds:{group}"] = (
             stats.get(f"cpu_seconds:{group}", 0.0) + time.process_time() - c0
         )
-    return fails, stats
+        return fails
+
+    return run_sweep(configs, one, _describe, inject), stats  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------
@@ -381,7 +593,7 @@ def _results(
             print(
                 f"[ws {ws} rank {rank}] "
                 + ", ".join(
-                    f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()
+                    f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()
                 )
             )
     return _RESULTS[ws]
@@ -398,7 +610,7 @@ def _check(request: pytest.FixtureRequest, ws: int, group: str) -> None:
         assert stats[f"configs:{group}"] == len(configs), (rank, stats)
 
 
-@pytest.mark.parametrize("ws", [2, 3])
+@pytest.mark.parametrize("ws", WORLD_SIZES)
 def test_sweep_is_not_vacuous(request: pytest.FixtureRequest, ws: int) -> None:
     configs = _configs(ws)
     for rank, (_, stats) in enumerate(_results(request, ws)):
@@ -432,7 +644,7 @@ def test_configs_cover_the_grid() -> None:
 BROKEN_GROUPS: dict[str, str] = {}
 
 
-@pytest.mark.parametrize("ws", [2, 3])
+@pytest.mark.parametrize("ws", WORLD_SIZES)
 @pytest.mark.parametrize(
     "group",
     [

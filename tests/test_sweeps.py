@@ -1,0 +1,91 @@
+"""A failure on one rank of a sweep is reported within seconds, with its message.
+
+Every multi-configuration sweep of the suite is listed in :data:`SWEEPS` and
+run here twice on a few of its configurations, with a failure injected on one
+rank (see :mod:`tests._sweep`):
+
+* ``mismatch``: the first comparison of configuration 0 reports a difference
+  on that rank only.  The sweep must stay in step (every decision that gates a
+  collective is agreed across ranks), finish, and return the message from
+  that rank; the next configuration must still pass.
+* ``raise``: that comparison raises on that rank only.  The pool must report
+  the exception and the configuration within seconds (its ``failure_grace``),
+  not at its no-progress timeout.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from typing import Any, Callable
+
+import pytest
+
+from tests._dist import WorkerError, get_pool
+from tests._sweep import Injection
+
+# A failure must be reported well before the pool's 60 s no-progress timeout.
+FAST = 30.0
+
+
+def _flatten(results: list[Any]) -> list[list[str]]:
+    """Per rank, the failure strings, whatever shape the sweep returns."""
+    out = []
+    for res in results:
+        if isinstance(res, tuple) and len(res) == 2 and isinstance(res[1], dict):
+            res = res[0]  # (failures, stats)
+        out.append([f if isinstance(f, str) else " ".join(map(str, f)) for f in res])
+    return out
+
+
+def _parity_configs(ws: int, bucketed: bool) -> list[dict[str, Any]]:
+    from tests import test_parity as tp
+
+    configs = tp._configs(ws)
+    if bucketed:  # the float64-bounded path
+        return [c for c in configs if c["cap"] != 0.0][:2]
+    return [c for c in configs if c["sd"]][:2]  # the agreed skip of the state-dict checks
+
+
+# name -> (module, sweep function name, world size, configs() -> configs)
+SWEEPS: dict[str, tuple[str, str, int, Callable[[], list[Any]]]] = {
+    "parity-2": ("tests.test_parity", "_sweep", 2, lambda: _parity_configs(2, False)),
+    "parity-3-bucketed": ("tests.test_parity", "_sweep", 3, lambda: _parity_configs(3, True)),
+}
+
+
+def _sweep_fn(name: str) -> tuple[Callable[..., Any], int, list[Any]]:
+    module, fn, ws, configs = SWEEPS[name]
+    return getattr(importlib.import_module(module), fn), ws, configs()
+
+
+@pytest.mark.parametrize("name", sorted(SWEEPS))
+def test_one_rank_mismatch_is_reported_and_the_sweep_stays_in_step(name: str) -> None:
+    fn, ws, configs = _sweep_fn(name)
+    assert len(configs) >= 2, "inject into configuration 0, then see 1 pass"
+    bad = ws - 1
+    t0 = time.monotonic()
+    per_rank = _flatten(get_pool(ws).run(fn, configs, inject=Injection(bad, 0, "mismatch")))
+    assert time.monotonic() - t0 < FAST + 10 * len(configs)
+    expected = f"injected mismatch on rank {bad} at "
+    for rank, fails in enumerate(per_rank):
+        assert not any("was never reached" in f for f in fails), fails
+        if rank == bad:
+            assert len(fails) == 1 and expected in fails[0], fails
+        else:
+            assert fails == [], (rank, fails)
+
+
+@pytest.mark.parametrize("name", sorted(SWEEPS))
+def test_one_rank_exception_is_reported_within_seconds(name: str) -> None:
+    fn, ws, configs = _sweep_fn(name)
+    bad = ws - 1
+    pool = get_pool(ws)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        pool.run(fn, configs, inject=Injection(bad, 0, "raise"))
+    elapsed = time.monotonic() - t0
+    msg = str(info.value)
+    assert f"[rank {bad}] tests._sweep.InjectedFailure: injected raise on rank {bad} at " in msg
+    assert f"[rank {bad}] configuration 0 raised: " in msg
+    assert elapsed < FAST, f"reported after {elapsed:.1f}s"
