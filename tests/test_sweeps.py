@@ -51,6 +51,8 @@ def _parity_configs(ws: int, bucketed: bool) -> list[dict[str, Any]]:
 SWEEPS: dict[str, tuple[str, str, int, Callable[[], list[Any]]]] = {
     "parity-2": ("tests.test_parity", "_sweep", 2, lambda: _parity_configs(2, False)),
     "parity-3-bucketed": ("tests.test_parity", "_sweep", 3, lambda: _parity_configs(3, True)),
+    # --- sweeps of the option tests (tests/_options_common.py users) ---
+    # --- the other sweeps ---
 }
 
 
