@@ -10,12 +10,13 @@ human-readable failures.  Everything here runs inside the workers.
 from __future__ import annotations
 
 import copy
-import traceback
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from tests._sweep import Injection, injected, run_sweep
 
 FP32_TOL = 1e-5
 
@@ -37,6 +38,9 @@ def shape_of(t: torch.Tensor | None) -> str:
 def cmp(what: str, a: torch.Tensor | None, b: torch.Tensor | None, tol: float = FP32_TOL,
         check_dtype: bool = True) -> str | None:
     """None if ``a`` (reference) and ``b`` (ours) agree within ``tol``, else why not."""
+    bad = injected(what)
+    if bad:
+        return bad
     if a is None or b is None:
         return None if a is None and b is None else f"{what}: ref {shape_of(a)} vs ours {shape_of(b)}"
     if a.shape != b.shape or (check_dtype and a.dtype != b.dtype):
@@ -91,22 +95,16 @@ def compare_step(tag: str, names: list[str], ref: tuple[Any, ...], ours: tuple[A
 
 
 def run_configs(configs: list[dict[str, Any]], fn: Callable[[dict[str, Any]], list[str]],
-                describe: Callable[[dict[str, Any]], str] | None = None) -> list[str]:
-    """Run ``fn(cfg)`` for each config; a config that raises is reported and the sweep goes on.
+                describe: Callable[[dict[str, Any]], str] | None = None,
+                inject: Injection | None = None) -> list[str]:
+    """Run ``fn(cfg)`` for each config (:func:`tests._sweep.run_sweep`): differences
+    are returned, an exception ends the task naming its configuration.
 
-    A config-level error raised by every rank at the same point (construction,
-    a check before any collective) leaves the group in step, so this is safe;
-    the harness restarts the pool if the ranks ended out of step.
+    (It used to report an exception and go on, which is only safe when every
+    rank raises at the same point; one rank raising alone left the others in a
+    collective until the pool's timeout.)
     """
-    describe = describe or (lambda c: f"{rank_tag()} {c}")
-    fails: list[str] = []
-    for cfg in configs:
-        try:
-            fails += fn(cfg)
-        except Exception as e:  # noqa: BLE001
-            tb = "".join(traceback.format_exception(e)[-3:])
-            fails.append(f"{describe(cfg)}: raised {type(e).__name__}: {e}\n{tb}")
-    return fails
+    return run_sweep(configs, fn, describe or (lambda c: f"{rank_tag()} {c}"), inject)
 
 
 # ---------------------------------------------------------------------------
