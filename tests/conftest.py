@@ -11,9 +11,21 @@ pools of :mod:`tests._dist`; each world size is started once per session::
 
 GPU-only tests: ``@requires_cuda`` (``from tests.conftest import requires_cuda``)
 or ``@pytest.mark.gpu``; both skip when CUDA is unavailable.
+
+Every test is bounded in time: a pool task fails a minute after its last
+progress (tests/_dist.py), a command started with ``tests._proc.run_bounded``
+at its own timeout, and any test at :data:`TEST_LIMIT_S` seconds (slow ones
+:data:`SLOW_TEST_LIMIT_S`; ``$FSDP_WRAP_TEST_LIMIT`` overrides both), after
+dumping the stacks of the test process.
 """
 
 from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -36,6 +48,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+TEST_LIMIT_S = 300
+SLOW_TEST_LIMIT_S = 1200  # the framework runs launch torchrun with a 900 s timeout
+
+
+class TimeLimitExceeded(Exception):
+    """A test ran past its time limit (see the module docstring)."""
+
+
+def _alarm(signum: int, frame: object) -> None:
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    raise TimeLimitExceeded("test ran past its time limit; stacks of every thread are on stderr")
+
+
+@pytest.fixture(autouse=True)
+def _time_limit(request: pytest.FixtureRequest) -> Iterator[None]:
+    if not hasattr(signal, "SIGALRM"):
+        yield
+        return
+    limit = int(os.environ.get("FSDP_WRAP_TEST_LIMIT", "0")) or (
+        SLOW_TEST_LIMIT_S if request.node.get_closest_marker("slow") else TEST_LIMIT_S
+    )
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(limit)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from tests._proc import run_bounded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,10 +20,10 @@ def test_checkpoint_benchmark_runs_and_prints_tables(tmp_path):
     out_json = tmp_path / "raw.json"
     env = dict(os.environ, PYTHONWARNINGS="ignore",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(
+    proc = run_bounded(
         [sys.executable, os.path.join(ROOT, "benchmarks", "bench_checkpoint.py"), "--tiny",
          "--threads", "1", "--json", str(out_json)],
-        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
+        timeout=300, env=env, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for title in ("SHARDED_STATE_DICT save and load", "full checkpoint, rank 0 peak",

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
+
+from tests._proc import run_bounded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_fsdp.py")
@@ -24,7 +25,7 @@ def test_benchmark_runs_and_prints_tables(tmp_path):
         "--json", str(out_json),
     ]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    proc = run_bounded(cmd, timeout=240, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     # Step-time table: its columns and one row per framework.

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from fsdp_wrap import demo
+from tests._proc import run_bounded
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_LINE = re.compile(r"^train\s+\[[#.]+\] step\s+(\d+)/(\d+)\s+loss\s+(\S+)\s+([\d,]+) tok/s$")
@@ -29,9 +30,9 @@ def _run_demo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[s
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # never mistake pytest for torchrun
         env.pop(var, None)
-    return subprocess.run(
+    return run_bounded(
         [sys.executable, "-m", "fsdp_wrap.demo", *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=REPO, env=env, timeout=timeout,
     )
 
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from typing import Any
 
 import pytest
+
+from tests._proc import run_bounded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "frameworks")
@@ -36,7 +37,7 @@ def _launch(script: str, tmp_path: Any) -> list[dict[str, Any]]:
     # --standalone: torchrun picks a free port itself.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(SCRIPTS, script), str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=SCRIPTS, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_bounded(cmd, cwd=SCRIPTS, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
     out = []
     for rank in range(2):

@@ -242,3 +242,29 @@ def test_bad_tasks_are_rejected_in_the_parent(pool2):
     with pytest.raises((TypeError, pickle.PicklingError)):
         pool2.run(_rank_info, threading.Lock())
     assert pool2.run(_rank_info, 1) == [(0, 2, 1), (1, 2, 1)]
+
+
+def test_a_hanging_test_fails_at_the_limit_with_stacks():
+    """conftest's per-test limit: the test fails (not the run) and its stack is printed."""
+    from tests._proc import run_bounded
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, FSDP_WRAP_TEST_LIMIT="2")
+    t0 = time.monotonic()
+    proc = run_bounded(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/_limit_probe.py"],
+        timeout=60, cwd=root, env=env,
+    )
+    assert time.monotonic() - t0 < 30
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "1 failed" in proc.stdout and "TimeLimitExceeded" in proc.stdout, proc.stdout
+    assert "in test_hangs" in proc.stdout + proc.stderr  # the stack of the hanging test
+
+
+def test_a_hanging_command_fails_with_the_stacks_of_its_processes():
+    from tests._proc import run_bounded
+
+    code = "import faulthandler, time\ndef waiting_here():\n    time.sleep(60)\nwaiting_here()"
+    with pytest.raises(AssertionError, match="did not finish within 2s") as info:
+        run_bounded([sys.executable, "-c", code], timeout=2)
+    assert "in waiting_here" in str(info.value)

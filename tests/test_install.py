@@ -13,6 +13,8 @@ import textwrap
 
 import pytest
 
+from tests._proc import run_bounded
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -22,8 +24,8 @@ def _python(code: str, env: dict[str, str] | None = None, timeout: int = 180,
     full_env.pop("FSDP_WRAP_INSTALL", None)
     full_env.update(env or {})
     source = textwrap.dedent(prelude) + textwrap.dedent(code)
-    return subprocess.run([sys.executable, "-c", source], cwd=ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_bounded([sys.executable, "-c", source], cwd=ROOT, env=full_env,
+                          timeout=timeout)
 
 
 def _ok(proc: subprocess.CompletedProcess) -> str:
@@ -221,11 +223,11 @@ def test_startup_hook_and_fsdp_wrap_run() -> None:
     off = _python(probe)
     assert _ok(off).strip() == "torch.distributed.fsdp.fully_sharded_data_parallel"
     assert "fsdp_wrap" not in off.stderr
-    via_cli = subprocess.run(
+    via_cli = run_bounded(
         [sys.executable, "-m", "fsdp_wrap.cli", "run", "--", sys.executable, "-c", probe],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
+        cwd=ROOT, timeout=180,
         env={k: v for k, v in os.environ.items() if k != "FSDP_WRAP_INSTALL"})
     assert _ok(via_cli).strip() == "fsdp_wrap.fully_sharded_data_parallel"
-    empty = subprocess.run([sys.executable, "-m", "fsdp_wrap.cli", "run"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=120)
+    empty = run_bounded([sys.executable, "-m", "fsdp_wrap.cli", "run"], cwd=ROOT,
+                           timeout=120)
     assert empty.returncode == 2 and "give the command" in empty.stderr

@@ -9,13 +9,13 @@ peak live bytes of forward + backward must be within 10% of the plan's.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 from packaging.version import Version
 
 from fsdp_wrap._compat import TORCH_VERSION
+from tests._proc import run_bounded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,8 +30,8 @@ def test_plan_within_ten_percent_of_what_training_holds() -> None:
     pytest.importorskip("transformers")
     script = os.path.join(ROOT, "benchmarks", "plan_accuracy.py")
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, script, "--quick", "--check", "0.10"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600, env=env)
+    proc = run_bounded([sys.executable, script, "--quick", "--check", "0.10"], cwd=ROOT,
+                          timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith(("compute", "gpt2"))]
     assert len(rows) == 8 and all(" yes " in r for r in rows), proc.stdout

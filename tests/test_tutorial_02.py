@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+from tests._proc import run_bounded
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tutorials", "02_checkpoint_resume.py")
 
@@ -19,9 +21,8 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    return subprocess.run(
-        [sys.executable, SCRIPT, *args], cwd=REPO, env=env, capture_output=True, text=True,
-        timeout=120,
+    return run_bounded(
+        [sys.executable, SCRIPT, *args], cwd=REPO, env=env, timeout=120,
     )
 
 

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from tests._proc import run_bounded
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TUTORIALS = sorted(glob.glob(os.path.join(REPO, "tutorials", "[0-9][0-9]_*.py")))
 FIRST = os.path.join(REPO, "tutorials", "01_first_training.py")
@@ -22,8 +24,8 @@ def _run(path: str) -> subprocess.CompletedProcess[str]:
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # run as a user would, not as torchrun
         env.pop(var, None)
-    return subprocess.run(
-        [sys.executable, path], cwd=REPO, env=env, capture_output=True, text=True, timeout=180
+    return run_bounded(
+        [sys.executable, path], cwd=REPO, env=env, timeout=180
     )
 
 
