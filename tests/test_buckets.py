@@ -32,6 +32,7 @@ import fsdp_wrap._collectives as C
 from fsdp_wrap import CPUOffload, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
 from fsdp_wrap._bucket import BUCKET_CAP_ENV, DEFAULT_BUCKET_CAP_MB, resolve_bucket_cap_mb
 from tests._options_common import rank_tag, run_configs
+from tests._sweep import Injection, injected
 
 # Block sizes (hidden width h: 33h + 16 parameters).  h=8: 280 elements (1120
 # bytes fp32); h=64: 2128 elements, bigger than every cap used below.
@@ -115,6 +116,11 @@ def _grads(model: nn.Module) -> list[torch.Tensor | None]:
 
 def _differences(tag: str, a: list[torch.Tensor | None], b: list[torch.Tensor | None],
                  tol: float = 0.0) -> list[str]:
+    """What differs between two lists of tensors (the comparison of this file and
+    tests/test_gather_batch.py; an injected failure comes first, see tests/_sweep.py)."""
+    bad = injected(tag)
+    if bad:
+        return [bad]
     out = []
     for i, (x, y) in enumerate(zip(a, b)):
         if x is None or y is None:
@@ -222,12 +228,14 @@ def _configs(ws: int) -> list[dict[str, Any]]:
     return out
 
 
-def _sweep(ws: int) -> list[str]:
-    return run_configs(_configs(ws), _bucket_vs_per_unit)
+def _sweep(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
+    """No decision here gates a collective: every step and comparison runs on
+    every rank whatever an earlier comparison found."""
+    return run_configs(configs, _bucket_vs_per_unit, inject=inject)
 
 
 def test_buckets_bit_identical_to_per_unit(pool2: Any) -> None:
-    fails = [f for r in pool2.run(_sweep, 2) for f in r]
+    fails = [f for r in pool2.run(_sweep, _configs(2)) for f in r]
     assert not fails, "\n".join(fails)
 
 
@@ -240,7 +248,7 @@ def test_buckets_three_ranks_uneven_shards(pool3: Any) -> None:
     ulp or so: the same happens between any two message sizes)."""
     configs = [dict(c, tol=1e-6) for c in _configs(3)
                if not c.get("mp") and not c.get("offload")][:10]
-    fails = [f for r in pool3.run(run_configs, configs, _bucket_vs_per_unit) for f in r]
+    fails = [f for r in pool3.run(_sweep, configs) for f in r]
     assert not fails, "\n".join(fails)
 
 

@@ -31,6 +31,7 @@ from fsdp_wrap._gather_batch import (
     resolve_all_gather_batch_mb,
 )
 from tests._options_common import rank_tag, run_configs
+from tests._sweep import Injection
 from tests.test_buckets import Net, _batch, _differences, _grads, _kwargs
 
 UNIT_MB = 280 * 4 / 2**20  # one small block's fp32 gather
@@ -132,14 +133,20 @@ def _configs() -> list[dict[str, Any]]:
     return out
 
 
+def _sweep(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
+    """No decision here gates a collective: every step and comparison runs on
+    every rank; the comparisons are tests/test_buckets.py's ``_differences``."""
+    return run_configs(configs, _batched_vs_single, inject=inject)
+
+
 def test_batched_gathers_bit_identical(pool2: Any) -> None:
-    fails = [f for r in pool2.run(run_configs, _configs(), _batched_vs_single) for f in r]
+    fails = [f for r in pool2.run(_sweep, _configs()) for f in r]
     assert not fails, "\n".join(fails)
 
 
 def test_batched_gathers_three_ranks(pool3: Any) -> None:
     configs = [c for c in _configs() if not c.get("mp") and not c.get("offload")][:6]
-    fails = [f for r in pool3.run(run_configs, configs, _batched_vs_single) for f in r]
+    fails = [f for r in pool3.run(_sweep, configs) for f in r]
     assert not fails, "\n".join(fails)
 
 

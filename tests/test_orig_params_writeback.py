@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tests._options_common import cmp, compare_step, loss_of, rank_tag, run_configs, train_step
+from tests._sweep import Injection
 from tests.models import fsdp_api, fsdp_kwargs, wrap_api
 
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
@@ -125,8 +126,8 @@ def _configs() -> list[dict[str, Any]]:
             for s, n, c, w in itertools.product(STRATEGIES, (False, True), CHANGES, (0, 1))]
 
 
-def _sweep(configs: list[dict[str, Any]]) -> list[str]:
-    return run_configs(configs, _run)
+def _sweep(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
+    return run_configs(configs, _run, inject=inject)
 
 
 def test_changed_orig_params_are_written_back_as_in_torch(pool2: Any) -> None:

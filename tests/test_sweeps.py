@@ -52,6 +52,15 @@ SWEEPS: dict[str, tuple[str, str, int, Callable[[], list[Any]]]] = {
     "parity-2": ("tests.test_parity", "_sweep", 2, lambda: _parity_configs(2, False)),
     "parity-3-bucketed": ("tests.test_parity", "_sweep", 3, lambda: _parity_configs(3, True)),
     # --- sweeps of the option tests (tests/_options_common.py users) ---
+    "buckets-2": ("tests.test_buckets", "_sweep", 2,
+                  lambda: importlib.import_module("tests.test_buckets")._configs(2)[:2]),
+    "buckets-3": ("tests.test_buckets", "_sweep", 3,
+                  lambda: [dict(c, tol=1e-6) for c in
+                           importlib.import_module("tests.test_buckets")._configs(3)[:2]]),
+    "gather-batch-2": ("tests.test_gather_batch", "_sweep", 2,
+                       lambda: importlib.import_module("tests.test_gather_batch")._configs()[:2]),
+    "gather-batch-3": ("tests.test_gather_batch", "_sweep", 3,
+                       lambda: importlib.import_module("tests.test_gather_batch")._configs()[:2]),
     # --- the other sweeps ---
 }
 
