@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms._comm_hooks import default_hooks as dh
 
 from tests._options_common import compare_step, loss_of, rank_tag, run_configs, train_step
+from tests._sweep import Injection, any_rank, injected
 from tests.conftest import requires_cuda
 from tests.models import build, make_input, new_model
 
@@ -106,7 +107,8 @@ def _run(cfg: dict[str, Any]) -> list[str]:
         for m, o in zip((ref, ours), opts):
             res.append(train_step(m, o, loss_of(m(x))))
         fails += compare_step(f"{tag} step {step}", names, res[0], res[1], tol=tol)
-        if fails:
+        # agreed: a rank stopping alone would leave the others in the next step's collectives
+        if any_rank(bool(fails)):
             break
     if counters:
         if counters[0].calls != counters[1].calls:
@@ -125,9 +127,9 @@ def _configs() -> list[dict[str, Any]]:
     return out
 
 
-def _sweep(configs: list[dict[str, Any]]) -> list[str]:
+def _sweep(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
     warnings.simplefilter("ignore")
-    return run_configs(configs, _run)
+    return run_configs(configs, _run, inject=inject)
 
 
 def _outcome(fn: Any) -> str:
@@ -138,15 +140,31 @@ def _outcome(fn: Any) -> str:
         return f"{type(e).__name__}: {e}"
 
 
-def _errors() -> list[str]:
-    """Same exception type and message as torch for each misuse."""
+ERROR_CASES = ["non_root", "twice", "hybrid", "not_callable"]
+
+
+def _same_error(what: str, theirs: str, ours: str) -> str | None:
+    """None if torch raised and ours raised the same, else why not."""
+    bad = injected(what)
+    if bad:
+        return bad
+    if theirs == "ok" or theirs != ours:
+        return f"{rank_tag()} {what}: torch {theirs!r} vs ours {ours!r}"
+    return None
+
+
+def _errors(cases: list[str], inject: Injection | None = None) -> list[str]:
+    """Same exception type and message as torch for each misuse.
+
+    The exceptions caught are the misuse errors themselves, raised by
+    ``register_comm_hook`` on every rank alike before any collective.
+    """
     warnings.simplefilter("ignore")
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    fails: list[str] = []
-    cases = ["non_root", "twice", "hybrid", "not_callable"]
-    for case in cases:
+
+    def one(case: str) -> list[str]:
         out = []
         for impl in ("torch", "ours"):
             torch.manual_seed(0)
@@ -165,9 +183,10 @@ def _errors() -> list[str]:
                 out.append(_outcome(lambda m=m, state=state, hook=hook: m.register_comm_hook(state, hook)))
             else:
                 out.append(_outcome(lambda m=m, state=state, hook=hook: m.register_comm_hook(state, "not a hook")))
-        if out[0] == "ok" or out[0] != out[1]:
-            fails.append(f"{rank_tag()} {case}: torch {out[0]!r} vs ours {out[1]!r}")
-    return fails
+        err = _same_error(case, out[0], out[1])
+        return [err] if err else []
+
+    return run_configs(cases, one, lambda c: f"{rank_tag()} {c}", inject)  # type: ignore[arg-type]
 
 
 def test_comm_hooks_match_torch(pool2: Any) -> None:
@@ -176,7 +195,7 @@ def test_comm_hooks_match_torch(pool2: Any) -> None:
 
 
 def test_comm_hook_errors_match_torch(pool4: Any) -> None:
-    fails = [f for r in pool4.run(_errors) for f in r]
+    fails = [f for r in pool4.run(_errors, ERROR_CASES) for f in r]
     assert not fails, "\n".join(fails)
 
 
