@@ -37,6 +37,7 @@ from tests._options_common import (
     rank_tag,
     run_configs,
 )
+from tests._sweep import Injection, any_rank
 from tests.conftest import requires_cuda
 from tests.models import build, make_input, new_model
 
@@ -99,7 +100,7 @@ def _run_config(cfg: dict[str, Any]) -> list[str]:
     off = build(cfg["model"], "ours", base, cpu_offload=fw.CPUOffload(offload_params=True), **kw)
     plain = build(cfg["model"], "ours", base, **kw)
     ref = _Ref(base)
-    if off.cpu_offload.offload_params is not True:
+    if any_rank(off.cpu_offload.offload_params is not True):  # agreed: training is collectives
         return [f"{tag}: cpu_offload attribute is {off.cpu_offload}"]
     names = list(dict(ref.module.named_parameters()))
     opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (off, plain, ref.module)]
@@ -145,7 +146,10 @@ def _run_config(cfg: dict[str, Any]) -> list[str]:
         errs += [cmp(f"sharded param #{i} vs no offload", a, b, 0.0)
                  for i, (a, b) in enumerate(zip(plain.parameters(), off.parameters()))]
         errs = [e for e in errs if e]
-        if errs:
+        # agreed: a rank stopping alone would leave the others in the next step's collectives
+        if any_rank(bool(errs)):
+            if not errs:
+                return []
             return [f"{where}: " + "; ".join(errs[:5]) + (f" (+{len(errs) - 5} more)" if len(errs) > 5 else "")]
     return []
 
@@ -158,18 +162,31 @@ class _nullctx:
         return None
 
 
-def _sweep(configs: list[dict[str, Any]]) -> tuple[list[str], int]:
+def _sweep(configs: list[dict[str, Any]],
+           inject: Injection | None = None) -> tuple[list[str], dict[str, int]]:
+    """The failures, and how many configurations ran."""
     warnings.simplefilter("ignore")
-    return run_configs(configs, _run_config, lambda c: f"{rank_tag()} {_describe(c)}"), len(configs)
+    ran = {"configs": 0}
+
+    def one(cfg: dict[str, Any]) -> list[str]:
+        fails = _run_config(cfg)
+        ran["configs"] += 1
+        return fails
+
+    fails = run_configs(configs, one, lambda c: f"{rank_tag()} {_describe(c)}", inject)
+    return fails, ran
 
 
-def _state_dict_and_summon_with_offload() -> list[str]:
-    """FULL state dict and summon_full_params of an offloaded model equal the plain one's."""
+def _state_dict_and_summon_with_offload(uops: list[bool], inject: Injection | None = None) -> list[str]:
+    """FULL state dict and summon_full_params of an offloaded model equal the plain one's.
+
+    No decision here gates a collective: every comparison only appends."""
     import fsdp_wrap as fw
 
     warnings.simplefilter("ignore")
-    fails = []
-    for uop in (False, True):
+
+    def one(uop: bool) -> list[str]:
+        fails: list[str] = []
         torch.manual_seed(3)
         base = new_model("transformer")
         off = build("transformer", "ours", base, use_orig_params=uop, cpu_offload=fw.CPUOffload(True))
@@ -189,18 +206,20 @@ def _state_dict_and_summon_with_offload() -> list[str]:
         with fw.FullyShardedDataParallel.summon_full_params(off, writeback=False):
             if not bool((off.module.emb.weight == 0.5).all()):
                 fails.append(f"{rank_tag()} uop={uop}: summon writeback to offloaded shard lost")
-    return fails
+        return fails
+
+    return run_configs(uops, one, lambda uop: f"{rank_tag()} uop={uop}", inject)  # type: ignore[arg-type]
 
 
 def test_offload_matches_replicated_reference(pool2: Any) -> None:
     results = pool2.run(_sweep, _configs())
     fails = [f for r, _ in results for f in r]
     assert not fails, f"{len(fails)} failure(s):\n" + "\n".join(fails)
-    assert all(n == len(_configs()) for _, n in results)
+    assert all(ran["configs"] == len(_configs()) for _, ran in results)
 
 
 def test_offload_state_dict_and_summon(pool2: Any) -> None:
-    fails = [f for r in pool2.run(_state_dict_and_summon_with_offload) for f in r]
+    fails = [f for r in pool2.run(_state_dict_and_summon_with_offload, [False, True]) for f in r]
     assert not fails, "\n".join(fails)
 
 

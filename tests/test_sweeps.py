@@ -64,6 +64,10 @@ SWEEPS: dict[str, tuple[str, str, int, Callable[[], list[Any]]]] = {
     "comm-hooks-2": ("tests.test_comm_hooks", "_sweep", 2,
                      lambda: importlib.import_module("tests.test_comm_hooks")._configs()[:2]),
     "comm-hook-errors-4": ("tests.test_comm_hooks", "_errors", 4, lambda: ["twice", "hybrid"]),
+    "cpu-offload-2": ("tests.test_cpu_offload", "_sweep", 2,
+                      lambda: importlib.import_module("tests.test_cpu_offload")._configs()[:2]),
+    "cpu-offload-state-dict-2": ("tests.test_cpu_offload", "_state_dict_and_summon_with_offload", 2,
+                                 lambda: [False, True]),
     # --- the other sweeps ---
 }
 
