@@ -18,6 +18,7 @@ import torch.nn as nn
 
 import fsdp_wrap as fw
 from fsdp_wrap.wrap import ModuleWrapPolicy
+from tests._sweep import Injection, any_rank, injected, run_sweep
 
 
 class Block(nn.Module):
@@ -34,55 +35,68 @@ def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 7), Block(7), Block(7), Block(7), nn.Linear(7, 3))
 
 
-def _sweep() -> list[str]:
+def _configs() -> list[dict[str, Any]]:
+    grid = itertools.product(
+        ["FULL_SHARD", "SHARD_GRAD_OP"], [False, True], ["BACKWARD_PRE", "BACKWARD_POST"], [False, True]
+    )
+    return [dict(strategy=s, uop=u, bp=b, fwd_prefetch=f) for s, u, b, f in grid]
+
+
+def _run(cfg: dict[str, Any]) -> list[str]:
     from torch.distributed.fsdp import BackwardPrefetch as TBP
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
     from torch.distributed.fsdp import ShardingStrategy as TSS
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
 
-    warnings.simplefilter("ignore")
+    strategy, uop, bp, fwd_prefetch = cfg["strategy"], cfg["uop"], cfg["bp"], cfg["fwd_prefetch"]
     rank = torch.distributed.get_rank()
     fails: list[str] = []
-    grid = itertools.product(
-        ["FULL_SHARD", "SHARD_GRAD_OP"], [False, True], ["BACKWARD_PRE", "BACKWARD_POST"], [False, True]
+    torch.manual_seed(0)
+    base = _net()
+    kw: dict[str, Any] = dict(use_orig_params=uop, forward_prefetch=fwd_prefetch, limit_all_gathers=False)
+    ref = TorchFSDP(
+        copy.deepcopy(base), auto_wrap_policy=TorchPolicy({Block}), device_id=torch.device("cpu"),
+        sharding_strategy=TSS[strategy], backward_prefetch=TBP[bp], **kw,
     )
-    for strategy, uop, bp, fwd_prefetch in grid:
-        torch.manual_seed(0)
-        base = _net()
-        kw: dict[str, Any] = dict(use_orig_params=uop, forward_prefetch=fwd_prefetch, limit_all_gathers=False)
-        ref = TorchFSDP(
-            copy.deepcopy(base), auto_wrap_policy=TorchPolicy({Block}), device_id=torch.device("cpu"),
-            sharding_strategy=TSS[strategy], backward_prefetch=TBP[bp], **kw,
-        )
-        ours = fw.FullyShardedDataParallel(
-            copy.deepcopy(base), auto_wrap_policy=ModuleWrapPolicy({Block}),
-            sharding_strategy=fw.ShardingStrategy[strategy], backward_prefetch=fw.BackwardPrefetch[bp], **kw,
-        )
-        handles = [m._handle for m in fw.FullyShardedDataParallel.fsdp_modules(ours) if m._handle]
-        if not all(h.async_gathers for h in handles):
-            fails.append(f"{strategy} uop={uop}: gathers are not asynchronous")
-        opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ref, ours)]
-        gen = torch.Generator().manual_seed(10 + rank)
-        for step in range(3):
-            x = torch.randn(4, 5, generator=gen)
-            losses = []
-            for model, opt in zip((ref, ours), opts):
-                loss = model(x).pow(2).mean()
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
-            same = abs(losses[0] - losses[1]) < 1e-5 and all(
-                torch.allclose(a, b, atol=1e-5) for a, b in zip(ref.parameters(), ours.parameters())
-            )
-            if not same:
-                fails.append(f"{strategy} uop={uop} {bp} fwd_prefetch={fwd_prefetch} step {step}: {losses}")
-                break
+    ours = fw.FullyShardedDataParallel(
+        copy.deepcopy(base), auto_wrap_policy=ModuleWrapPolicy({Block}),
+        sharding_strategy=fw.ShardingStrategy[strategy], backward_prefetch=fw.BackwardPrefetch[bp], **kw,
+    )
+    handles = [m._handle for m in fw.FullyShardedDataParallel.fsdp_modules(ours) if m._handle]
+    if not all(h.async_gathers for h in handles):
+        fails.append(f"{strategy} uop={uop}: gathers are not asynchronous")
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ref, ours)]
+    gen = torch.Generator().manual_seed(10 + rank)
+    for step in range(3):
+        x = torch.randn(4, 5, generator=gen)
+        losses = []
+        for model, opt in zip((ref, ours), opts):
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        where = f"{strategy} uop={uop} {bp} fwd_prefetch={fwd_prefetch} step {step}"
+        bad = injected(where)
+        if bad is None and not (abs(losses[0] - losses[1]) < 1e-5 and all(
+            torch.allclose(a, b, atol=1e-5) for a, b in zip(ref.parameters(), ours.parameters())
+        )):
+            bad = f"{where}: {losses}"
+        if bad:
+            fails.append(bad)
+        # agreed: a rank that saw a difference must not skip the others' next step
+        if any_rank(bool(bad)):
+            break
     return fails
 
 
+def _sweep(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
+    warnings.simplefilter("ignore")
+    return run_sweep(configs, _run, inject=inject)
+
+
 def test_async_cpu_gathers_match_torch(pool2: Any) -> None:
-    assert pool2.run(_sweep) == [[], []]
+    assert pool2.run(_sweep, _configs()) == [[], []]
 
 
 def _default_is_synchronous() -> bool:

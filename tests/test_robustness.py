@@ -25,6 +25,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from tests._options_common import compare_step, loss_of, rank_tag, run_configs, train_step
+from tests._sweep import Injection, any_rank
 from tests.models import fsdp_api, fsdp_kwargs, wrap_api
 
 
@@ -118,23 +119,27 @@ def _run(cfg: dict[str, Any]) -> list[str]:
         for m, o in zip((ref, ours), opts):
             res.append(train_step(m, o, _loss(m, kind, xs, step)))
         fails += compare_step(f"{tag} step {step} ({kind})", names, res[0], res[1])
-        if fails:
+        # agreed: a rank that saw a difference must not skip the others' next step
+        if any_rank(bool(fails)):
             break
     return fails
 
 
-def _sweep(kind: str, reentrant_modes: list[bool | None]) -> list[str]:
-    warnings.simplefilter("ignore")
-    configs = [
+def _configs(kind: str, reentrant_modes: list[bool | None]) -> list[dict[str, Any]]:
+    return [
         dict(kind=kind, reentrant=r, strategy=s, uop=u, idx=k)
         for k, (r, s, u) in enumerate(itertools.product(
             reentrant_modes, ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"], [False, True]))
     ]
-    return run_configs(configs, _run)
+
+
+def _sweep(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
+    warnings.simplefilter("ignore")
+    return run_configs(configs, _run, inject=inject)
 
 
 def _check(pool: Any, kind: str, reentrant_modes: list[bool | None]) -> None:
-    fails = [f for r in pool.run(_sweep, kind, reentrant_modes) for f in r]
+    fails = [f for r in pool.run(_sweep, _configs(kind, reentrant_modes)) for f in r]
     assert not fails, f"{len(fails)} failure(s):\n" + "\n".join(fails)
 
 

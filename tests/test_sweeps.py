@@ -69,6 +69,19 @@ SWEEPS: dict[str, tuple[str, str, int, Callable[[], list[Any]]]] = {
     "cpu-offload-state-dict-2": ("tests.test_cpu_offload", "_state_dict_and_summon_with_offload", 2,
                                  lambda: [False, True]),
     # --- the other sweeps ---
+    "orig-params-writeback": ("tests.test_orig_params_writeback", "_sweep", 2,
+                              lambda: importlib.import_module("tests.test_orig_params_writeback")._configs()[:2]),
+    "robustness": ("tests.test_robustness", "_sweep", 2,
+                   lambda: importlib.import_module("tests.test_robustness")._configs("several_forwards", [None])[:2]),
+    "state-dict-buffers": ("tests.test_state_dict_buffers", "_sweep", 2,
+                           lambda: importlib.import_module("tests.test_state_dict_buffers")._configs()[:2]),
+    "summon-full-params": ("tests.test_summon_full_params", "_sweep", 2,
+                           lambda: importlib.import_module("tests.test_summon_full_params")._configs()[:2]),
+    "summon-frozen": ("tests.test_summon_requires_grad", "_frozen_sweep", 2,
+                      lambda: importlib.import_module("tests.test_summon_requires_grad")._frozen_configs()[:2]),
+    "summon-with-grads": ("tests.test_summon_requires_grad", "_with_grads_sweep", 2,
+                          lambda: importlib.import_module("tests.test_summon_requires_grad")._with_grads_configs()[:2]),
+    "overlap": ("tests.test_overlap", "_sweep", 2, lambda: importlib.import_module("tests.test_overlap")._configs()[:2]),
 }
 
 
