@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_wrap import _collectives as C
 from tests._options_common import compare_step, loss_of, rank_tag, run_configs, train_step
+from tests._sweep import Injection, injected
 from tests.models import fsdp_api, fsdp_kwargs, wrap_api
 
 
@@ -37,57 +38,80 @@ class _C10dOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _gathers_and_reductions() -> list[str]:
-    rank, ws = dist.get_rank(), dist.get_world_size()
-    fails: list[str] = []
-    groups = [dist.group.WORLD]
-    if ws == 3:
-        groups.append(dist.new_group([0, 2]))  # a subgroup: group ranks differ from global ones
+def _gloo_configs(ws: int) -> list[dict[str, Any]]:
+    """Below and above the size where broadcasts take over, sync and async; on 3
+    ranks also the subgroup of ranks 0 and 2 (group ranks differ from global ones)."""
     big = C.GLOO_BROADCAST_MIN_BYTES // 4  # fp32 elements in the threshold
-    for group, numel, async_op in itertools.product(groups, [1000, big, 3 * big + 6], [False, True]):
-        members = dist.get_process_group_ranks(group)
-        if rank not in members:
-            continue
-        n = len(members)
-        shard_numel = -(-numel // n)
-        shard = torch.arange(shard_numel, dtype=torch.float32) + 1000.0 * rank
-        expected = torch.empty(n * shard_numel)
-        dist.all_gather_into_tensor(expected, shard, group=group)
-        out = torch.full((n * shard_numel,), float("nan"))
+    groups = ["world"] + (["ranks 0, 2"] if ws == 3 else [])
+    return [dict(group=g, numel=numel, async_op=async_op)
+            for g, numel, async_op in itertools.product(groups, [1000, big, 3 * big + 6], [False, True])]
+
+
+def _expect(what: str, ok: bool, why: str) -> str | None:
+    """None if ``ok``, else ``what: why`` (an injected failure first, see tests/_sweep.py)."""
+    bad = injected(what)
+    if bad:
+        return bad
+    return None if ok else f"{what}: {why}"
+
+
+def _gather_and_reduce(cfg: dict[str, Any], group: Any) -> list[str]:
+    rank = dist.get_rank()
+    numel, async_op = cfg["numel"], cfg["async_op"]
+    members = dist.get_process_group_ranks(group)
+    if rank not in members:
+        # the same on every rank's view of the config: only members enter the
+        # subgroup's collectives, as they must
+        return []
+    n = len(members)
+    shard_numel = -(-numel // n)
+    shard = torch.arange(shard_numel, dtype=torch.float32) + 1000.0 * rank
+    expected = torch.empty(n * shard_numel)
+    dist.all_gather_into_tensor(expected, shard, group=group)
+    out = torch.full((n * shard_numel,), float("nan"))
+    with _C10dOps() as seen:
+        work = C.all_gather_into(out, shard, group, async_op=async_op)
+        if work is not None:
+            work.wait()
+    tag = f"{rank_tag()} all-gather n={n} numel={numel} async={async_op}"
+    by_broadcast = n * shard_numel * 4 >= C.GLOO_BROADCAST_MIN_BYTES
+    want = {"broadcast_": n} if by_broadcast else {"_allgather_base_": 1}
+    errs = [_expect(f"{tag} values", torch.equal(out, expected), "wrong values"),
+            _expect(f"{tag} c10d ops", dict(seen.ops) == want, f"{dict(seen.ops)}, expected {want}")]
+
+    gen = torch.Generator().manual_seed(7 + rank)
+    grad = torch.randn(n * shard_numel, generator=gen)
+    expected_rs = torch.empty(shard_numel)
+    dist.reduce_scatter_tensor(expected_rs, grad.clone(), group=group)
+    for scratch in (False, True):
+        out_rs = torch.full((shard_numel,), float("nan"))
         with _C10dOps() as seen:
-            work = C.all_gather_into(out, shard, group, async_op=async_op)
+            work = C.reduce_scatter_sum(out_rs, grad.clone(), group, async_op=async_op,
+                                        input_is_scratch=scratch)
             if work is not None:
                 work.wait()
-        tag = f"{rank_tag()} all-gather n={n} numel={numel} async={async_op}"
-        if not torch.equal(out, expected):
-            fails.append(f"{tag}: wrong values")
-        by_broadcast = n * shard_numel * 4 >= C.GLOO_BROADCAST_MIN_BYTES
-        want = {"broadcast_": n} if by_broadcast else {"_allgather_base_": 1}
-        if dict(seen.ops) != want:
-            fails.append(f"{tag}: c10d ops {dict(seen.ops)}, expected {want}")
+        tag_rs = f"{rank_tag()} reduce-scatter n={n} numel={numel} scratch={scratch} async={async_op}"
+        want = {"allreduce_": 1} if scratch else {"_reduce_scatter_base_": 1}
+        errs += [
+            _expect(f"{tag_rs} values", torch.equal(out_rs, expected_rs),
+                    f"max |diff| {(out_rs - expected_rs).abs().max():.3g}"),
+            _expect(f"{tag_rs} c10d ops", dict(seen.ops) == want, f"{dict(seen.ops)}, expected {want}"),
+        ]
+    return [e for e in errs if e]
 
-        gen = torch.Generator().manual_seed(7 + rank)
-        grad = torch.randn(n * shard_numel, generator=gen)
-        expected_rs = torch.empty(shard_numel)
-        dist.reduce_scatter_tensor(expected_rs, grad.clone(), group=group)
-        for scratch in (False, True):
-            out_rs = torch.full((shard_numel,), float("nan"))
-            with _C10dOps() as seen:
-                work = C.reduce_scatter_sum(out_rs, grad.clone(), group, async_op=async_op,
-                                            input_is_scratch=scratch)
-                if work is not None:
-                    work.wait()
-            tag_rs = f"{rank_tag()} reduce-scatter n={n} numel={numel} scratch={scratch} async={async_op}"
-            if not torch.equal(out_rs, expected_rs):
-                fails.append(f"{tag_rs}: max |diff| {(out_rs - expected_rs).abs().max():.3g}")
-            want = {"allreduce_": 1} if scratch else {"_reduce_scatter_base_": 1}
-            if dict(seen.ops) != want:
-                fails.append(f"{tag_rs}: c10d ops {dict(seen.ops)}, expected {want}")
-    return fails
+
+def _gathers_and_reductions(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
+    """No comparison gates a collective; the one rank-dependent branch is
+    membership of the subgroup, which is what decides who enters its collectives."""
+    groups = {"world": dist.group.WORLD}
+    if any(c["group"] == "ranks 0, 2" for c in configs):  # the same configs on every rank
+        groups["ranks 0, 2"] = dist.new_group([0, 2])  # every rank takes part in new_group
+    return run_configs(configs, lambda c: _gather_and_reduce(c, groups[c["group"]]), inject=inject)
 
 
 def test_gloo_forms_equal_torch_collectives(pool2: Any, pool3: Any) -> None:
-    fails = [f for pool in (pool2, pool3) for r in pool.run(_gathers_and_reductions) for f in r]
+    fails = [f for pool, ws in ((pool2, 2), (pool3, 3))
+             for r in pool.run(_gathers_and_reductions, _gloo_configs(ws)) for f in r]
     assert not fails, "\n".join(fails)
 
 
@@ -124,13 +148,17 @@ def _train_big(cfg: dict[str, Any]) -> list[str]:
     return fails
 
 
-def _sweep_big() -> list[str]:
-    warnings.simplefilter("ignore")
-    configs = [dict(strategy=s, uop=u, limit=lim) for s, u, lim in itertools.product(
+def _big_configs() -> list[dict[str, Any]]:
+    return [dict(strategy=s, uop=u, limit=lim) for s, u, lim in itertools.product(
         ["FULL_SHARD", "SHARD_GRAD_OP"], [False, True], [True, False])]
-    return run_configs(configs, _train_big)
+
+
+def _sweep_big(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
+    """No comparison gates a collective: all steps run whatever they found."""
+    warnings.simplefilter("ignore")
+    return run_configs(configs, _train_big, inject=inject)
 
 
 def test_training_with_broadcast_gathers_matches_torch(pool2: Any) -> None:
-    fails = [f for r in pool2.run(_sweep_big) for f in r]
+    fails = [f for r in pool2.run(_sweep_big, _big_configs()) for f in r]
     assert not fails, "\n".join(fails)

@@ -68,6 +68,13 @@ SWEEPS: dict[str, tuple[str, str, int, Callable[[], list[Any]]]] = {
                       lambda: importlib.import_module("tests.test_cpu_offload")._configs()[:2]),
     "cpu-offload-state-dict-2": ("tests.test_cpu_offload", "_state_dict_and_summon_with_offload", 2,
                                  lambda: [False, True]),
+    "gloo-collectives-2": ("tests.test_gloo_collectives", "_gathers_and_reductions", 2,
+                           lambda: importlib.import_module("tests.test_gloo_collectives")._gloo_configs(2)[:2]),
+    "gloo-collectives-3": ("tests.test_gloo_collectives", "_gathers_and_reductions", 3,
+                           lambda: [c for c in importlib.import_module("tests.test_gloo_collectives")._gloo_configs(3)
+                                    if c["numel"] == 1000 and not c["async_op"]]),  # the world, the subgroup
+    "gloo-big-2": ("tests.test_gloo_collectives", "_sweep_big", 2,
+                   lambda: importlib.import_module("tests.test_gloo_collectives")._big_configs()[:2]),
     # --- the other sweeps ---
     "orig-params-writeback": ("tests.test_orig_params_writeback", "_sweep", 2,
                               lambda: importlib.import_module("tests.test_orig_params_writeback")._configs()[:2]),
