@@ -36,6 +36,7 @@ from tests._options_common import (
     run_configs,
     train_step,
 )
+from tests._sweep import Injection, any_rank
 from tests.models import build, make_input, new_model
 
 HYBRID = ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
@@ -78,15 +79,16 @@ def _train_vs_torch(cfg: dict[str, Any], mesh: Any) -> list[str]:
         err = cmp("clip norm", norms[0], norms[1])
         if err:
             fails.append(f"{tag} step {step}: {err}")
-        if fails:
+        # agreed: a rank stopping alone would leave the others in the next step's collectives
+        if any_rank(bool(fails)):
             break
     return fails
 
 
-def _vs_torch_sweep(configs: list[dict[str, Any]]) -> list[str]:
+def _vs_torch_sweep(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
     warnings.simplefilter("ignore")
     mesh = _mesh()
-    return run_configs(configs, lambda c: _train_vs_torch(c, mesh))
+    return run_configs(configs, lambda c: _train_vs_torch(c, mesh), inject=inject)
 
 
 def _torch_configs() -> list[dict[str, Any]]:
@@ -137,8 +139,9 @@ def _train_vs_replicated(tag: str, ours: nn.Module, ref: Replicated, model: str,
         if list(got) != names:
             errs.append(f"names {list(got)} vs {names}")
         errs = [e for e in errs if e]
-        if errs:
-            return [f"{tag} step {step}: " + "; ".join(errs[:5])]
+        # agreed: a rank stopping alone would leave the others in the next step's collectives
+        if any_rank(bool(errs)):
+            return [f"{tag} step {step}: " + "; ".join(errs[:5])] if errs else []
     return []
 
 
@@ -146,12 +149,22 @@ def _ranks(group: Any) -> list[int]:
     return sorted(dist.get_process_group_ranks(group))
 
 
-def _replicated_sweep() -> list[str]:
+def _replicated_configs() -> list[dict[str, Any]]:
+    out = [dict(case=case, strategy=s, uop=uop)
+           for s, uop in itertools.product(HYBRID, [False, True])
+           for case in ("default_groups", "shard_size_one")]
+    out += [dict(case="sync_states", form=form, uop=uop) for form, uop in (("mesh", False), ("tuple", True))]
+    return out
+
+
+def _replicated_sweep(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
+    """Against a replicated reference; an exception ends the task (it used to be
+    caught per case and the sweep went on, which left the other ranks in a
+    collective when one rank raised alone)."""
     import fsdp_wrap as fw
 
     warnings.simplefilter("ignore")
     rank = dist.get_rank()
-    fails: list[str] = []
     singles = [dist.new_group([r]) for r in range(4)]  # every rank takes part in every new_group
 
     def default_groups(strategy: str, uop: bool) -> list[str]:
@@ -194,22 +207,18 @@ def _replicated_sweep() -> list[str]:
         sd = ours.state_dict()
         errs += [cmp(f"buffer {n} after sync", b, sd.get(n), 0.0) for n, b in rank0.named_buffers()]
         errs = [e for e in errs if e]
-        if errs:
-            return [f"{tag}: " + "; ".join(errs[:5])]
+        # agreed: a rank returning alone would leave the others in training's collectives
+        if any_rank(bool(errs)):
+            return [f"{tag}: " + "; ".join(errs[:5])] if errs else []
         return _train_vs_replicated(tag, ours, Replicated(rank0), "transformer", 7)
 
-    for s, uop in itertools.product(HYBRID, [False, True]):
-        for fn in (default_groups, shard_size_one):
-            try:
-                fails += fn(s, uop)
-            except Exception as e:  # noqa: BLE001
-                fails.append(f"{rank_tag()} {fn.__name__}({s}, uop={uop}) raised {type(e).__name__}: {e}")
-    for form, uop in (("mesh", False), ("tuple", True)):
-        try:
-            fails += sync_states(form, uop)
-        except Exception as e:  # noqa: BLE001
-            fails.append(f"{rank_tag()} sync_states({form}, uop={uop}) raised {type(e).__name__}: {e}")
-    return fails
+    def one(cfg: dict[str, Any]) -> list[str]:
+        if cfg["case"] == "sync_states":
+            return sync_states(cfg["form"], cfg["uop"])
+        fn = default_groups if cfg["case"] == "default_groups" else shard_size_one
+        return fn(cfg["strategy"], cfg["uop"])
+
+    return run_configs(configs, one, inject=inject)
 
 
 # ---------------------------------------------------------------------------
@@ -223,7 +232,7 @@ def test_hybrid_matches_torch(pool4: Any) -> None:
 
 
 def test_hybrid_matches_replicated_reference(pool4: Any) -> None:
-    fails = [f for r in pool4.run(_replicated_sweep) for f in r]
+    fails = [f for r in pool4.run(_replicated_sweep, _replicated_configs()) for f in r]
     assert not fails, f"{len(fails)} failure(s):\n" + "\n".join(fails)
 
 

@@ -75,6 +75,11 @@ SWEEPS: dict[str, tuple[str, str, int, Callable[[], list[Any]]]] = {
                                     if c["numel"] == 1000 and not c["async_op"]]),  # the world, the subgroup
     "gloo-big-2": ("tests.test_gloo_collectives", "_sweep_big", 2,
                    lambda: importlib.import_module("tests.test_gloo_collectives")._big_configs()[:2]),
+    "hybrid-vs-torch-4": ("tests.test_hybrid_shard", "_vs_torch_sweep", 4,
+                          lambda: importlib.import_module("tests.test_hybrid_shard")._torch_configs()[:2]),
+    "hybrid-replicated-4": ("tests.test_hybrid_shard", "_replicated_sweep", 4,
+                            lambda: [dict(case="sync_states", form="mesh", uop=False),  # agreed gate before training
+                                     dict(case="shard_size_one", strategy="HYBRID_SHARD", uop=False)]),
     # --- the other sweeps ---
     "orig-params-writeback": ("tests.test_orig_params_writeback", "_sweep", 2,
                               lambda: importlib.import_module("tests.test_orig_params_writeback")._configs()[:2]),
