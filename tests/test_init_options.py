@@ -30,8 +30,10 @@ from tests._options_common import (
     fsdp_params_full,
     loss_of,
     rank_tag,
+    run_configs,
     train_step,
 )
+from tests._sweep import Injection, any_rank
 from tests.models import build, fsdp_api, fsdp_kwargs, make_input, new_model, wrap_api
 
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
@@ -113,7 +115,8 @@ def _lockstep(tag: str, ref: nn.Module, ours: nn.Module, inputs: Any, steps: int
         for m, o in zip((ref, ours), opts):
             res.append(train_step(m, o, loss_of(m(x))))
         fails = compare_step(f"{tag} step {step}", names, res[0], res[1])
-        if fails:
+        # agreed: a rank stopping alone would leave the others in the next step's collectives
+        if any_rank(bool(fails)):
             return fails
     return []
 
@@ -123,13 +126,17 @@ def _lockstep(tag: str, ref: nn.Module, ours: nn.Module, inputs: Any, steps: int
 # ---------------------------------------------------------------------------
 
 
-def _sync_module_states() -> list[str]:
-    import fsdp_wrap as fw
+def _sync_configs() -> list[dict[str, Any]]:
+    return [dict(k=k, strategy=s, uop=uop)
+            for k, (s, uop) in enumerate(itertools.product(STRATEGIES, [False, True]))]
 
+
+def _sync_module_states(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
     warnings.simplefilter("ignore")
     rank = dist.get_rank()
-    fails: list[str] = []
-    for k, (s, uop) in enumerate(itertools.product(STRATEGIES, [False, True])):
+
+    def one(cfg: dict[str, Any]) -> list[str]:
+        k, s, uop = cfg["k"], cfg["strategy"], cfg["uop"]
         tag = f"{rank_tag()} sync_module_states {s} uop={uop}"
         torch.manual_seed(50 + k + 1000 * rank)  # a different model on every rank
         mine = new_model("transformer")
@@ -143,9 +150,9 @@ def _sync_module_states() -> list[str]:
         errs = [cmp(f"param {n}", p, full.get(n), 0.0) for n, p in rank0.named_parameters()]
         errs += [cmp(f"buffer {n}", b, sd.get(n), 0.0) for n, b in rank0.named_buffers()]
         errs = [e for e in errs if e]
-        if errs:
-            fails.append(f"{tag}: " + "; ".join(errs[:5]))
-            continue
+        # agreed: a rank returning alone would leave the others in training's collectives
+        if any_rank(bool(errs)):
+            return [f"{tag}: " + "; ".join(errs[:5])] if errs else []
         ref = Replicated(rank0)
         opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, ref.module)]
         gen = torch.Generator().manual_seed(7 + rank)
@@ -159,24 +166,27 @@ def _sync_module_states() -> list[str]:
                 o.zero_grad()
             got = fsdp_params_full(ours)
             errs = [e for e in (cmp(f"param {n}", p, got.get(n)) for n, p in ref.module.named_parameters()) if e]
-            if errs:
-                fails.append(f"{tag} step {step}: " + "; ".join(errs[:5]))
-                break
-    # Torch's FSDP1 cannot do this on CPU (documented difference).
+            if any_rank(bool(errs)):  # agreed, as above
+                return [f"{tag} step {step}: " + "; ".join(errs[:5])] if errs else []
+        return []
+
+    fails = run_configs(configs, one, inject=inject)
+    # Torch's FSDP1 cannot do this on CPU (documented difference); it raises on
+    # every rank alike, before any collective.
     try:
         fsdp_api("torch").FullyShardedDataParallel(new_model("deep"), **fsdp_kwargs("torch", sync_module_states=True))
         fails.append(f"{rank_tag()} torch's FSDP1 now supports sync_module_states on CPU: update docs/options.rst")
     except ValueError:
         pass
-    del fw
     return fails
 
 
-def _meta_param_init_fn_calls() -> list[str]:
+def _meta_param_init_fn_calls(uops: list[bool], inject: Injection | None = None) -> list[str]:
     """param_init_fn: same modules, same order, same values, same training as torch's."""
     warnings.simplefilter("ignore")
-    fails: list[str] = []
-    for uop in (False, True):
+
+    def one(uop: bool) -> list[str]:
+        fails: list[str] = []
         calls: dict[str, list[str]] = {"torch": [], "ours": []}
         models = {}
         for impl in ("torch", "ours"):
@@ -194,14 +204,23 @@ def _meta_param_init_fn_calls() -> list[str]:
         fails += [f"{tag}: {e}" for e in (cmp(f"param {n}", p, p2.get(n), 0.0) for n, p in p1.items()) if e]
         gen = torch.Generator().manual_seed(3 + dist.get_rank())
         fails += _lockstep(tag, models["torch"], models["ours"], lambda gen=gen: _x(gen))
-    return fails
+        return fails
+
+    return run_configs(uops, one, lambda uop: f"{rank_tag()} uop={uop}", inject)  # type: ignore[arg-type]
 
 
-def _meta_default_reset_parameters() -> list[str]:
+def _meta_default_configs() -> list[dict[str, Any]]:
+    return [dict(strategy=s, uop=uop)
+            for s, uop in [("FULL_SHARD", False), ("SHARD_GRAD_OP", True), ("NO_SHARD", True)]]
+
+
+def _meta_default_reset_parameters(configs: list[dict[str, Any]],
+                                   inject: Injection | None = None) -> list[str]:
     """Default meta init == the same model built off meta == torch's meta init."""
     warnings.simplefilter("ignore")
-    fails: list[str] = []
-    for s, uop in [("FULL_SHARD", False), ("SHARD_GRAD_OP", True), ("NO_SHARD", True)]:
+
+    def one(cfg: dict[str, Any]) -> list[str]:
+        s, uop = cfg["strategy"], cfg["uop"]
         tag = f"{rank_tag()} meta default init {s} uop={uop}"
         ours = _wrap("ours", _det_net(meta=True), sharding_strategy=s, use_orig_params=uop)
         ref = _wrap("torch", _det_net(meta=True), sharding_strategy=s, use_orig_params=uop)
@@ -214,12 +233,13 @@ def _meta_default_reset_parameters() -> list[str]:
         if any(t.is_meta for t in sd.values()):
             errs.append("state_dict still holds meta tensors")
         errs = [e for e in errs if e]
-        if errs:
-            fails.append(f"{tag}: " + "; ".join(errs[:5]))
-            continue
+        # agreed: a rank returning alone would leave the others in training's collectives
+        if any_rank(bool(errs)):
+            return [f"{tag}: " + "; ".join(errs[:5])] if errs else []
         gen = torch.Generator().manual_seed(5 + dist.get_rank())
-        fails += _lockstep(tag, ref, ours, lambda gen=gen: _x(gen))
-    return fails
+        return _lockstep(tag, ref, ours, lambda gen=gen: _x(gen))
+
+    return run_configs(configs, one, inject=inject)
 
 
 def _meta_errors() -> list[str]:
@@ -257,12 +277,19 @@ def _meta_errors() -> list[str]:
     return fails
 
 
-def _device_id_cpu() -> list[str]:
+def _device_id_configs() -> list[dict[str, Any]]:
+    return [dict(strategy=s, uop=uop)
+            for s, uop in [("FULL_SHARD", True), ("SHARD_GRAD_OP", False), ("NO_SHARD", False)]]
+
+
+def _device_id_cpu(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
     import fsdp_wrap as fw
 
     warnings.simplefilter("ignore")
-    fails: list[str] = []
-    for s, uop in [("FULL_SHARD", True), ("SHARD_GRAD_OP", False), ("NO_SHARD", False)]:
+
+    def one(cfg: dict[str, Any]) -> list[str]:
+        s, uop = cfg["strategy"], cfg["uop"]
+        fails: list[str] = []
         torch.manual_seed(9)
         base = new_model("transformer")
         kw = dict(sharding_strategy=s, use_orig_params=uop, device_id=torch.device("cpu"))
@@ -273,8 +300,9 @@ def _device_id_cpu() -> list[str]:
         if any(u.compute_device != torch.device("cpu") for u in fw.FullyShardedDataParallel.fsdp_modules(ours)):
             fails.append(f"{tag}: a nested unit's compute_device is not cpu")
         gen = torch.Generator().manual_seed(13 + dist.get_rank())
-        fails += _lockstep(tag, ref, ours, lambda gen=gen: make_input("transformer", gen))
-    return fails
+        return fails + _lockstep(tag, ref, ours, lambda gen=gen: make_input("transformer", gen))
+
+    return run_configs(configs, one, inject=inject)
 
 
 # ---------------------------------------------------------------------------
@@ -282,21 +310,21 @@ def _device_id_cpu() -> list[str]:
 # ---------------------------------------------------------------------------
 
 
-def _check(pool: Any, fn: Any) -> None:
-    fails = [f for r in pool.run(fn) for f in r]
+def _check(pool: Any, fn: Any, *args: Any) -> None:
+    fails = [f for r in pool.run(fn, *args) for f in r]
     assert not fails, f"{len(fails)} failure(s):\n" + "\n".join(fails)
 
 
 def test_sync_module_states_gives_rank0_values(pool2: Any) -> None:
-    _check(pool2, _sync_module_states)
+    _check(pool2, _sync_module_states, _sync_configs())
 
 
 def test_meta_param_init_fn_like_torch(pool2: Any) -> None:
-    _check(pool2, _meta_param_init_fn_calls)
+    _check(pool2, _meta_param_init_fn_calls, [False, True])
 
 
 def test_meta_default_reset_parameters(pool2: Any) -> None:
-    _check(pool2, _meta_default_reset_parameters)
+    _check(pool2, _meta_default_reset_parameters, _meta_default_configs())
 
 
 def test_meta_leftovers_are_errors(pool2: Any) -> None:
@@ -304,7 +332,7 @@ def test_meta_leftovers_are_errors(pool2: Any) -> None:
 
 
 def test_device_id_cpu_matches_torch(pool2: Any) -> None:
-    _check(pool2, _device_id_cpu)
+    _check(pool2, _device_id_cpu, _device_id_configs())
 
 
 @pytest.mark.parametrize("meta", [False, True])

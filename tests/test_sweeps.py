@@ -80,6 +80,14 @@ SWEEPS: dict[str, tuple[str, str, int, Callable[[], list[Any]]]] = {
     "hybrid-replicated-4": ("tests.test_hybrid_shard", "_replicated_sweep", 4,
                             lambda: [dict(case="sync_states", form="mesh", uop=False),  # agreed gate before training
                                      dict(case="shard_size_one", strategy="HYBRID_SHARD", uop=False)]),
+    "sync-module-states-2": ("tests.test_init_options", "_sync_module_states", 2,
+                             lambda: importlib.import_module("tests.test_init_options")._sync_configs()[:2]),
+    "meta-param-init-fn-2": ("tests.test_init_options", "_meta_param_init_fn_calls", 2,
+                             lambda: [False, True]),
+    "meta-default-init-2": ("tests.test_init_options", "_meta_default_reset_parameters", 2,
+                            lambda: importlib.import_module("tests.test_init_options")._meta_default_configs()[:2]),
+    "device-id-cpu-2": ("tests.test_init_options", "_device_id_cpu", 2,
+                        lambda: importlib.import_module("tests.test_init_options")._device_id_configs()[:2]),
     # --- the other sweeps ---
     "orig-params-writeback": ("tests.test_orig_params_writeback", "_sweep", 2,
                               lambda: importlib.import_module("tests.test_orig_params_writeback")._configs()[:2]),
