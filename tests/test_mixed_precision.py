@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from fsdp_wrap import _collectives as C
 from tests._options_common import loss_of, maxdiff, rank_tag, run_configs, shape_of
+from tests._sweep import Injection, any_rank, injected
 from tests.models import build, fsdp_api, make_input, new_model, wrap_api
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -220,6 +221,10 @@ def _record_inputs(model: nn.Module, cls: type[nn.Module], log: list[str]) -> No
 
 
 def _close(what: str, a: torch.Tensor | None, b: torch.Tensor | None, rtol: float) -> str | None:
+    """None if ``a`` (torch) and ``b`` (ours) agree within ``rtol``, else why not."""
+    bad = injected(what)
+    if bad:
+        return bad
     if a is None or b is None:
         return None if a is None and b is None else f"{what}: torch {shape_of(a)} vs ours {shape_of(b)}"
     if a.shape != b.shape or a.dtype != b.dtype:
@@ -287,6 +292,7 @@ def _run_config(cfg: dict[str, Any]) -> list[str]:
     fails: list[str] = []
     names = [n for n, _ in ref.named_parameters()]
     if names != [n for n, _ in ours.named_parameters()]:
+        # the same on every rank (construction is deterministic): no collective skipped unevenly
         return [f"{group}|{tag}: parameter names differ: {names} vs {[n for n, _ in ours.named_parameters()]}"]
 
     # Structure: which modules are units, and with which mixed-precision config.
@@ -340,6 +346,8 @@ def _run_config(cfg: dict[str, Any]) -> list[str]:
         errs = [e for e in errs if e]
         if errs:
             fails.append(f"{where}: " + "; ".join(errs[:5]) + (f" (+{len(errs) - 5} more)" if len(errs) > 5 else ""))
+        # agreed: a rank stopping alone would leave the others in the next step's collectives
+        if any_rank(bool(errs)):
             break
     if inputs[0] != inputs[1]:
         fails.append(f"{group}|{tag}: unit input dtypes: torch {inputs[0]} vs ours {inputs[1]}")
@@ -361,10 +369,19 @@ def _run_config(cfg: dict[str, Any]) -> list[str]:
     return fails
 
 
-def _sweep(configs: list[dict[str, Any]]) -> tuple[list[str], dict[str, int]]:
+def _sweep(configs: list[dict[str, Any]],
+           inject: Injection | None = None) -> tuple[list[str], dict[str, int]]:
+    """The failures, and how many configurations ran."""
     warnings.simplefilter("ignore")
-    fails = run_configs(configs, _run_config, lambda c: f"{c['group']}|{rank_tag()} {_describe(c)}")
-    return fails, {"configs": len(configs)}
+    ran = {"configs": 0}
+
+    def one(cfg: dict[str, Any]) -> list[str]:
+        fails = _run_config(cfg)
+        ran["configs"] += 1
+        return fails
+
+    fails = run_configs(configs, one, lambda c: f"{c['group']}|{rank_tag()} {_describe(c)}", inject)
+    return fails, ran
 
 
 # ---------------------------------------------------------------------------

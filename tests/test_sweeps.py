@@ -88,6 +88,8 @@ SWEEPS: dict[str, tuple[str, str, int, Callable[[], list[Any]]]] = {
                             lambda: importlib.import_module("tests.test_init_options")._meta_default_configs()[:2]),
     "device-id-cpu-2": ("tests.test_init_options", "_device_id_cpu", 2,
                         lambda: importlib.import_module("tests.test_init_options")._device_id_configs()[:2]),
+    "mixed-precision-2": ("tests.test_mixed_precision", "_sweep", 2,
+                          lambda: importlib.import_module("tests.test_mixed_precision")._configs()[:2]),
     # --- the other sweeps ---
     "orig-params-writeback": ("tests.test_orig_params_writeback", "_sweep", 2,
                               lambda: importlib.import_module("tests.test_orig_params_writeback")._configs()[:2]),
