@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_wrap
 from fsdp_wrap.wrap import ModuleWrapPolicy
+from tests._sweep import injected
 
 CPU = torch.device("cpu")
 
@@ -30,6 +31,19 @@ class Tied(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.emb(x) * self.scale
         return self.head(self.body(h))
+
+
+def problem(what: str, failed: bool) -> list[str]:
+    """``[what]`` if a comparison failed, else ``[]``: the comparison helper of the
+    checkpoint sweeps, so it reports an injected failure first (tests/_sweep.py).
+
+    Only a report: a sweep decides nothing on it that gates a collective (or
+    agrees on it first with :func:`tests._sweep.any_rank`).
+    """
+    hit = injected(what)
+    if hit:
+        return [hit]
+    return [what] if failed else []
 
 
 def make_model(kind: str, seed: int = 0) -> nn.Module:

@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 import fsdp_wrap
 from tests import _ckpt_common as C
+from tests._sweep import Injection, run_sweep
 
 LR = 0.01
 
@@ -77,32 +78,37 @@ def _resume(impl: str, kind: str, uop: bool, fmt: str, path: str) -> tuple[torch
     return model, opt
 
 
-def _interop(root: str, k: int = 2, more: int = 3) -> list[str]:
-    problems = []
-    for kind in ("seq", "tied"):
-        for uop in (False, True):
-            for fmt in ("dcp", "full"):
-                for saver, loader in (("torch", "ours"), ("ours", "torch")):
-                    path = os.path.join(root, f"{kind}-{uop}-{fmt}-{saver}")
-                    src, sopt = _build(saver, kind, uop)
-                    C.train(src, sopt, kind, range(k))
-                    _save(src, sopt, fmt, path)
-                    # the original job continues without a break (the reference)
-                    want = C.train(src, sopt, kind, range(k, k + more))
-                    # Resume with the other use_orig_params mode.  (torch's FULL optimizer
-                    # state from use_orig_params=False shares one ``step`` tensor between the
-                    # parameters of a flat parameter; torch.save keeps the sharing, and
-                    # torch's own use_orig_params=True load then steps it once per
-                    # parameter: torch -> torch diverges there, fsdp_wrap copies.)
-                    dst, dopt = _resume(loader, kind, not uop, fmt, path)
-                    got = C.train(dst, dopt, kind, range(k, k + more))
-                    if max(abs(a - b) for a, b in zip(got, want)) > 1e-5:
-                        problems.append(f"{kind} uop={uop} {fmt} {saver}->{loader}: {got} vs {want}")
-    return problems
+def _interop_configs(root: str) -> list[dict[str, Any]]:
+    return [dict(root=root, kind=kind, uop=uop, fmt=fmt, saver=saver, loader=loader)
+            for kind in ("seq", "tied") for uop in (False, True) for fmt in ("dcp", "full")
+            for saver, loader in (("torch", "ours"), ("ours", "torch"))]
+
+
+def _interop(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
+    return run_sweep(configs, _interop_one, inject=inject)
+
+
+def _interop_one(c: dict[str, Any], k: int = 2, more: int = 3) -> list[str]:
+    kind, uop, fmt, saver, loader = c["kind"], c["uop"], c["fmt"], c["saver"], c["loader"]
+    path = os.path.join(c["root"], f"{kind}-{uop}-{fmt}-{saver}")
+    src, sopt = _build(saver, kind, uop)
+    C.train(src, sopt, kind, range(k))
+    _save(src, sopt, fmt, path)
+    # the original job continues without a break (the reference)
+    want = C.train(src, sopt, kind, range(k, k + more))
+    # Resume with the other use_orig_params mode.  (torch's FULL optimizer
+    # state from use_orig_params=False shares one ``step`` tensor between the
+    # parameters of a flat parameter; torch.save keeps the sharing, and
+    # torch's own use_orig_params=True load then steps it once per
+    # parameter: torch -> torch diverges there, fsdp_wrap copies.)
+    dst, dopt = _resume(loader, kind, not uop, fmt, path)
+    got = C.train(dst, dopt, kind, range(k, k + more))
+    return C.problem(f"{kind} uop={uop} {fmt} {saver}->{loader}: {got} vs {want}",
+                     max(abs(a - b) for a, b in zip(got, want)) > 1e-5)
 
 
 def test_torch_fsdp1_and_fsdp_wrap_resume_each_other(pool2: Any, tmp_path: Any) -> None:
-    assert pool2.run(_interop, str(tmp_path)) == [[], []]
+    assert pool2.run(_interop, _interop_configs(str(tmp_path))) == [[], []]
 
 
 def _save_job(path: str, uop: bool) -> None:

@@ -12,6 +12,7 @@ import torch.nn as nn
 import fsdp_wrap
 from fsdp_wrap.fully_sharded_data_parallel import OptimStateKeyType
 from tests import _ckpt_common as C
+from tests._sweep import Injection, run_sweep
 
 FSDP = fsdp_wrap.FullyShardedDataParallel
 TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT")
@@ -62,69 +63,79 @@ def _trained(kind: str, uop: bool, ours: bool, steps: int = 2, **kw: Any) -> tup
 # ---------------------------------------------------------------- formats
 
 
-def _formats_match_torch() -> list[str]:
+def _formats_configs() -> list[dict[str, Any]]:
+    return [dict(kind=kind, uop=uop) for kind in ("seq", "tied") for uop in (False, True)]
+
+
+def _formats_match_torch(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
+    return run_sweep(configs, _formats_one, inject=inject)
+
+
+def _formats_one(c: dict[str, Any]) -> list[str]:
+    kind, uop = c["kind"], c["uop"]
     problems = []
-    for kind in ("seq", "tied"):
-        for uop in (False, True):
-            ours, oopt = _trained(kind, uop, True)
-            ref, ropt = _trained(kind, uop, False)
-            for sd_type in TYPES:
-                # torch aliases exp_avg/exp_avg_sq with offload_to_cpu on CPU: compare without
-                kw = {"offload_to_cpu": False} if sd_type == "FULL_STATE_DICT" else {}
-                # order-sensitive: key and entry order decide DCP's file layout
-                a = C.describe_osd(_osd(ours, oopt, sd_type, **kw))
-                b = C.describe_osd(_osd(ref, ropt, sd_type, **kw))
-                if a != b:
-                    problems.append(f"{kind} uop={uop} {sd_type}: {a} vs {b}")
-            full = _osd(ours, oopt, "FULL_STATE_DICT")  # default offload_to_cpu=True
-            live = {
-                s.untyped_storage().data_ptr()
-                for st in oopt.state.values() for s in st.values() if s.dim() > 0
-            }
-            for fqn, st in full["state"].items():
-                ptrs = [v.untyped_storage().data_ptr() for v in st.values() if v.dim() > 0]
-                if len(set(ptrs)) != len(ptrs) or set(ptrs) & live:
-                    problems.append(f"{kind} uop={uop} FULL offload: {fqn} values alias")
-            r0 = _osd(ours, oopt, "FULL_STATE_DICT", rank0_only=True)
-            if (r0 == {}) != (dist.get_rank() != 0):
-                problems.append(f"rank0_only gave {list(r0)}")
+    ours, oopt = _trained(kind, uop, True)
+    ref, ropt = _trained(kind, uop, False)
+    for sd_type in TYPES:
+        # torch aliases exp_avg/exp_avg_sq with offload_to_cpu on CPU: compare without
+        kw = {"offload_to_cpu": False} if sd_type == "FULL_STATE_DICT" else {}
+        # order-sensitive: key and entry order decide DCP's file layout
+        a = C.describe_osd(_osd(ours, oopt, sd_type, **kw))
+        b = C.describe_osd(_osd(ref, ropt, sd_type, **kw))
+        problems += C.problem(f"{kind} uop={uop} {sd_type}: {a} vs {b}", a != b)
+    full = _osd(ours, oopt, "FULL_STATE_DICT")  # default offload_to_cpu=True
+    live = {
+        s.untyped_storage().data_ptr()
+        for st in oopt.state.values() for s in st.values() if s.dim() > 0
+    }
+    for fqn, st in full["state"].items():
+        ptrs = [v.untyped_storage().data_ptr() for v in st.values() if v.dim() > 0]
+        problems += C.problem(f"{kind} uop={uop} FULL offload: {fqn} values alias",
+                              len(set(ptrs)) != len(ptrs) or bool(set(ptrs) & live))
+    r0 = _osd(ours, oopt, "FULL_STATE_DICT", rank0_only=True)
+    problems += C.problem(f"rank0_only gave {list(r0)}", (r0 == {}) != (dist.get_rank() != 0))
     return problems
 
 
 def test_formats_match_torch(pool2: Any) -> None:
-    assert pool2.run(_formats_match_torch) == [[], []]
+    assert pool2.run(_formats_match_torch, _formats_configs()) == [[], []]
 
 
 # ------------------------------------------------------------ round trips
 
 
-def _round_trips() -> list[str]:
-    problems = []
-    for kind in ("seq", "tied"):
-        for uop in (False, True):
-            for sd_type, ocfg in [(t, {}) for t in TYPES] + [("FULL_STATE_DICT", {"rank0_only": True})]:
-                src, sopt = _trained(kind, uop, True)
-                msd = C.full_params(src)
-                osd = _osd(src, sopt, sd_type, **ocfg)
-                dst = C.wrap_ours(kind, not uop if sd_type != "LOCAL_STATE_DICT" else uop, seed=3)
-                with FSDP.state_dict_type(dst, fsdp_wrap.StateDictType.FULL_STATE_DICT):
-                    dst.load_state_dict({k: v for k, v in msd.items()}, strict=False)
-                dopt = torch.optim.Adam(dst.parameters(), lr=0.5)
-                flat = _to_load(dst, dopt, sd_type, osd if osd else None, **ocfg)
-                dopt.load_state_dict(flat)
-                tag = f"{kind} uop={uop} {sd_type} {ocfg}"
-                if dopt.param_groups[0]["lr"] != 0.01:
-                    problems.append(f"{tag}: hyperparameters not loaded")
-                a = C.train(src, sopt, kind, range(2, 5))
-                b = C.train(dst, dopt, kind, range(2, 5))
-                if max(abs(x - y) for x, y in zip(a, b)) > 1e-6:
-                    problems.append(f"{tag}: losses {b} vs {a}")
+def _round_trip_configs() -> list[dict[str, Any]]:
+    return [dict(kind=kind, uop=uop, sd_type=sd_type, ocfg=ocfg)
+            for kind in ("seq", "tied") for uop in (False, True)
+            for sd_type, ocfg in [(t, {}) for t in TYPES] + [("FULL_STATE_DICT", {"rank0_only": True})]]
+
+
+def _round_trips(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
+    return run_sweep(configs, _round_trip, inject=inject)
+
+
+def _round_trip(c: dict[str, Any]) -> list[str]:
+    kind, uop, sd_type, ocfg = c["kind"], c["uop"], c["sd_type"], c["ocfg"]
+    src, sopt = _trained(kind, uop, True)
+    msd = C.full_params(src)
+    osd = _osd(src, sopt, sd_type, **ocfg)
+    dst = C.wrap_ours(kind, not uop if sd_type != "LOCAL_STATE_DICT" else uop, seed=3)
+    with FSDP.state_dict_type(dst, fsdp_wrap.StateDictType.FULL_STATE_DICT):
+        dst.load_state_dict({k: v for k, v in msd.items()}, strict=False)
+    dopt = torch.optim.Adam(dst.parameters(), lr=0.5)
+    flat = _to_load(dst, dopt, sd_type, osd if osd else None, **ocfg)
+    dopt.load_state_dict(flat)
+    tag = f"{kind} uop={uop} {sd_type} {ocfg}"
+    problems = C.problem(f"{tag}: hyperparameters not loaded", dopt.param_groups[0]["lr"] != 0.01)
+    a = C.train(src, sopt, kind, range(2, 5))
+    b = C.train(dst, dopt, kind, range(2, 5))
+    problems += C.problem(f"{tag}: losses {b} vs {a}", max(abs(x - y) for x, y in zip(a, b)) > 1e-6)
     return problems
 
 
 def test_round_trips_resume_exactly(pool2: Any, pool3: Any) -> None:
-    assert pool2.run(_round_trips) == [[], []]
-    assert pool3.run(_round_trips) == [[], [], []]
+    assert pool2.run(_round_trips, _round_trip_configs()) == [[], []]
+    assert pool3.run(_round_trips, _round_trip_configs()) == [[], [], []]
 
 
 class _Frozen(nn.Module):

@@ -125,12 +125,12 @@ def _none_state_loads() -> list[str]:
             osd = _osd(model, opt, sd_type)  # never stepped: no state, named groups
             names = [n for g in osd["param_groups"] for n in g["params"]]
             osd["state"] = {n: {"momentum_buffer": None} for n in names}
-            try:
-                flat = _to_load(model, opt, sd_type, osd)
-                opt.load_state_dict(flat)
-                got[(ours, sd_type)] = _desc(flat["state"])
-            except Exception as e:  # noqa: BLE001 - reported, so both ranks answer
-                problems.append(f"ours={ours} {sd_type}: {type(e).__name__}: {e}")
+            # No try/except around the collectives: an error (a failure either
+            # way) raised on one rank only would leave the other waiting; the
+            # pool reports it with its traceback instead.
+            flat = _to_load(model, opt, sd_type, osd)
+            opt.load_state_dict(flat)
+            got[(ours, sd_type)] = _desc(flat["state"])
     for sd_type in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
         if got.get((True, sd_type)) != got.get((False, sd_type)):
             problems.append(f"{sd_type}: {got.get((True, sd_type))} vs torch {got.get((False, sd_type))}")
@@ -153,13 +153,11 @@ def _without_param_groups() -> list[str]:
                 model = (C.wrap_ours if ours else C.wrap_torch)("seq", uop)
                 opt = torch.optim.Adam(model.parameters(), lr=0.01)
                 C.train(model, opt, "seq", range(2))
-                try:
-                    out = _osd(model, opt, sd_type, {"state": opt.state_dict()["state"]})
-                    got.append((sorted(out), C.describe_osd({"param_groups": [], **out})))
-                    if "param_groups" in out:
-                        got[-1] = (sorted(out), C.describe_osd(out))
-                except Exception as e:  # noqa: BLE001
-                    got.append((type(e).__name__, str(e)))
+                # (no try/except around the collectives: see _none_state_loads)
+                out = _osd(model, opt, sd_type, {"state": opt.state_dict()["state"]})
+                got.append((sorted(out), C.describe_osd({"param_groups": [], **out})))
+                if "param_groups" in out:
+                    got[-1] = (sorted(out), C.describe_osd(out))
             if got[0] != got[1]:
                 problems.append(f"uop={uop} {sd_type}: {got[0][0]} vs torch {got[1][0]}: "
                                 f"{_diff(got[0][1], got[1][1])}")
@@ -234,13 +232,11 @@ def _loads_beside_params_outside_fsdp() -> list[str]:
         dst = _wrap_extra(ours, ["extra"])
         dopt = torch.optim.Adam(dst.parameters(), lr=0.01)
         for name in _LOADERS:
-            try:
-                flat = _load_with(name, F, full, sharded, dst, dopt)
-                results[(ours, name)] = _desc(flat["state"])
-                if ours:
-                    dopt.load_state_dict(flat)
-            except Exception as e:  # noqa: BLE001
-                results[(ours, name)] = f"{type(e).__name__}: {e}"
+            # (no try/except around the collectives: see _none_state_loads)
+            flat = _load_with(name, F, full, sharded, dst, dopt)
+            results[(ours, name)] = _desc(flat["state"])
+            if ours:
+                dopt.load_state_dict(flat)
     for name in _LOADERS:
         if results[(True, name)] != results[(False, name)]:
             problems.append(f"{name}: {results[(True, name)]} vs torch {results[(False, name)]}")
@@ -258,19 +254,17 @@ def _saved_param_now_outside_fsdp() -> list[str]:
     for how in ("flatten_sharded", "to_load_sharded", "shard_full"):
         dst = _wrap_extra(True, ["body.2"])
         dopt = torch.optim.Adam(dst.parameters(), lr=0.01)
-        try:
-            if how == "flatten_sharded":
-                flat = FSDP.flatten_sharded_optim_state_dict(
-                    FSDP.sharded_optim_state_dict(src, sopt), dst, dopt)
-            elif how == "to_load_sharded":
-                flat = _to_load(dst, dopt, "SHARDED_STATE_DICT", _osd(src, sopt, "SHARDED_STATE_DICT"))
-            else:
-                flat = FSDP.shard_full_optim_state_dict(full, dst, optim=dopt)
-            dopt.load_state_dict(flat)
-            back = FSDP.full_optim_state_dict(dst, dopt, rank0_only=False)
-        except Exception as e:  # noqa: BLE001
-            problems.append(f"{how}: {type(e).__name__}: {e}")
-            continue
+        # No try/except (it went on to the next case's collectives after an
+        # error on this rank alone): an error ends the task, reported by the pool.
+        if how == "flatten_sharded":
+            flat = FSDP.flatten_sharded_optim_state_dict(
+                FSDP.sharded_optim_state_dict(src, sopt), dst, dopt)
+        elif how == "to_load_sharded":
+            flat = _to_load(dst, dopt, "SHARDED_STATE_DICT", _osd(src, sopt, "SHARDED_STATE_DICT"))
+        else:
+            flat = FSDP.shard_full_optim_state_dict(full, dst, optim=dopt)
+        dopt.load_state_dict(flat)
+        back = FSDP.full_optim_state_dict(dst, dopt, rank0_only=False)
         if C.describe_osd(back) != C.describe_osd(full):
             problems.append(f"{how}: reloaded state differs from the saved one")
     return problems

@@ -26,6 +26,7 @@ import fsdp_wrap
 from fsdp_wrap import _collectives
 from fsdp_wrap._chunks import ChunkLayout, chunk_tensor
 from tests import _ckpt_common as C
+from tests._sweep import Injection, run_sweep
 from tests.test_full_checkpoint import build, train
 
 F = fsdp_wrap.FullyShardedDataParallel
@@ -66,63 +67,68 @@ def _shard_bytes(model: torch.nn.Module) -> int:
     )
 
 
-def _sweep() -> list[str]:
+def _configs() -> list[dict[str, bool]]:
+    return [dict(uop=uop, offload=offload, dtensor=dtensor)
+            for uop in (False, True) for offload in (False, True) for dtensor in (False, True)]
+
+
+def _one(c: dict[str, bool]) -> list[str]:
+    uop, offload, dtensor = c["uop"], c["offload"], c["dtensor"]
     problems = []
     ws = dist.get_world_size()
-    for uop in (False, True):
-        for offload in (False, True):
-            for dtensor in (False, True):
-                where = f"uop={uop} offload={offload} dtensor={dtensor}"
-                kw: dict[str, Any] = {}
-                if offload:
-                    kw["cpu_offload"] = fsdp_wrap.CPUOffload(offload_params=True)
-                model, opt = build(uop=uop, n=3, d=10, **kw)
-                train(model, opt, range(2))
-                full = C.full_params(model)
-                cfg = fsdp_wrap.ShardedStateDictConfig(_use_dtensor=dtensor)
-                with F.state_dict_type(model, fsdp_wrap.StateDictType.SHARDED_STATE_DICT, cfg):
-                    with counting() as saved:
-                        sd = model.state_dict()
-                # the values: exactly the dim-0 chunks of the full parameters
-                layout = ChunkLayout(model.process_group, dist.get_rank(), ws, torch.device("cpu"))
-                for k, v in full.items():
-                    rows = -(-v.shape[0] // ws)
-                    want_local = v[dist.get_rank() * rows : (dist.get_rank() + 1) * rows]
-                    value = sd[k]
-                    if dtensor:
-                        local = value.to_local()
-                    else:
-                        shards = value.local_shards()
-                        local = shards[0].tensor if shards else v[:0]
-                        # same metadata as cutting the full tensor
-                        if C.describe(value) != C.describe(chunk_tensor(v, layout, False)):
-                            problems.append(f"{where}: {k} metadata")
-                    if not torch.equal(local, want_local):
-                        problems.append(f"{where}: {k} local chunk")
-                # nothing gathered: only the 8-byte call check is an all-gather
-                if saved["all_gather_into bytes"] > 8 or saved["gather_into calls"]:
-                    problems.append(f"{where}: save gathered {dict(saved)}")
-                if saved["sent bytes"] > _shard_bytes(model):
-                    problems.append(f"{where}: save sent {saved['sent bytes']} > shard {_shard_bytes(model)}")
-                # load into a different model: only pieces move, and the result is exact
-                other, _ = build(seed=9, uop=not uop, n=3, d=10, **kw)
-                with F.state_dict_type(other, fsdp_wrap.StateDictType.SHARDED_STATE_DICT, cfg):
-                    with counting() as loaded:
-                        result = other.load_state_dict(sd)
-                if result.missing_keys or result.unexpected_keys:
-                    problems.append(f"{where}: load {result}")
-                if loaded["all_gather_into bytes"] > 8 or loaded["gather_into calls"]:
-                    problems.append(f"{where}: load gathered {dict(loaded)}")
-                if loaded["sent bytes"] > _shard_bytes(other):
-                    problems.append(f"{where}: load sent {loaded['sent bytes']}")
-                if ws > 1 and not loaded["all_to_all calls"]:
-                    problems.append(f"{where}: load exchanged nothing")
-                got_full = C.full_params(other)
-                for k in full:
-                    if not torch.equal(got_full[k], full[k]):
-                        problems.append(f"{where}: loaded {k} differs")
-                problems += [f"{where}: optim {p}" for p in _optim_round_trip(model, opt, other, cfg)]
+    where = f"uop={uop} offload={offload} dtensor={dtensor}"
+    kw: dict[str, Any] = {}
+    if offload:
+        kw["cpu_offload"] = fsdp_wrap.CPUOffload(offload_params=True)
+    model, opt = build(uop=uop, n=3, d=10, **kw)
+    train(model, opt, range(2))
+    full = C.full_params(model)
+    cfg = fsdp_wrap.ShardedStateDictConfig(_use_dtensor=dtensor)
+    with F.state_dict_type(model, fsdp_wrap.StateDictType.SHARDED_STATE_DICT, cfg):
+        with counting() as saved:
+            sd = model.state_dict()
+    # the values: exactly the dim-0 chunks of the full parameters
+    layout = ChunkLayout(model.process_group, dist.get_rank(), ws, torch.device("cpu"))
+    for k, v in full.items():
+        rows = -(-v.shape[0] // ws)
+        want_local = v[dist.get_rank() * rows : (dist.get_rank() + 1) * rows]
+        value = sd[k]
+        if dtensor:
+            local = value.to_local()
+        else:
+            shards = value.local_shards()
+            local = shards[0].tensor if shards else v[:0]
+            # same metadata as cutting the full tensor
+            problems += C.problem(f"{where}: {k} metadata",
+                                  C.describe(value) != C.describe(chunk_tensor(v, layout, False)))
+        problems += C.problem(f"{where}: {k} local chunk", not torch.equal(local, want_local))
+    # nothing gathered: only the 8-byte call check is an all-gather
+    problems += C.problem(f"{where}: save gathered {dict(saved)}",
+                          saved["all_gather_into bytes"] > 8 or bool(saved["gather_into calls"]))
+    problems += C.problem(f"{where}: save sent {saved['sent bytes']} > shard {_shard_bytes(model)}",
+                          saved["sent bytes"] > _shard_bytes(model))
+    # load into a different model: only pieces move, and the result is exact
+    other, _ = build(seed=9, uop=not uop, n=3, d=10, **kw)
+    with F.state_dict_type(other, fsdp_wrap.StateDictType.SHARDED_STATE_DICT, cfg):
+        with counting() as loaded:
+            result = other.load_state_dict(sd)
+    problems += C.problem(f"{where}: load {result}",
+                          bool(result.missing_keys or result.unexpected_keys))
+    problems += C.problem(f"{where}: load gathered {dict(loaded)}",
+                          loaded["all_gather_into bytes"] > 8 or bool(loaded["gather_into calls"]))
+    problems += C.problem(f"{where}: load sent {loaded['sent bytes']}",
+                          loaded["sent bytes"] > _shard_bytes(other))
+    problems += C.problem(f"{where}: load exchanged nothing",
+                          ws > 1 and not loaded["all_to_all calls"])
+    got_full = C.full_params(other)
+    for k in full:
+        problems += C.problem(f"{where}: loaded {k} differs", not torch.equal(got_full[k], full[k]))
+    problems += [f"{where}: optim {p}" for p in _optim_round_trip(model, opt, other, cfg)]
     return problems
+
+
+def _sweep(configs: list[dict[str, bool]], inject: Injection | None = None) -> list[str]:
+    return run_sweep(configs, _one, inject=inject)
 
 
 def _chunks_of(osd: dict[str, Any]) -> dict[tuple[str, str], Any]:
@@ -154,23 +160,24 @@ def _optim_round_trip(model: Any, opt: Any, other: Any, cfg: Any) -> list[str]:
     with F.state_dict_type(other, sd_type, cfg):
         again = F.optim_state_dict(other, other_opt)
     for what, seen in (("save", saved), ("load", loaded)):
-        if seen["all_gather_into bytes"] > 8 or seen["gather_into calls"]:
-            problems.append(f"{what} gathered {dict(seen)}")
+        problems += C.problem(f"{what} gathered {dict(seen)}",
+                              seen["all_gather_into bytes"] > 8 or bool(seen["gather_into calls"]))
         # exp_avg and exp_avg_sq: each at most one shard
-        if seen["sent bytes"] > 2 * _shard_bytes(model):
-            problems.append(f"{what} sent {seen['sent bytes']} > 2 shards")
-    if dist.get_world_size() > 1 and not (saved["all_to_all calls"] and loaded["all_to_all calls"]):
-        problems.append(f"nothing exchanged: {dict(saved)} {dict(loaded)}")
-    if _chunks_of(osd) != _chunks_of(again):
-        problems.append("state differs after a round trip")
-    if len(_chunks_of(osd)) < 2 * len(C.full_params(model)):
-        problems.append(f"too little state: {sorted(_chunks_of(osd))}")
+        problems += C.problem(f"{what} sent {seen['sent bytes']} > 2 shards",
+                              seen["sent bytes"] > 2 * _shard_bytes(model))
+    problems += C.problem(
+        f"nothing exchanged: {dict(saved)} {dict(loaded)}",
+        dist.get_world_size() > 1 and not (saved["all_to_all calls"] and loaded["all_to_all calls"]))
+    problems += C.problem("state differs after a round trip", _chunks_of(osd) != _chunks_of(again))
+    full = C.full_params(model)  # a collective: every rank, whatever it found above
+    problems += C.problem(f"too little state: {sorted(_chunks_of(osd))}",
+                          len(_chunks_of(osd)) < 2 * len(full))
     return problems
 
 
 def test_sharded_state_dict_moves_only_pieces(pool2: Any, pool3: Any) -> None:
-    assert pool2.run(_sweep) == [[], []]
-    assert pool3.run(_sweep) == [[], [], []]
+    assert pool2.run(_sweep, _configs()) == [[], []]
+    assert pool3.run(_sweep, _configs()) == [[], [], []]
 
 
 def _mismatch() -> str:

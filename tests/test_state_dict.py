@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_wrap
 from tests import _ckpt_common as C
+from tests._sweep import Injection, run_sweep
 
 FSDP = fsdp_wrap.FullyShardedDataParallel
 SDT = fsdp_wrap.StateDictType
@@ -54,36 +55,41 @@ def _load(model: torch.nn.Module, sd_type: str, sd: dict[str, Any], strict: bool
 # ------------------------------------------------------------- formats
 
 
-def _formats_match_torch(kinds: tuple[str, ...]) -> list[str]:
+def _formats_configs(kinds: tuple[str, ...]) -> list[dict[str, Any]]:
+    return [dict(kind=kind, uop=uop, mesh=use_mesh)
+            for kind in kinds for uop in (False, True) for use_mesh in (False, True)]
+
+
+def _formats_match_torch(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
     """SHARDED (ShardedTensor and DTensor) and LOCAL equal torch's, value for value."""
-    ws = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (ws,))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # a collective: once, up front
+    return run_sweep(configs, lambda c: _formats_one(c, mesh), inject=inject)
+
+
+def _formats_one(c: dict[str, Any], mesh: Any) -> list[str]:
+    kind, uop, use_mesh = c["kind"], c["uop"], c["mesh"]
     problems = []
-    for kind in kinds:
-        for uop in (False, True):
-            for use_mesh in (False, True):
-                kw = {"device_mesh": mesh} if use_mesh else {}
-                ours, ref = C.wrap_ours(kind, uop, **kw), C.wrap_torch(kind, uop, **kw)
-                _step(ours, kind)
-                _step(ref, kind)
-                types = ["SHARDED_STATE_DICT"] if use_mesh else ["SHARDED_STATE_DICT", "LOCAL_STATE_DICT"]
-                for sd_type in types:
-                    a = C.describe_sd(_sd(ours, sd_type))
-                    b = C.describe_sd(_sd(ref, sd_type))
-                    if sd_type == "LOCAL_STATE_DICT" and uop:
-                        # torch adds the 1-D original views, which it cannot load back;
-                        # fsdp_wrap emits only the _flat_param keys (and buffers).
-                        b = {k: v for k, v in b.items() if k.endswith("_flat_param") or v[0] == "T" and k in a}
-                    if list(a) != list(b) and sorted(a) != sorted(b):
-                        problems.append(f"{kind} uop={uop} mesh={use_mesh} {sd_type}: keys {list(a)} vs {list(b)}")
-                    for k in b:
-                        if a.get(k) != b[k]:
-                            problems.append(f"{kind} uop={uop} mesh={use_mesh} {sd_type} {k}: {a.get(k)} vs {b[k]}")
-                    if sd_type == "SHARDED_STATE_DICT":
-                        want = "DT" if use_mesh else "ST"
-                        bad = [k for k, v in a.items() if k not in ("buf", "scale") and v[0] != want]
-                        if bad:
-                            problems.append(f"{kind} uop={uop} {sd_type}: not {want}: {bad}")
+    kw = {"device_mesh": mesh} if use_mesh else {}
+    ours, ref = C.wrap_ours(kind, uop, **kw), C.wrap_torch(kind, uop, **kw)
+    _step(ours, kind)
+    _step(ref, kind)
+    types = ["SHARDED_STATE_DICT"] if use_mesh else ["SHARDED_STATE_DICT", "LOCAL_STATE_DICT"]
+    for sd_type in types:
+        a = C.describe_sd(_sd(ours, sd_type))
+        b = C.describe_sd(_sd(ref, sd_type))
+        if sd_type == "LOCAL_STATE_DICT" and uop:
+            # torch adds the 1-D original views, which it cannot load back;
+            # fsdp_wrap emits only the _flat_param keys (and buffers).
+            b = {k: v for k, v in b.items() if k.endswith("_flat_param") or v[0] == "T" and k in a}
+        tag = f"{kind} uop={uop} mesh={use_mesh} {sd_type}"
+        problems += C.problem(f"{tag}: keys {list(a)} vs {list(b)}",
+                              list(a) != list(b) and sorted(a) != sorted(b))
+        for k in b:
+            problems += C.problem(f"{tag} {k}: {a.get(k)} vs {b[k]}", a.get(k) != b[k])
+        if sd_type == "SHARDED_STATE_DICT":
+            want = "DT" if use_mesh else "ST"
+            bad = [k for k, v in a.items() if k not in ("buf", "scale") and v[0] != want]
+            problems += C.problem(f"{kind} uop={uop} {sd_type}: not {want}: {bad}", bool(bad))
     return problems
 
 
@@ -91,7 +97,7 @@ def _formats_match_torch(kinds: tuple[str, ...]) -> list[str]:
 def test_sharded_and_local_formats_match_torch(ws: int, pool2: Any, pool4: Any) -> None:
     # 4 ranks: trailing ranks hold no chunk of the 3-row parameters
     pool, kinds = (pool2, ("seq", "tied")) if ws == 2 else (pool4, ("seq",))
-    assert pool.run(_formats_match_torch, kinds) == [[]] * ws
+    assert pool.run(_formats_match_torch, _formats_configs(kinds)) == [[]] * ws
 
 
 def _use_dtensor_flag_and_offload() -> list[str]:
@@ -120,44 +126,50 @@ def test_use_dtensor_without_mesh(pool2: Any) -> None:
 # ---------------------------------------------------------- round trips
 
 
-def _round_trips() -> list[str]:
+def _round_trip_configs() -> list[dict[str, Any]]:
+    return [dict(kind=kind, uop=uop, strategy=strategy)
+            for kind in ("seq", "tied") for uop in (False, True)
+            for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")]
+
+
+def _round_trips(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
+    return run_sweep(configs, _round_trip, inject=inject)
+
+
+def _round_trip(c: dict[str, Any]) -> list[str]:
+    kind, uop, strategy = c["kind"], c["uop"], c["strategy"]
     problems = []
-    for kind in ("seq", "tied"):
-        for uop in (False, True):
-            for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
-                st = getattr(fsdp_wrap.ShardingStrategy, strategy)
-                src = C.wrap_ours(kind, uop, sharding_strategy=st)
-                _step(src, kind)
-                want = C.full_params(src)
-                for sd_type in ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"):
-                    with warnings.catch_warnings(record=True) as caught:
-                        warnings.simplefilter("always")
-                        sd = _sd(src, sd_type)
-                        dst = C.wrap_ours(kind, uop, seed=5, sharding_strategy=st)
-                        result = _load(dst, sd_type, sd)
-                    tag = f"{kind} uop={uop} {strategy} {sd_type}"
-                    if result.missing_keys or result.unexpected_keys:
-                        problems.append(f"{tag}: {result}")
-                    got = C.full_params(dst)
-                    if sorted(got) != sorted(want) or any(not torch.equal(got[k], want[k]) for k in want):
-                        problems.append(f"{tag}: values differ after load")
-                    no_shard_warned = any("full_state_dict will be returned" in str(w.message) for w in caught)
-                    if (strategy == "NO_SHARD" and sd_type != "FULL_STATE_DICT") != no_shard_warned:
-                        problems.append(f"{tag}: NO_SHARD warning {no_shard_warned}")
-                    if strategy == "NO_SHARD" and any(C.describe(v)[0] != "T" for v in sd.values()):
-                        problems.append(f"{tag}: NO_SHARD did not fall back to FULL")
-                    # the loaded model trains on identically to the source
-                    a = C.train(src, torch.optim.SGD(src.parameters(), lr=0.1), kind, range(5, 6))
-                    b = C.train(dst, torch.optim.SGD(dst.parameters(), lr=0.1), kind, range(5, 6))
-                    if abs(a[0] - b[0]) > 1e-6:
-                        problems.append(f"{tag}: loss after load {b} vs {a}")
-                    want = C.full_params(src)
+    st = getattr(fsdp_wrap.ShardingStrategy, strategy)
+    src = C.wrap_ours(kind, uop, sharding_strategy=st)
+    _step(src, kind)
+    want = C.full_params(src)
+    for sd_type in ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sd = _sd(src, sd_type)
+            dst = C.wrap_ours(kind, uop, seed=5, sharding_strategy=st)
+            result = _load(dst, sd_type, sd)
+        tag = f"{kind} uop={uop} {strategy} {sd_type}"
+        problems += C.problem(f"{tag}: {result}", bool(result.missing_keys or result.unexpected_keys))
+        got = C.full_params(dst)
+        problems += C.problem(f"{tag}: values differ after load", sorted(got) != sorted(want) or any(
+            not torch.equal(got[k], want[k]) for k in want))
+        no_shard_warned = any("full_state_dict will be returned" in str(w.message) for w in caught)
+        problems += C.problem(f"{tag}: NO_SHARD warning {no_shard_warned}",
+                              (strategy == "NO_SHARD" and sd_type != "FULL_STATE_DICT") != no_shard_warned)
+        problems += C.problem(f"{tag}: NO_SHARD did not fall back to FULL", strategy == "NO_SHARD" and any(
+            C.describe(v)[0] != "T" for v in sd.values()))
+        # the loaded model trains on identically to the source
+        a = C.train(src, torch.optim.SGD(src.parameters(), lr=0.1), kind, range(5, 6))
+        b = C.train(dst, torch.optim.SGD(dst.parameters(), lr=0.1), kind, range(5, 6))
+        problems += C.problem(f"{tag}: loss after load {b} vs {a}", abs(a[0] - b[0]) > 1e-6)
+        want = C.full_params(src)
     return problems
 
 
 def test_round_trips_every_type_and_strategy(pool2: Any, pool3: Any) -> None:
-    assert pool2.run(_round_trips) == [[], []]
-    assert pool3.run(_round_trips) == [[], [], []]
+    assert pool2.run(_round_trips, _round_trip_configs()) == [[], []]
+    assert pool3.run(_round_trips, _round_trip_configs()) == [[], [], []]
 
 
 # -------------------------------------------------------------- DCP
@@ -178,26 +190,31 @@ def _dcp_load(model: torch.nn.Module, path: str) -> dict[str, list[float]]:
     return {k: v.flatten().tolist() for k, v in C.full_params(model).items()}
 
 
-def _dcp_interop(root: str) -> list[str]:
+def _dcp_interop_configs(root: str) -> list[dict[str, Any]]:
     """torch saves -> fsdp_wrap loads, fsdp_wrap saves -> torch loads, both uop modes."""
-    problems = []
+    return [dict(root=root, kind=kind, uop=save_uop, saver=saver, loader=loader)
+            for kind in ("seq", "tied") for save_uop in (False, True)
+            for saver, loader in (("torch", "ours"), ("ours", "torch"), ("ours", "ours"))]
+
+
+def _dcp_interop(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
+    return run_sweep(configs, _dcp_interop_one, inject=inject)
+
+
+def _dcp_interop_one(c: dict[str, Any]) -> list[str]:
     wrappers = {"torch": C.wrap_torch, "ours": C.wrap_ours}
-    for kind in ("seq", "tied"):
-        for save_uop in (False, True):
-            for saver, loader in (("torch", "ours"), ("ours", "torch"), ("ours", "ours")):
-                path = os.path.join(root, f"{kind}-{save_uop}-{saver}-{loader}")
-                src = wrappers[saver](kind, save_uop)
-                _step(src, kind)
-                want = _dcp_save(src, path)
-                dst = wrappers[loader](kind, not save_uop, seed=9)
-                got = _dcp_load(dst, path)
-                if got != want:
-                    problems.append(f"{kind} uop={save_uop} {saver}->{loader}: values differ")
-    return problems
+    kind, save_uop, saver, loader = c["kind"], c["uop"], c["saver"], c["loader"]
+    path = os.path.join(c["root"], f"{kind}-{save_uop}-{saver}-{loader}")
+    src = wrappers[saver](kind, save_uop)
+    _step(src, kind)
+    want = _dcp_save(src, path)
+    dst = wrappers[loader](kind, not save_uop, seed=9)
+    got = _dcp_load(dst, path)
+    return C.problem(f"{kind} uop={save_uop} {saver}->{loader}: values differ", got != want)
 
 
 def test_dcp_interop_with_torch_fsdp(pool2: Any, tmp_path: Any) -> None:
-    assert pool2.run(_dcp_interop, str(tmp_path)) == [[], []]
+    assert pool2.run(_dcp_interop, _dcp_interop_configs(str(tmp_path))) == [[], []]
 
 
 def _dcp_save_ours(path: str, uop: bool) -> dict[str, list[float]]:

@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 
 import fsdp_wrap
 from tests import _ckpt_common as C
+from tests._sweep import Injection, run_sweep
 
 HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT")
@@ -96,100 +97,111 @@ def _load(model: torch.nn.Module, opt: Any, state: dict[str, Any], sd_type: str,
 # ------------------------------------------------------------- formats
 
 
-def _formats_match_torch() -> list[str]:
+def _formats_configs() -> list[dict[str, Any]]:
+    return [dict(form=form, strategy=strategy, uop=uop, kind=kind)
+            for form in ("tuple", "mesh") for strategy in HYBRID
+            for uop in (False, True) for kind in ("seq", "tied")]
+
+
+def _formats_match_torch(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
     warnings.simplefilter("ignore")
-    mesh = _mesh()
+    mesh = _mesh()  # a collective: once, up front
+    return run_sweep(configs, lambda c: _formats_one(c, mesh), inject=inject)
+
+
+def _formats_one(c: dict[str, Any], mesh: Any) -> list[str]:
+    form, strategy, uop, kind = c["form"], c["strategy"], c["uop"], c["kind"]
     problems = []
-    for form in ("tuple", "mesh"):
-        for strategy in HYBRID:
-            for uop in (False, True):
-                for kind in ("seq", "tied"):
-                    tag = f"[rank {dist.get_rank()}] {form} {strategy} uop={uop} {kind}"
-                    pair = [_build(impl, kind, uop, strategy, form, mesh) for impl in ("ours", "torch")]
-                    for model, opt in pair:
-                        C.train(model, opt, kind, range(2))
-                    for sd_type, r0 in (("SHARDED_STATE_DICT", False), ("FULL_STATE_DICT", False),
-                                        ("FULL_STATE_DICT", True)):
-                        a, b = (_save(m, o, sd_type, r0) for m, o in pair)
-                        if C.describe_ordered(a["model"]) != C.describe_ordered(b["model"]):
-                            problems.append(f"{tag} {sd_type} r0={r0} model differs")
-                        if C.describe_osd(a["optim"]) != C.describe_osd(b["optim"]):
-                            problems.append(f"{tag} {sd_type} r0={r0} optim differs")
-                        if sd_type == "SHARDED_STATE_DICT":
-                            want = "DT" if form == "mesh" else "ST"
-                            kinds = {C.describe(v)[0] for k, v in a["model"].items() if k not in ("buf", "scale")}
-                            if kinds != {want}:
-                                problems.append(f"{tag}: SHARDED values {kinds}, want {want}")
-                        if r0:  # the model: shard rank 0 of every replica; optimizer: global rank 0
-                            if bool(a["model"]) != (dist.get_rank() % 2 == 0):
-                                problems.append(f"{tag}: rank0_only model keys {list(a['model'])}")
-                            if bool(a["optim"]) != (dist.get_rank() == 0):
-                                problems.append(f"{tag}: rank0_only optim {list(a['optim'])}")
-                    if form == "mesh":  # LOCAL is refused with a device mesh, by both
-                        msgs = []
-                        for model, _ in pair:
-                            try:
-                                _save(model, _, "LOCAL_STATE_DICT")
-                                msgs.append("no error")
-                            except RuntimeError as e:
-                                msgs.append(str(e))
-                        # torch < 2.13 shows its message as a tuple of strings;
-                        # compare the words, not the punctuation.  Ours says torch's
-                        # words and adds the rank and the cause.
-                        words = [" ".join(re.sub(r"[()',.]", " ", m).split()) for m in msgs]
-                        if (words[1] not in words[0] or not msgs[0].startswith(f"[rank {dist.get_rank()}]")
-                                or "DeviceMesh is not compatible" not in msgs[1]):
-                            problems.append(f"{tag}: LOCAL with a mesh: {msgs}")
+    tag = f"[rank {dist.get_rank()}] {form} {strategy} uop={uop} {kind}"
+    pair = [_build(impl, kind, uop, strategy, form, mesh) for impl in ("ours", "torch")]
+    for model, opt in pair:
+        C.train(model, opt, kind, range(2))
+    for sd_type, r0 in (("SHARDED_STATE_DICT", False), ("FULL_STATE_DICT", False),
+                        ("FULL_STATE_DICT", True)):
+        a, b = (_save(m, o, sd_type, r0) for m, o in pair)
+        problems += C.problem(f"{tag} {sd_type} r0={r0} model differs",
+                              C.describe_ordered(a["model"]) != C.describe_ordered(b["model"]))
+        problems += C.problem(f"{tag} {sd_type} r0={r0} optim differs",
+                              C.describe_osd(a["optim"]) != C.describe_osd(b["optim"]))
+        if sd_type == "SHARDED_STATE_DICT":
+            want = "DT" if form == "mesh" else "ST"
+            kinds = {C.describe(v)[0] for k, v in a["model"].items() if k not in ("buf", "scale")}
+            problems += C.problem(f"{tag}: SHARDED values {kinds}, want {want}", kinds != {want})
+        if r0:  # the model: shard rank 0 of every replica; optimizer: global rank 0
+            problems += C.problem(f"{tag}: rank0_only model keys {list(a['model'])}",
+                                  bool(a["model"]) != (dist.get_rank() % 2 == 0))
+            problems += C.problem(f"{tag}: rank0_only optim {list(a['optim'])}",
+                                  bool(a["optim"]) != (dist.get_rank() == 0))
+    if form == "mesh":  # LOCAL is refused with a device mesh, by both
+        # (before any collective, on every rank alike: the same model on every rank)
+        msgs = []
+        for model, _ in pair:
+            try:
+                _save(model, _, "LOCAL_STATE_DICT")
+                msgs.append("no error")
+            except RuntimeError as e:
+                msgs.append(str(e))
+        # torch < 2.13 shows its message as a tuple of strings;
+        # compare the words, not the punctuation.  Ours says torch's
+        # words and adds the rank and the cause.
+        words = [" ".join(re.sub(r"[()',.]", " ", m).split()) for m in msgs]
+        problems += C.problem(f"{tag}: LOCAL with a mesh: {msgs}", (
+            words[1] not in words[0] or not msgs[0].startswith(f"[rank {dist.get_rank()}]")
+            or "DeviceMesh is not compatible" not in msgs[1]))
     return problems
 
 
 def test_hybrid_formats_match_torch(pool4: Any) -> None:
-    assert pool4.run(_formats_match_torch) == [[]] * 4
+    assert pool4.run(_formats_match_torch, _formats_configs()) == [[]] * 4
 
 
 # ---------------------------------------------------------- round trips
 
 
-def _round_trips() -> list[str]:
+def _round_trip_configs() -> list[dict[str, Any]]:
+    return [dict(form=form, strategy=strategy, uop=uop, sd_type=sd_type, r0=r0)
+            for form in ("tuple", "mesh") for strategy in HYBRID for uop in (False, True)
+            for sd_type, r0 in [(t, False) for t in TYPES] + [("FULL_STATE_DICT", True)]
+            if not (sd_type == "LOCAL_STATE_DICT" and form == "mesh")]
+
+
+def _round_trips(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
     """Save model + optimizer, load into a fresh model, both resume exactly.
 
     FULL and SHARDED load into the other use_orig_params mode and the other
     group form; LOCAL needs the same layout (and no mesh).
     """
     warnings.simplefilter("ignore")
-    mesh = _mesh()
-    problems = []
-    for form in ("tuple", "mesh"):
-        for strategy in HYBRID:
-            for uop in (False, True):
-                for sd_type, r0 in [(t, False) for t in TYPES] + [("FULL_STATE_DICT", True)]:
-                    if sd_type == "LOCAL_STATE_DICT" and form == "mesh":
-                        continue
-                    same = sd_type == "LOCAL_STATE_DICT"
-                    tag = f"[rank {dist.get_rank()}] {form} {strategy} uop={uop} {sd_type} r0={r0}"
-                    kind = "tied" if uop else "seq"
-                    src, sopt = _build("ours", kind, uop, strategy, form, mesh)
-                    C.train(src, sopt, kind, range(2))
-                    state = _save(src, sopt, sd_type, r0)
-                    if r0:  # rank0_only model dicts are loaded by broadcasting rank 0's
-                        objs = [state["model"] if dist.get_rank() == 0 else None]
-                        dist.broadcast_object_list(objs, src=0)
-                        state["model"] = objs[0]
-                    other = form if same else ("mesh" if form == "tuple" else "tuple")
-                    dst, dopt = _build("ours", kind, uop if same else not uop, strategy, other, mesh, seed=7)
-                    # (load before the source trains on: LOCAL values are views of its shards)
-                    result = _load(dst, dopt, state, sd_type, r0)
-                    if result.missing_keys or result.unexpected_keys:
-                        problems.append(f"{tag}: {result}")
-                    want = C.train(src, sopt, kind, range(2, 5))
-                    got = C.train(dst, dopt, kind, range(2, 5))
-                    if max(abs(x - y) for x, y in zip(got, want)) > 1e-6:
-                        problems.append(f"{tag}: resumed losses {got} vs {want}")
+    mesh = _mesh()  # a collective: once, up front
+    return run_sweep(configs, lambda c: _round_trip(c, mesh), inject=inject)
+
+
+def _round_trip(c: dict[str, Any], mesh: Any) -> list[str]:
+    form, strategy, uop, sd_type, r0 = c["form"], c["strategy"], c["uop"], c["sd_type"], c["r0"]
+    same = sd_type == "LOCAL_STATE_DICT"
+    tag = f"[rank {dist.get_rank()}] {form} {strategy} uop={uop} {sd_type} r0={r0}"
+    kind = "tied" if uop else "seq"
+    src, sopt = _build("ours", kind, uop, strategy, form, mesh)
+    C.train(src, sopt, kind, range(2))
+    state = _save(src, sopt, sd_type, r0)
+    if r0:  # rank0_only model dicts are loaded by broadcasting rank 0's
+        objs = [state["model"] if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(objs, src=0)
+        state["model"] = objs[0]
+    other = form if same else ("mesh" if form == "tuple" else "tuple")
+    dst, dopt = _build("ours", kind, uop if same else not uop, strategy, other, mesh, seed=7)
+    # (load before the source trains on: LOCAL values are views of its shards)
+    result = _load(dst, dopt, state, sd_type, r0)
+    problems = C.problem(f"{tag}: {result}", bool(result.missing_keys or result.unexpected_keys))
+    want = C.train(src, sopt, kind, range(2, 5))
+    got = C.train(dst, dopt, kind, range(2, 5))
+    problems += C.problem(f"{tag}: resumed losses {got} vs {want}",
+                          max(abs(x - y) for x, y in zip(got, want)) > 1e-6)
     return problems
 
 
 def test_hybrid_round_trips_resume_exactly(pool4: Any) -> None:
-    assert pool4.run(_round_trips) == [[]] * 4
+    assert pool4.run(_round_trips, _round_trip_configs()) == [[]] * 4
 
 
 # ------------------------------------------------------------------ DCP
@@ -208,29 +220,34 @@ def _md_summary(path: str) -> Any:
     return meta, storage
 
 
-def _dcp_save_hybrid(root: str) -> list[str]:
+def _dcp_save_configs(root: str) -> list[dict[str, Any]]:
+    return [dict(root=root, form=form, uop=uop) for form in ("tuple", "mesh") for uop in (False, True)]
+
+
+def _dcp_save_hybrid(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
     """fsdp_wrap and torch save the same hybrid job: identical metadata, each chunk once."""
     warnings.simplefilter("ignore")
-    mesh = _mesh()
-    problems = []
-    for form in ("tuple", "mesh"):
-        for uop in (False, True):
-            summaries = []
-            for impl in ("ours", "torch"):
-                model, opt = _build(impl, "seq", uop, "HYBRID_SHARD", form, mesh)
-                C.train(model, opt, "seq", range(2))
-                path = os.path.join(root, f"hsdp-{form}-{uop}-{impl}")
-                dcp.save(_save(model, opt, "SHARDED_STATE_DICT"), checkpoint_id=path)
-                summaries.append(_md_summary(path))
-            tag = f"{form} uop={uop}"
-            if summaries[0] != summaries[1]:
-                problems.append(f"{tag}: metadata differs from torch's")
-            meta, storage = summaries[0]
-            if sorted(meta["model.0.weight"][1]) != [((0, 0), (3, 4)), ((3, 0), (3, 4))]:
-                problems.append(f"{tag}: 0.weight chunks {meta['model.0.weight']}")
-            written = [s[:2] for s in storage]
-            if len(written) != len(set(written)):
-                problems.append(f"{tag}: some chunk is written more than once")
+    mesh = _mesh()  # a collective: once, up front
+    return run_sweep(configs, lambda c: _dcp_save_one(c, mesh), inject=inject)
+
+
+def _dcp_save_one(c: dict[str, Any], mesh: Any) -> list[str]:
+    form, uop = c["form"], c["uop"]
+    summaries = []
+    for impl in ("ours", "torch"):
+        model, opt = _build(impl, "seq", uop, "HYBRID_SHARD", form, mesh)
+        C.train(model, opt, "seq", range(2))
+        path = os.path.join(c["root"], f"hsdp-{form}-{uop}-{impl}")
+        dcp.save(_save(model, opt, "SHARDED_STATE_DICT"), checkpoint_id=path)
+        summaries.append(_md_summary(path))
+    tag = f"{form} uop={uop}"
+    problems = C.problem(f"{tag}: metadata differs from torch's", summaries[0] != summaries[1])
+    meta, storage = summaries[0]
+    problems += C.problem(f"{tag}: 0.weight chunks {meta['model.0.weight']}",
+                          sorted(meta["model.0.weight"][1]) != [((0, 0), (3, 4)), ((3, 0), (3, 4))])
+    written = [s[:2] for s in storage]
+    problems += C.problem(f"{tag}: some chunk is written more than once",
+                          len(written) != len(set(written)))
     return problems
 
 
@@ -261,7 +278,7 @@ def _save_job(path: str, uop: bool, strategy: str, form: str | None) -> list[flo
 
 
 def test_hybrid_dcp_metadata_matches_torch(pool4: Any, tmp_path: Any) -> None:
-    assert pool4.run(_dcp_save_hybrid, str(tmp_path)) == [[]] * 4
+    assert pool4.run(_dcp_save_hybrid, _dcp_save_configs(str(tmp_path))) == [[]] * 4
 
 
 def _close(a: list[float], b: list[float]) -> bool:

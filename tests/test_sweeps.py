@@ -104,6 +104,29 @@ SWEEPS: dict[str, tuple[str, str, int, Callable[[], list[Any]]]] = {
     "summon-with-grads": ("tests.test_summon_requires_grad", "_with_grads_sweep", 2,
                           lambda: importlib.import_module("tests.test_summon_requires_grad")._with_grads_configs()[:2]),
     "overlap": ("tests.test_overlap", "_sweep", 2, lambda: importlib.import_module("tests.test_overlap")._configs()[:2]),
+    "sharded-no-gather": ("tests.test_sharded_no_gather", "_sweep", 2,
+                          lambda: importlib.import_module("tests.test_sharded_no_gather")._configs()[:2]),
+    "state-dict-formats": ("tests.test_state_dict", "_formats_match_torch", 2,
+                           lambda: importlib.import_module("tests.test_state_dict")._formats_configs(("seq",))[:2]),
+    "state-dict-round-trips": ("tests.test_state_dict", "_round_trips", 2,
+                               lambda: importlib.import_module("tests.test_state_dict")._round_trip_configs()[:2]),
+    "state-dict-dcp-interop": ("tests.test_state_dict", "_dcp_interop", 2,
+                               lambda: importlib.import_module("tests.test_state_dict")._dcp_interop_configs(
+                                   importlib.import_module("tempfile").mkdtemp(prefix="sweep-"))[:2]),
+    "hybrid-formats-4": ("tests.test_state_dict_hybrid", "_formats_match_torch", 4,
+                         lambda: importlib.import_module("tests.test_state_dict_hybrid")._formats_configs()[:2]),
+    "hybrid-round-trips-4": ("tests.test_state_dict_hybrid", "_round_trips", 4,
+                             lambda: importlib.import_module("tests.test_state_dict_hybrid")._round_trip_configs()[:2]),
+    "hybrid-dcp-save-4": ("tests.test_state_dict_hybrid", "_dcp_save_hybrid", 4,
+                          lambda: importlib.import_module("tests.test_state_dict_hybrid")._dcp_save_configs(
+                              importlib.import_module("tempfile").mkdtemp(prefix="sweep-"))[:2]),
+    "optim-formats": ("tests.test_optim_state_dict", "_formats_match_torch", 2,
+                      lambda: importlib.import_module("tests.test_optim_state_dict")._formats_configs()[:2]),
+    "optim-round-trips": ("tests.test_optim_state_dict", "_round_trips", 2,
+                          lambda: importlib.import_module("tests.test_optim_state_dict")._round_trip_configs()[:2]),
+    "checkpoint-interop": ("tests.test_checkpoint_interop", "_interop", 2,
+                           lambda: importlib.import_module("tests.test_checkpoint_interop")._interop_configs(
+                               importlib.import_module("tempfile").mkdtemp(prefix="sweep-"))[:2]),
 }
 
 
