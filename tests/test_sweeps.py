@@ -90,6 +90,11 @@ SWEEPS: dict[str, tuple[str, str, int, Callable[[], list[Any]]]] = {
                         lambda: importlib.import_module("tests.test_init_options")._device_id_configs()[:2]),
     "mixed-precision-2": ("tests.test_mixed_precision", "_sweep", 2,
                           lambda: importlib.import_module("tests.test_mixed_precision")._configs()[:2]),
+    "module-conversion-2": ("tests.test_module_conversion", "_convert_sweep", 2,
+                            lambda: importlib.import_module("tests.test_module_conversion")._convert_configs()[:2]),
+    "ckpt-wrapper-state-dict-2": ("tests.test_module_conversion", "_ckpt_wrapper_sweep", 2,
+                                  lambda: [dict(strategy="FULL_SHARD", uop=True, sd_type="LOCAL_STATE_DICT"),
+                                           dict(strategy="FULL_SHARD", uop=False, sd_type="FULL_STATE_DICT")]),
     # --- the other sweeps ---
     "orig-params-writeback": ("tests.test_orig_params_writeback", "_sweep", 2,
                               lambda: importlib.import_module("tests.test_orig_params_writeback")._configs()[:2]),
