@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp_wrap
+from tests._sweep import Injection, injected, run_sweep
 
 CPU = torch.device("cpu")
 
@@ -62,36 +63,45 @@ def _steps(model: nn.Module, fsdp: Any, uop: bool) -> list[list[torch.Tensor]]:
     return out
 
 
-def _around_units_match_torch() -> list[str]:
+def _configs() -> list[dict[str, Any]]:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
+
+    return [dict(shape=shape, root=root, impl=impl.name, ss=ss, uop=uop)
+            for shape, root, impl, ss, uop in itertools.product(
+                ("around_unit", "around_seq"), (False, True), tuple(CheckpointImpl),
+                ("FULL_SHARD", "SHARD_GRAD_OP"), (False, True))]
+
+
+def _around_units_match_torch(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
+    return run_sweep(configs, _one, inject=inject)
+
+
+def _one(c: dict[str, Any]) -> list[str]:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
     from torch.distributed.fsdp import ShardingStrategy as TorchSS
 
-    problems = []
-    for shape, root, impl, ss, uop in itertools.product(
-        ("around_unit", "around_seq"), (False, True), tuple(CheckpointImpl),
-        ("FULL_SHARD", "SHARD_GRAD_OP"), (False, True),
-    ):
-        tag = f"{shape} root={root} {impl.name} {ss} uop={uop}"
-        ref = _steps(_model(TorchFSDP, getattr(TorchSS, ss), shape, root, impl, uop), TorchFSDP, uop)
-        ours_fsdp = fsdp_wrap.FullyShardedDataParallel
-        try:
-            got = _steps(
-                _model(ours_fsdp, getattr(fsdp_wrap.ShardingStrategy, ss), shape, root, impl, uop),
-                ours_fsdp, uop,
-            )
-        except RuntimeError as e:
-            problems.append(f"{tag}: {e}")
-            continue
-        for step, (a, b) in enumerate(zip(ref, got)):
-            if len(a) != len(b) or any(
-                x.shape != y.shape or not torch.allclose(x, y, rtol=1e-5, atol=1e-6)
-                for x, y in zip(a, b)
-            ):
-                problems.append(f"{tag}: step {step} parameters or gradients differ")
-                break
-    return problems
+    shape, root, impl, ss, uop = c["shape"], c["root"], CheckpointImpl[c["impl"]], c["ss"], c["uop"]
+    tag = f"{shape} root={root} {impl.name} {ss} uop={uop}"
+    ref = _steps(_model(TorchFSDP, getattr(TorchSS, ss), shape, root, impl, uop), TorchFSDP, uop)
+    ours_fsdp = fsdp_wrap.FullyShardedDataParallel
+    # (no try/except: an error on one rank only went on into the next
+    # configuration's collectives; it ends the task instead)
+    got = _steps(
+        _model(ours_fsdp, getattr(fsdp_wrap.ShardingStrategy, ss), shape, root, impl, uop),
+        ours_fsdp, uop,
+    )
+    for step, (a, b) in enumerate(zip(ref, got)):
+        bad = injected(f"{tag}: step {step}")
+        if bad is None and (len(a) != len(b) or any(
+            x.shape != y.shape or not torch.allclose(x, y, rtol=1e-5, atol=1e-6)
+            for x, y in zip(a, b)
+        )):
+            bad = f"{tag}: step {step} parameters or gradients differ"
+        if bad:
+            return [bad]  # (only comparisons are left: nothing the other ranks wait for)
+    return []
 
 
 def test_checkpoint_wrapper_around_units_accumulating(pool2: Any) -> None:
-    assert pool2.run(_around_units_match_torch) == [[], []]
+    assert pool2.run(_around_units_match_torch, _configs()) == [[], []]

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from tests._sweep import Injection, injected, run_sweep
+
 CPU = torch.device("cpu")
 
 
@@ -79,45 +81,58 @@ def test_flat_parameter_metadata_matches_torch(pool2: Any) -> None:
         assert not fails, fails
 
 
-def _upcast_after_wrap() -> list[str]:
+def _upcast_configs() -> list[dict[str, Any]]:
+    return [dict(strategy=s, uop=u)
+            for s, u in itertools.product(("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"), (False, True))]
+
+
+def _upcast_after_wrap(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
     """bf16 model, bf16 mixed precision, flat parameters upcast to fp32 before
     the first forward (what Accelerate does): trains as torch does."""
     warnings.simplefilter("ignore")
+    return run_sweep(configs, _upcast_one, inject=inject)
+
+
+def _bad(what: str, failed: bool) -> list[str]:
+    """``[what]`` if the comparison failed (an injected failure first)."""
+    hit = injected(what)
+    return [hit] if hit else [what] if failed else []
+
+
+def _upcast_one(cfg: dict[str, Any]) -> list[str]:
+    strategy, uop = cfg["strategy"], cfg["uop"]
     fails = []
-    for strategy, uop in itertools.product(("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"),
-                                           (False, True)):
-        theirs, ours = _pair(strategy, uop, torch.bfloat16,
-                             mixed_precision={"param_dtype": torch.bfloat16})
-        for model in (theirs, ours):
-            for unit in _units(model):
-                unit._flat_param.data = unit._flat_param.data.to(torch.float32)
-                unit._handle._orig_param_dtype = torch.float32  # torch's FSDP1 needs this too
-        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (theirs, ours)]
-        gen = torch.Generator().manual_seed(dist.get_rank())
-        for step in range(3):
-            x = torch.randn(4, 8, generator=gen, dtype=torch.bfloat16)
-            losses = []
-            for m, opt in zip((theirs, ours), opts):
-                loss = m(x).float().pow(2).mean()
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
-            if abs(losses[0] - losses[1]) > 1e-5 * max(abs(losses[0]), 1e-6):
-                fails.append(f"{strategy} uop={uop} step {step}: torch {losses[0]} ours {losses[1]}")
-        dtypes = {u._flat_param.dtype for u in _units(ours)}
-        if dtypes != {torch.float32}:
-            fails.append(f"{strategy} uop={uop}: flat params now {dtypes}")
-        if uop and {p.dtype for p in ours.parameters()} != {torch.float32}:
-            fails.append(f"{strategy} uop=True: original parameters are not fp32 views")
-        sd = ours.state_dict()  # FULL: the fp32 masters, full shapes
-        if {v.dtype for v in sd.values()} != {torch.float32}:
-            fails.append(f"{strategy} uop={uop}: state dict dtypes {({v.dtype for v in sd.values()})}")
+    theirs, ours = _pair(strategy, uop, torch.bfloat16,
+                         mixed_precision={"param_dtype": torch.bfloat16})
+    for model in (theirs, ours):
+        for unit in _units(model):
+            unit._flat_param.data = unit._flat_param.data.to(torch.float32)
+            unit._handle._orig_param_dtype = torch.float32  # torch's FSDP1 needs this too
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (theirs, ours)]
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    for step in range(3):
+        x = torch.randn(4, 8, generator=gen, dtype=torch.bfloat16)
+        losses = []
+        for m, opt in zip((theirs, ours), opts):
+            loss = m(x).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        fails += _bad(f"{strategy} uop={uop} step {step}: torch {losses[0]} ours {losses[1]}",
+                      abs(losses[0] - losses[1]) > 1e-5 * max(abs(losses[0]), 1e-6))
+    dtypes = {u._flat_param.dtype for u in _units(ours)}
+    fails += _bad(f"{strategy} uop={uop}: flat params now {dtypes}", dtypes != {torch.float32})
+    fails += _bad(f"{strategy} uop=True: original parameters are not fp32 views",
+                  uop and {p.dtype for p in ours.parameters()} != {torch.float32})
+    sd = ours.state_dict()  # FULL: the fp32 masters, full shapes
+    fails += _bad(f"{strategy} uop={uop}: state dict dtypes {({v.dtype for v in sd.values()})}",
+                  {v.dtype for v in sd.values()} != {torch.float32})
     return fails
 
 
 def test_flat_parameter_upcast_after_wrap_trains_like_torch(pool2: Any) -> None:
-    for fails in pool2.run(_upcast_after_wrap):
+    for fails in pool2.run(_upcast_after_wrap, _upcast_configs()):
         assert not fails, fails
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import traceback
 import warnings
 from typing import Any, Callable
 
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from tests._sweep import Injection, injected, run_sweep
 from tests.models import (
     DeepNest,
     build,
@@ -90,6 +90,8 @@ def _full_sd(model: nn.Module, impl: str) -> dict[str, torch.Tensor]:
 
 
 def _sd_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> str | None:
+    if bad := injected("state_dict"):
+        return bad
     if list(a) != list(b):
         return f"keys {list(a)} vs {list(b)}"
     bad = [
@@ -109,6 +111,8 @@ def _step(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor | None]:
 
 
 def _grads_diff(g1: list[torch.Tensor | None], g2: list[torch.Tensor | None]) -> str | None:
+    if bad := injected("gradients"):
+        return bad
     if len(g1) != len(g2):
         return f"{len(g1)} vs {len(g2)} grads"
     for i, (a, b) in enumerate(zip(g1, g2)):
@@ -396,20 +400,15 @@ def check_summon_full_params() -> list[str]:
 CHECKS = {name[len("check_") :]: fn for name, fn in globals().items() if name.startswith("check_")}
 
 
-def _run_checks(names: list[str]) -> dict[str, list[str]]:
+def _run_checks(names: list[str], inject: Injection | None = None) -> list[tuple[str, str]]:
+    """``(check, failure)`` pairs.  An exception ends the task (run_sweep): it used
+    to be recorded and the next check run, which hangs unless every rank raises
+    at the same point."""
     warnings.simplefilter("ignore")
-    out: dict[str, list[str]] = {}
-    for name in names:
-        try:
-            out[name] = CHECKS[name]()
-        except Exception as e:  # noqa: BLE001  (raised on every rank at the same point)
-            out[name] = [
-                f"raised {type(e).__name__}: {e}\n" + "".join(traceback.format_exception(e)[-4:])
-            ]
-    return out
+    return run_sweep(names, lambda name: [(name, f) for f in CHECKS[name]()], str, inject)  # type: ignore[arg-type, misc]
 
 
-_RESULTS: dict[int, list[dict[str, list[str]]]] = {}
+_RESULTS: dict[int, list[list[tuple[str, str]]]] = {}
 
 XFAIL = {
     "ignored_params_order_use_orig_params": "divergence: with use_orig_params=True torch re-registers a "
@@ -429,5 +428,5 @@ XFAIL = {
 def test_module_api_matches_torch(request: pytest.FixtureRequest, ws: int, check: str) -> None:
     if ws not in _RESULTS:
         _RESULTS[ws] = request.getfixturevalue(f"pool{ws}").run(_run_checks, sorted(CHECKS))
-    fails = [f"[rank {r}] {f}" for r, res in enumerate(_RESULTS[ws]) for f in res[check]]
+    fails = [f"[rank {r}] {f}" for r, res in enumerate(_RESULTS[ws]) for name, f in res if name == check]
     assert not fails, "\n".join(fails)

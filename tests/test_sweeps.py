@@ -132,6 +132,11 @@ SWEEPS: dict[str, tuple[str, str, int, Callable[[], list[Any]]]] = {
     "checkpoint-interop": ("tests.test_checkpoint_interop", "_interop", 2,
                            lambda: importlib.import_module("tests.test_checkpoint_interop")._interop_configs(
                                importlib.import_module("tempfile").mkdtemp(prefix="sweep-"))[:2]),
+    "checkpoint-around-units": ("tests.test_checkpoint_around_units", "_around_units_match_torch", 2,
+                                lambda: importlib.import_module("tests.test_checkpoint_around_units")._configs()[:2]),
+    "module-api": ("tests.test_module_api", "_run_checks", 2, lambda: ["apply", "ignored"]),
+    "framework-upcast": ("tests.test_framework_surface", "_upcast_after_wrap", 2,
+                         lambda: importlib.import_module("tests.test_framework_surface")._upcast_configs()[:2]),
 }
 
 
