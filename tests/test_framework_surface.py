@@ -155,34 +155,40 @@ class _Lazy:
         return func(*args, **(kwargs or {}))
 
 
-def _full_load_tensor_likes() -> list[str]:
+def _lazy_configs() -> list[dict[str, Any]]:
+    return [dict(strategy=s, uop=u) for s, u in itertools.product(("FULL_SHARD", "NO_SHARD"), (False, True))]
+
+
+def _full_load_tensor_likes(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
+    warnings.simplefilter("ignore")
+    return run_sweep(configs, _lazy_one, inject=inject)
+
+
+def _lazy_one(cfg: dict[str, Any]) -> list[str]:
     import fsdp_wrap
 
-    warnings.simplefilter("ignore")
-    fails = []
-    for strategy, uop in itertools.product(("FULL_SHARD", "NO_SHARD"), (False, True)):
-        _, ours = _pair(strategy, uop, torch.float32)
-        target = _model()
-        with torch.no_grad():
-            for p in target.parameters():
-                p.mul_(-2.0)
-        want = target.state_dict()
-        _Lazy.loads = 0
-        result = ours.load_state_dict({k: _Lazy(v) for k, v in want.items()})
-        if list(result.missing_keys) or list(result.unexpected_keys):
-            fails.append(f"{strategy} uop={uop}: {result}")
-        if _Lazy.loads < len(want):
-            fails.append(f"{strategy} uop={uop}: only {_Lazy.loads} of {len(want)} values loaded")
-        with fsdp_wrap.FullyShardedDataParallel.summon_full_params(ours):
-            got = dict(ours.named_parameters())
-            bad = [k for k, v in want.items() if not torch.equal(got[k], v)]
-        if bad:
-            fails.append(f"{strategy} uop={uop}: wrong values for {bad}")
+    strategy, uop = cfg["strategy"], cfg["uop"]
+    _, ours = _pair(strategy, uop, torch.float32)
+    target = _model()
+    with torch.no_grad():
+        for p in target.parameters():
+            p.mul_(-2.0)
+    want = target.state_dict()
+    _Lazy.loads = 0
+    result = ours.load_state_dict({k: _Lazy(v) for k, v in want.items()})
+    fails = _bad(f"{strategy} uop={uop}: {result}",
+                 bool(list(result.missing_keys) or list(result.unexpected_keys)))
+    fails += _bad(f"{strategy} uop={uop}: only {_Lazy.loads} of {len(want)} values loaded",
+                  _Lazy.loads < len(want))
+    with fsdp_wrap.FullyShardedDataParallel.summon_full_params(ours):
+        got = dict(ours.named_parameters())
+        bad = [k for k, v in want.items() if not torch.equal(got[k], v)]
+    fails += _bad(f"{strategy} uop={uop}: wrong values for {bad}", bool(bad))
     return fails
 
 
 def test_full_load_accepts_lazily_loaded_tensor_likes(pool2: Any) -> None:
-    for fails in pool2.run(_full_load_tensor_likes):
+    for fails in pool2.run(_full_load_tensor_likes, _lazy_configs()):
         assert not fails, fails
 
 

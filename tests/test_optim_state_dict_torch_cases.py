@@ -16,6 +16,7 @@ import torch.nn as nn
 import fsdp_wrap
 from fsdp_wrap.wrap import ModuleWrapPolicy
 from tests import _ckpt_common as C
+from tests._sweep import Injection, run_sweep
 
 FSDP = fsdp_wrap.FullyShardedDataParallel
 
@@ -71,44 +72,50 @@ def _diff(a: Any, b: Any) -> str:
 # ------------------------------------------------------------------ order
 
 
-def _sharded_state_order() -> list[str]:
+def _order_configs() -> list[dict[str, Any]]:
+    return [dict(uop=uop, kind=kind) for uop, kind in itertools.product((False, True), ("seq", "extra"))]
+
+
+def _sharded_state_order(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
     """Rank 1's optimizer lists the parameters in reverse: "state" still comes out
     in one order on every rank, torch's (rank 0's optimizer order for flat
     parameters, sorted by FQN with use_orig_params)."""
+    return run_sweep(configs, _order_one, inject=inject)
+
+
+def _order_one(cfg: dict[str, Any]) -> list[str]:
+    uop, kind = cfg["uop"], cfg["kind"]
     problems = []
-    for uop, kind in itertools.product((False, True), ("seq", "extra")):
-        keys = {}
-        for ours in (True, False):
-            if kind == "seq":
-                model = (C.wrap_ours if ours else C.wrap_torch)("seq", uop)
-            else:  # with parameters outside FSDP
-                model = _wrap_extra(ours, ["extra"], uop)
-            params = list(model.parameters())
-            opt = torch.optim.Adam(params[::-1] if dist.get_rank() == 1 else params, lr=0.01)
-            for step in range(2):
-                model(C.batch("seq", step)).pow(2).mean().backward()
-                opt.step()
-                opt.zero_grad()
-            for how in ("optim_state_dict", "sharded_optim_state_dict"):
-                if how == "optim_state_dict":
-                    got = _osd(model, opt, "SHARDED_STATE_DICT")
-                else:
-                    got = _mod(model).FullyShardedDataParallel.sharded_optim_state_dict(model, opt)
-                keys[(ours, how)] = list(got["state"])
+    keys = {}
+    for ours in (True, False):
+        if kind == "seq":
+            model = (C.wrap_ours if ours else C.wrap_torch)("seq", uop)
+        else:  # with parameters outside FSDP
+            model = _wrap_extra(ours, ["extra"], uop)
+        params = list(model.parameters())
+        opt = torch.optim.Adam(params[::-1] if dist.get_rank() == 1 else params, lr=0.01)
+        for step in range(2):
+            model(C.batch("seq", step)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
         for how in ("optim_state_dict", "sharded_optim_state_dict"):
-            everyone: list[Any] = [None, None]
-            dist.all_gather_object(everyone, keys[(True, how)])
-            if everyone[0] != everyone[1]:
-                problems.append(f"{kind} uop={uop} {how}: ranks differ: {everyone}")
-            if keys[(True, how)] != keys[(False, how)]:
-                problems.append(
-                    f"{kind} uop={uop} {how}: {keys[(True, how)]} vs torch {keys[(False, how)]}"
-                )
+            if how == "optim_state_dict":
+                got = _osd(model, opt, "SHARDED_STATE_DICT")
+            else:
+                got = _mod(model).FullyShardedDataParallel.sharded_optim_state_dict(model, opt)
+            keys[(ours, how)] = list(got["state"])
+    for how in ("optim_state_dict", "sharded_optim_state_dict"):
+        everyone: list[Any] = [None, None]
+        dist.all_gather_object(everyone, keys[(True, how)])
+        problems += C.problem(f"{kind} uop={uop} {how}: ranks differ: {everyone}",
+                              everyone[0] != everyone[1])
+        problems += C.problem(f"{kind} uop={uop} {how}: {keys[(True, how)]} vs torch {keys[(False, how)]}",
+                              keys[(True, how)] != keys[(False, how)])
     return problems
 
 
 def test_sharded_state_comes_out_in_one_order(pool2: Any) -> None:
-    assert pool2.run(_sharded_state_order) == [[], []]
+    assert pool2.run(_sharded_state_order, _order_configs()) == [[], []]
 
 
 # ------------------------------------------------------------- None state
@@ -144,28 +151,33 @@ def test_none_state_values_load_as_torch(pool2: Any) -> None:
 # ------------------------------------------------------ no param_groups
 
 
-def _without_param_groups() -> list[str]:
-    problems = []
-    for uop in (False, True):
-        for sd_type in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
-            got = []
-            for ours in (True, False):
-                model = (C.wrap_ours if ours else C.wrap_torch)("seq", uop)
-                opt = torch.optim.Adam(model.parameters(), lr=0.01)
-                C.train(model, opt, "seq", range(2))
-                # (no try/except around the collectives: see _none_state_loads)
-                out = _osd(model, opt, sd_type, {"state": opt.state_dict()["state"]})
-                got.append((sorted(out), C.describe_osd({"param_groups": [], **out})))
-                if "param_groups" in out:
-                    got[-1] = (sorted(out), C.describe_osd(out))
-            if got[0] != got[1]:
-                problems.append(f"uop={uop} {sd_type}: {got[0][0]} vs torch {got[1][0]}: "
-                                f"{_diff(got[0][1], got[1][1])}")
-    return problems
+def _no_groups_configs() -> list[dict[str, Any]]:
+    return [dict(uop=uop, sd_type=t) for uop in (False, True)
+            for t in ("FULL_STATE_DICT", "SHARDED_STATE_DICT")]
+
+
+def _without_param_groups(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
+    return run_sweep(configs, _no_groups_one, inject=inject)
+
+
+def _no_groups_one(cfg: dict[str, Any]) -> list[str]:
+    uop, sd_type = cfg["uop"], cfg["sd_type"]
+    got = []
+    for ours in (True, False):
+        model = (C.wrap_ours if ours else C.wrap_torch)("seq", uop)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        C.train(model, opt, "seq", range(2))
+        # (no try/except around the collectives: see _none_state_loads)
+        out = _osd(model, opt, sd_type, {"state": opt.state_dict()["state"]})
+        got.append((sorted(out), C.describe_osd({"param_groups": [], **out})))
+        if "param_groups" in out:
+            got[-1] = (sorted(out), C.describe_osd(out))
+    return C.problem(f"uop={uop} {sd_type}: {got[0][0]} vs torch {got[1][0]}: "
+                     f"{_diff(got[0][1], got[1][1])}", got[0] != got[1])
 
 
 def test_optim_state_dict_given_no_param_groups(pool2: Any) -> None:
-    assert pool2.run(_without_param_groups) == [[], []]
+    assert pool2.run(_without_param_groups, _no_groups_configs()) == [[], []]
 
 
 # ------------------------------------------------------ outside FSDP
@@ -308,30 +320,35 @@ def test_full_optim_state_dict_refuses_ranks_missing_rank0_states(pool2: Any) ->
 # ------------------------------------------------------- NamedOptimizer
 
 
-def _named_optimizer() -> list[str]:
+def _named_configs() -> list[dict[str, Any]]:
+    return [dict(uop=uop, sd_type=t) for uop in (False, True)
+            for t in ("FULL_STATE_DICT", "SHARDED_STATE_DICT")]
+
+
+def _named_optimizer(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
+    return run_sweep(configs, _named_one, inject=inject)
+
+
+def _named_one(cfg: dict[str, Any]) -> list[str]:
     from torch.distributed.optim import _NamedOptimizer
 
-    problems = []
-    for uop in (False, True):
-        for sd_type in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
-            got = []
-            for ours in (True, False):
-                model = (C.wrap_ours if ours else C.wrap_torch)("seq", uop)
-                opt = _NamedOptimizer(model.named_parameters(), torch.optim.Adam, module=model, lr=0.01)
-                for step in range(2):
-                    model(C.batch("seq", step)).pow(2).mean().backward()
-                    opt.step()
-                    opt._optimizer.zero_grad()
-                got.append(C.describe_osd(_osd(model, opt, sd_type)))
-            if not got[0][0]:
-                problems.append(f"uop={uop} {sd_type}: empty state")
-            if got[0] != got[1]:
-                problems.append(f"uop={uop} {sd_type}: {_diff(got[0], got[1])}")
+    uop, sd_type = cfg["uop"], cfg["sd_type"]
+    got = []
+    for ours in (True, False):
+        model = (C.wrap_ours if ours else C.wrap_torch)("seq", uop)
+        opt = _NamedOptimizer(model.named_parameters(), torch.optim.Adam, module=model, lr=0.01)
+        for step in range(2):
+            model(C.batch("seq", step)).pow(2).mean().backward()
+            opt.step()
+            opt._optimizer.zero_grad()
+        got.append(C.describe_osd(_osd(model, opt, sd_type)))
+    problems = C.problem(f"uop={uop} {sd_type}: empty state", not got[0][0])
+    problems += C.problem(f"uop={uop} {sd_type}: {_diff(got[0], got[1])}", got[0] != got[1])
     return problems
 
 
 def test_named_optimizer_state(pool2: Any) -> None:
-    assert pool2.run(_named_optimizer) == [[], []]
+    assert pool2.run(_named_optimizer, _named_configs()) == [[], []]
 
 
 # ------------------------------------------------------------- messages

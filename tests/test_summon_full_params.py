@@ -29,7 +29,7 @@ from tests._options_common import (
     rank_tag,
     train_step,
 )
-from tests._sweep import Injection
+from tests._sweep import Injection, injected, run_sweep
 from tests.models import build, fsdp_api, make_input, new_model
 
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
@@ -224,46 +224,55 @@ def test_summon_during_forward_is_an_error(pool2: Any) -> None:
     assert not fails, "\n".join(fails)
 
 
-def _between_two_forwards() -> list[str]:
+def _between_configs() -> list[dict[str, Any]]:
+    return [dict(strategy=s, both=b, nested=n)
+            for s, b, n in itertools.product(("FULL_SHARD", "SHARD_GRAD_OP"), (False, True), (False, True))]
+
+
+def _between_two_forwards(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
     """forward, summon_full_params, forward, backward with use_orig_params=True (the
     summon must not leave the first forward's views modified in place): gradients
     as torch's, flat and nested units, backward through the second forward only
     or through both."""
     warnings.simplefilter("ignore")
+    return run_sweep(configs, _between_one, inject=inject)
+
+
+def _between_one(cfg: dict[str, Any]) -> list[str]:
     from torch.distributed import fsdp as torch_fsdp
 
     import fsdp_wrap
 
-    fails = []
-    for strategy, both, nested in itertools.product(("FULL_SHARD", "SHARD_GRAD_OP"), (False, True),
-                                                    (False, True)):
-        grads = {}
-        for impl, api in (("torch", torch_fsdp), ("ours", fsdp_wrap)):
-            fsdp = api.FullyShardedDataParallel
-            kw = dict(sharding_strategy=getattr(api.ShardingStrategy, strategy),
-                      use_orig_params=True, device_id=torch.device("cpu"))
-            torch.manual_seed(0)
-            m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
-            if nested:
-                m[0] = fsdp(m[0], **kw)
-            model = fsdp(m, **kw)
-            x = torch.randn(2, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
-            # No try/except: an error (a failure either way) raised on one rank
-            # only would leave the other in a collective; it ends the task instead.
-            first = model(x).sum()
-            with fsdp.summon_full_params(model):
-                pass
-            second = model(x).sum()
-            (first + second if both else second).backward()
-            with fsdp.summon_full_params(model, with_grads=True):
-                grads[impl] = [p.grad.clone() for p in model.parameters()]
-        tag = f"{rank_tag()} {strategy} both={both} nested={nested}"
-        a, b = grads["torch"], grads["ours"]
-        if any(not torch.allclose(x, y) for x, y in zip(a, b)):
-            fails.append(f"{tag}: gradients differ from torch's")
-    return fails
+    strategy, both, nested = cfg["strategy"], cfg["both"], cfg["nested"]
+    grads = {}
+    for impl, api in (("torch", torch_fsdp), ("ours", fsdp_wrap)):
+        fsdp = api.FullyShardedDataParallel
+        kw = dict(sharding_strategy=getattr(api.ShardingStrategy, strategy),
+                  use_orig_params=True, device_id=torch.device("cpu"))
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+        if nested:
+            m[0] = fsdp(m[0], **kw)
+        model = fsdp(m, **kw)
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+        # No try/except: an error (a failure either way) raised on one rank
+        # only would leave the other in a collective; it ends the task instead.
+        first = model(x).sum()
+        with fsdp.summon_full_params(model):
+            pass
+        second = model(x).sum()
+        (first + second if both else second).backward()
+        with fsdp.summon_full_params(model, with_grads=True):
+            grads[impl] = [p.grad.clone() for p in model.parameters()]
+    tag = f"{rank_tag()} {strategy} both={both} nested={nested}"
+    if bad := injected(tag):
+        return [bad]
+    a, b = grads["torch"], grads["ours"]
+    if any(not torch.allclose(x, y) for x, y in zip(a, b)):
+        return [f"{tag}: gradients differ from torch's"]
+    return []
 
 
 def test_summon_between_two_forwards_with_orig_params(pool2: Any) -> None:
-    fails = [f for r in pool2.run(_between_two_forwards) for f in r]
+    fails = [f for r in pool2.run(_between_two_forwards, _between_configs()) for f in r]
     assert not fails, "\n".join(fails[:20])

@@ -137,6 +137,17 @@ SWEEPS: dict[str, tuple[str, str, int, Callable[[], list[Any]]]] = {
     "module-api": ("tests.test_module_api", "_run_checks", 2, lambda: ["apply", "ignored"]),
     "framework-upcast": ("tests.test_framework_surface", "_upcast_after_wrap", 2,
                          lambda: importlib.import_module("tests.test_framework_surface")._upcast_configs()[:2]),
+    "framework-lazy-load": ("tests.test_framework_surface", "_full_load_tensor_likes", 2,
+                            lambda: importlib.import_module("tests.test_framework_surface")._lazy_configs()[:2]),
+    "summon-between-forwards": ("tests.test_summon_full_params", "_between_two_forwards", 2,
+                                lambda: importlib.import_module("tests.test_summon_full_params")._between_configs()[:2]),
+    "optim-order": ("tests.test_optim_state_dict_torch_cases", "_sharded_state_order", 2,
+                    lambda: importlib.import_module("tests.test_optim_state_dict_torch_cases")._order_configs()[:2]),
+    "optim-no-param-groups": ("tests.test_optim_state_dict_torch_cases", "_without_param_groups", 2,
+                              lambda: importlib.import_module(
+                                  "tests.test_optim_state_dict_torch_cases")._no_groups_configs()[:2]),
+    "optim-named": ("tests.test_optim_state_dict_torch_cases", "_named_optimizer", 2,
+                    lambda: importlib.import_module("tests.test_optim_state_dict_torch_cases")._named_configs()[:2]),
 }
 
 
