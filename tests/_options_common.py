@@ -19,6 +19,25 @@ import torch.nn as nn
 from tests._sweep import Injection, injected, run_sweep
 
 FP32_TOL = 1e-5
+U32 = 2.0**-24  # unit roundoff of float32
+
+
+def fp32_bound(step: int, ws: int, scale: float, longest_sum: int) -> float:
+    """How far an fp32 FSDP value may be from the exact one after ``step + 1`` steps.
+
+    Higham's bound for a sum of ``n`` terms in floating point is
+    ``gamma_n ~= n * u`` times the sum of their magnitudes, whatever the
+    order.  One step computes sums of at most ``longest_sum`` terms on each
+    rank (the model's widest matmul or mean), then a sum over ``ws`` ranks:
+    at most ``(longest_sum + ws - 1) * u`` relative to the value's ``scale``
+    (its largest magnitude).  To first order the errors of successive steps
+    add, hence ``step + 1``.
+
+    Two fp32 runs that differ only in summation order (buckets at 3+ ranks)
+    are each within this of the exact result, so within twice it of each
+    other.
+    """
+    return (step + 1) * (longest_sum + ws - 1) * U32 * scale
 
 
 def rank_tag() -> str:

@@ -46,10 +46,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tests._dist import get_pool
+from tests._options_common import fp32_bound as _fp32_bound
 from tests._sweep import Injection, any_rank, injected, run_sweep
 from tests.models import VOCAB, build, fsdp_api, make_input, new_model
 
-U32 = 2.0**-24  # unit roundoff of float32
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
 PREFETCH = ["BACKWARD_PRE", "BACKWARD_POST", None]
 CLIPS = [None, 2.0, math.inf]
@@ -217,25 +217,18 @@ LONGEST_SUM = 3 * 5 * VOCAB
 
 
 def fp32_bound(step: int, ws: int, scale: float) -> float:
-    """How far an fp32 FSDP value may be from the float64 one after ``step + 1`` steps.
-
-    Higham's bound for a sum of ``n`` terms in floating point is
-    ``gamma_n ~= n * u`` times the sum of their magnitudes, whatever the order.
-    One step computes sums of at most :data:`LONGEST_SUM` terms on each rank,
-    then a sum over ``ws`` ranks: at most ``(LONGEST_SUM + ws - 1) * u``
-    relative to the value's scale.  To first order the errors of successive
-    steps add, hence the factor ``step + 1``.  ``scale`` is the largest
-    magnitude in the float64 tensor.
+    """:func:`tests._options_common.fp32_bound` for these models (their longest
+    sum is :data:`LONGEST_SUM`).
 
     The bound holds for any summation order, so it holds for torch's FSDP1 as
     for fsdp_wrap; the sweep checks both.  Measured on a 2-core Xeon, the worst
-    value reaches about 1/4 of it (parameters after 3 Adam steps at 3 ranks).
+    value reaches 0.3 of it (parameters after 3 Adam steps at 3 and 4 ranks).
     It still catches real errors: a reference whose gradients are off by one
     part in 10**4 fails it in 22 of 24 bucketed configurations at 3 ranks (the
     other two clip, which cancels a uniform scaling); a rank's contribution
     lost or counted twice is an error of 1 part in 3.
     """
-    return (step + 1) * (LONGEST_SUM + ws - 1) * U32 * scale
+    return _fp32_bound(step, ws, scale, LONGEST_SUM)
 
 
 class Exact64:
