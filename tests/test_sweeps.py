@@ -1,13 +1,15 @@
 """A failure on one rank of a sweep is reported within seconds, with its message.
 
 Every multi-configuration sweep of the suite is listed in :data:`SWEEPS` and
-run here twice on a few of its configurations, with a failure injected on one
+run here twice on its configuration 0, with a failure injected on the last
 rank (see :mod:`tests._sweep`):
 
-* ``mismatch``: the first comparison of configuration 0 reports a difference
-  on that rank only.  The sweep must stay in step (every decision that gates a
-  collective is agreed across ranks), finish, and return the message from
-  that rank; the next configuration must still pass.
+* ``mismatch``: the first comparison reports a difference on that rank only.
+  The sweep must stay in step (every decision that gates a collective is
+  agreed across ranks: a rank skipping collectives the others enter hangs
+  them, or ends the task with another collective count, which the pool
+  detects), finish, and return the message from that rank alone.  All the
+  sweeps of one world size run in one task.
 * ``raise``: that comparison raises on that rank only.  The pool must report
   the exception and the configuration within seconds (its ``failure_grace``),
   not at its no-progress timeout.
@@ -16,13 +18,24 @@ rank (see :mod:`tests._sweep`):
 from __future__ import annotations
 
 import importlib
+import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import pytest
+import torch.distributed as dist
 
-from tests._dist import WorkerError, get_pool
+from tests._dist import DistPool, WorkerError, get_pool, progress
 from tests._sweep import Injection
+
+WORLD_SIZES = [2, 3, 4]
+_SCRATCH = tempfile.TemporaryDirectory(prefix="fsdp_wrap_sweeps_")  # removed at exit
+
+
+def _scratch() -> str:
+    """A fresh directory for the sweeps that write checkpoints."""
+    return tempfile.mkdtemp(dir=_SCRATCH.name)
 
 # A failure must be reported well before the pool's 60 s no-progress timeout.
 FAST = 30.0
@@ -55,7 +68,7 @@ SWEEPS: dict[str, tuple[str, str, int, Callable[[], list[Any]]]] = {
     "buckets-2": ("tests.test_buckets", "_sweep", 2,
                   lambda: importlib.import_module("tests.test_buckets")._configs(2)[:2]),
     "buckets-3": ("tests.test_buckets", "_sweep", 3,
-                  lambda: [dict(c, tol=1e-6) for c in
+                  lambda: [dict(c, reordered=True) for c in
                            importlib.import_module("tests.test_buckets")._configs(3)[:2]]),
     "gather-batch-2": ("tests.test_gather_batch", "_sweep", 2,
                        lambda: importlib.import_module("tests.test_gather_batch")._configs()[:2]),
@@ -117,21 +130,21 @@ SWEEPS: dict[str, tuple[str, str, int, Callable[[], list[Any]]]] = {
                                lambda: importlib.import_module("tests.test_state_dict")._round_trip_configs()[:2]),
     "state-dict-dcp-interop": ("tests.test_state_dict", "_dcp_interop", 2,
                                lambda: importlib.import_module("tests.test_state_dict")._dcp_interop_configs(
-                                   importlib.import_module("tempfile").mkdtemp(prefix="sweep-"))[:2]),
+                                   _scratch())[:2]),
     "hybrid-formats-4": ("tests.test_state_dict_hybrid", "_formats_match_torch", 4,
                          lambda: importlib.import_module("tests.test_state_dict_hybrid")._formats_configs()[:2]),
     "hybrid-round-trips-4": ("tests.test_state_dict_hybrid", "_round_trips", 4,
                              lambda: importlib.import_module("tests.test_state_dict_hybrid")._round_trip_configs()[:2]),
     "hybrid-dcp-save-4": ("tests.test_state_dict_hybrid", "_dcp_save_hybrid", 4,
                           lambda: importlib.import_module("tests.test_state_dict_hybrid")._dcp_save_configs(
-                              importlib.import_module("tempfile").mkdtemp(prefix="sweep-"))[:2]),
+                              _scratch())[:2]),
     "optim-formats": ("tests.test_optim_state_dict", "_formats_match_torch", 2,
                       lambda: importlib.import_module("tests.test_optim_state_dict")._formats_configs()[:2]),
     "optim-round-trips": ("tests.test_optim_state_dict", "_round_trips", 2,
                           lambda: importlib.import_module("tests.test_optim_state_dict")._round_trip_configs()[:2]),
     "checkpoint-interop": ("tests.test_checkpoint_interop", "_interop", 2,
                            lambda: importlib.import_module("tests.test_checkpoint_interop")._interop_configs(
-                               importlib.import_module("tempfile").mkdtemp(prefix="sweep-"))[:2]),
+                               _scratch())[:2]),
     "checkpoint-around-units": ("tests.test_checkpoint_around_units", "_around_units_match_torch", 2,
                                 lambda: importlib.import_module("tests.test_checkpoint_around_units")._configs()[:2]),
     "module-api": ("tests.test_module_api", "_run_checks", 2, lambda: ["apply", "ignored"]),
@@ -151,38 +164,84 @@ SWEEPS: dict[str, tuple[str, str, int, Callable[[], list[Any]]]] = {
 }
 
 
-def _sweep_fn(name: str) -> tuple[Callable[..., Any], int, list[Any]]:
-    module, fn, ws, configs = SWEEPS[name]
-    return getattr(importlib.import_module(module), fn), ws, configs()
+def _by_world_size(ws: int) -> list[tuple[str, str, str, list[Any]]]:
+    """``(name, module, function, [configuration 0])`` of every sweep on ``ws`` ranks."""
+    out = []
+    for name, (module, fn, size, configs) in sorted(SWEEPS.items()):
+        if size == ws:
+            out.append((name, module, fn, configs()[:1]))
+    return out
 
 
-@pytest.mark.parametrize("name", sorted(SWEEPS))
-def test_one_rank_mismatch_is_reported_and_the_sweep_stays_in_step(name: str) -> None:
-    fn, ws, configs = _sweep_fn(name)
-    assert len(configs) >= 2, "inject into configuration 0, then see 1 pass"
-    bad = ws - 1
-    t0 = time.monotonic()
-    per_rank = _flatten(get_pool(ws).run(fn, configs, inject=Injection(bad, 0, "mismatch")))
-    assert time.monotonic() - t0 < FAST + 10 * len(configs)
-    expected = f"injected mismatch on rank {bad} at "
-    for rank, fails in enumerate(per_rank):
-        assert not any("was never reached" in f for f in fails), fails
-        if rank == bad:
-            assert len(fails) == 1 and expected in fails[0], fails
-        else:
-            assert fails == [], (rank, fails)
+def _inject_each(entries: list[tuple[str, str, str, list[Any]]]) -> list[tuple[str, list[str], float]]:
+    """Worker side: each sweep on its configuration 0 with a mismatch injected
+    on the last rank; per sweep, this rank's failures and seconds."""
+    bad = dist.get_world_size() - 1
+    out = []
+    for name, module, fn, configs in entries:
+        t0 = time.monotonic()
+        result = getattr(importlib.import_module(module), fn)(
+            configs, inject=Injection(bad, 0, "mismatch")
+        )
+        out.append((name, _flatten([result])[0], time.monotonic() - t0))
+        progress()
+    return out
 
 
-@pytest.mark.parametrize("name", sorted(SWEEPS))
-def test_one_rank_exception_is_reported_within_seconds(name: str) -> None:
-    fn, ws, configs = _sweep_fn(name)
-    bad = ws - 1
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_one_rank_mismatch_is_reported_and_the_sweeps_stay_in_step(ws: int) -> None:
+    """Every sweep on ``ws`` ranks, one task: the difference injected on the last
+    rank comes back from that rank alone, nothing else fails, and the ranks end
+    the task with the same collective count (else the pool would restart)."""
+    entries = _by_world_size(ws)
+    assert entries
     pool = get_pool(ws)
-    t0 = time.monotonic()
-    with pytest.raises(WorkerError) as info:
-        pool.run(fn, configs, inject=Injection(bad, 0, "raise"))
-    elapsed = time.monotonic() - t0
-    msg = str(info.value)
-    assert f"[rank {bad}] tests._sweep.InjectedFailure: injected raise on rank {bad} at " in msg
-    assert f"[rank {bad}] configuration 0 raised: " in msg
-    assert elapsed < FAST, f"reported after {elapsed:.1f}s"
+    generation = pool.generation
+    per_rank = pool.run(_inject_each, entries)
+    assert pool.generation == generation, "ranks ended out of step: the pool was restarted"
+    bad, problems = ws - 1, []
+    for i, (name, *_rest) in enumerate(entries):
+        for rank in range(ws):
+            got_name, fails, seconds = per_rank[rank][i]
+            assert got_name == name
+            expected = f"injected mismatch on rank {bad} at "
+            if rank == bad and not (len(fails) == 1 and expected in fails[0]):
+                problems.append(f"{name}: rank {rank} reported {fails}")
+            if rank != bad and fails:
+                problems.append(f"{name}: rank {rank} reported {fails}")
+            if seconds > FAST:
+                problems.append(f"{name}: took {seconds:.1f}s on rank {rank}")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES)
+def quick_pool(request: pytest.FixtureRequest) -> Iterator[DistPool]:
+    """A private pool that waits only 0.5 s for the other ranks once one raised
+    (the shared pools wait 5 s: this test makes every sweep raise)."""
+    pool = DistPool(request.param, failure_grace=0.5)
+    yield pool
+    pool.close()
+
+
+def test_one_rank_exception_is_reported_within_seconds(quick_pool: DistPool) -> None:
+    """Every sweep on the pool's world size, configuration 0, raising on the last
+    rank at its first comparison: reported with the message and the
+    configuration, well before the pool's no-progress timeout."""
+    ws = quick_pool.world_size
+    bad, problems = ws - 1, []
+    for name, module, fn, configs in _by_world_size(ws):
+        sweep = getattr(importlib.import_module(module), fn)
+        t0 = time.monotonic()
+        try:
+            quick_pool.run(sweep, configs, inject=Injection(bad, 0, "raise"))
+        except WorkerError as e:
+            msg = str(e)
+            if f"[rank {bad}] tests._sweep.InjectedFailure: injected raise on rank {bad} at " not in msg:
+                problems.append(f"{name}: the message is not in the report:\n{msg[-2000:]}")
+            if f"[rank {bad}] configuration 0 raised: " not in msg:
+                problems.append(f"{name}: the configuration is not named in the report")
+        else:
+            problems.append(f"{name}: the injected exception was not reported")
+        if time.monotonic() - t0 > FAST:
+            problems.append(f"{name}: reported after {time.monotonic() - t0:.1f}s")
+    assert not problems, "\n".join(problems)
