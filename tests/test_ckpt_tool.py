@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from typing import Any
@@ -25,6 +24,7 @@ from fsdp_wrap import cli
 from fsdp_wrap.checkpoint import offline
 from tests import _ckpt_common as C
 from tests import test_checkpoint_interop as I
+from tests._proc import run_bounded
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -89,9 +89,8 @@ def _same(a: Any, b: Any, where: str = "") -> list[str]:
 
 
 def _ckpt(*argv: str) -> tuple[int, str, str]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "fsdp_wrap.ckpt", *argv], capture_output=True, text=True,
-        env=_env(), cwd=REPO, timeout=300,
+    proc = run_bounded(
+        [sys.executable, "-m", "fsdp_wrap.ckpt", *argv], env=_env(), cwd=REPO, timeout=300,
     )
     return proc.returncode, proc.stdout, proc.stderr
 
@@ -270,9 +269,8 @@ def test_consolidate_peak_is_about_the_largest_tensor(tmp_path: Any) -> None:
     growth = {}
     for how in ("ours", "torch"):
         out = str(tmp_path / f"{how}.pt")
-        proc = subprocess.run(
-            [sys.executable, "-c", _PEAK_SCRIPT, src, out, how], capture_output=True,
-            text=True, env=_env(), timeout=300,
+        proc = run_bounded(
+            [sys.executable, "-c", _PEAK_SCRIPT, src, out, how], env=_env(), timeout=300,
         )
         assert proc.returncode == 0, proc.stderr
         growth[how] = int(proc.stdout.split()[-1])

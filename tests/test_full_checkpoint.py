@@ -29,6 +29,7 @@ import fsdp_wrap
 from fsdp_wrap.checkpoint import load_full_checkpoint, save_full_checkpoint
 from fsdp_wrap.wrap import ModuleWrapPolicy
 from tests import _ckpt_common as C
+from tests._proc import run_bounded
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = torch.device("cpu")
@@ -298,9 +299,8 @@ def test_sigkill_midway_keeps_the_previous_checkpoint(pool2: Any, tmp_path: Any)
         assert "rank 1 never finished" in err and "rank 0 failed" in err
         assert f"the last complete one is {step2}" in err
     # the offline tool says the same and refuses it
-    proc = subprocess.run(
-        [sys.executable, "-m", "fsdp_wrap.ckpt", "inspect", step4], capture_output=True,
-        text=True, env=env, cwd=REPO, timeout=120,
+    proc = run_bounded(
+        [sys.executable, "-m", "fsdp_wrap.ckpt", "inspect", step4], env=env, cwd=REPO, timeout=120,
     )
     assert proc.returncode == 2 and "rank 1 never finished" in proc.stderr, proc.stderr
 
