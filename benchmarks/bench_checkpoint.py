@@ -52,7 +52,7 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _bench_measure import CollectiveCounter, PeakMemory, malloc_trim  # noqa: E402
 
-from fsdp_wrap._teardown import exit_now  # noqa: E402
+from fsdp_wrap.comm.teardown import exit_now  # noqa: E402
 
 MiB = 2**20
 CPU = torch.device("cpu")

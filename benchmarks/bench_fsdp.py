@@ -73,7 +73,7 @@ from _bench_models import (  # noqa: E402
     variants_for,
 )
 
-from fsdp_wrap._teardown import exit_now  # noqa: E402
+from fsdp_wrap.comm.teardown import exit_now  # noqa: E402
 
 N_BATCHES = 4
 

@@ -36,7 +36,7 @@ from _bench_models import (  # noqa: E402
 )
 from _live_bytes import live_bytes  # noqa: E402
 
-from fsdp_wrap._teardown import exit_now  # noqa: E402
+from fsdp_wrap.comm.teardown import exit_now  # noqa: E402
 
 
 class _Sampler(TorchDispatchMode):

@@ -48,7 +48,7 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _bench_models import WORKLOADS, Block, make_model  # noqa: E402
 from _live_bytes import LivePeak, live_bytes  # noqa: E402
 
-from fsdp_wrap._teardown import exit_now  # noqa: E402
+from fsdp_wrap.comm.teardown import exit_now  # noqa: E402
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 

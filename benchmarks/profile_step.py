@@ -30,7 +30,7 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _bench_models import WORKLOADS, Variant, build, loss_fn, make_batches, make_model  # noqa: E402
 
-from fsdp_wrap._teardown import exit_now  # noqa: E402
+from fsdp_wrap.comm.teardown import exit_now  # noqa: E402
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int) -> None:

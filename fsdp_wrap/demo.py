@@ -62,7 +62,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._teardown import exit_now
+from fsdp_wrap.comm.teardown import exit_now
 
 MODEL_SIZES: dict[str, tuple[int, int]] = {  # name -> (layers, width)
     "tiny": (2, 64),

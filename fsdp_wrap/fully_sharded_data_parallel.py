@@ -20,17 +20,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _collectives as C
-from . import _init, _runtime, _state_dict, _summon
-from . import _optim_state_dict as _osd
-from ._bucket import GradBuckets, resolve_bucket_cap_mb
-from ._collectives import global_rank
-from ._compat import coerce_dataclass, coerce_enum, run_eagerly_under_dynamo
-from ._exec_order import ExecOrder, ForwardOrderCheck
-from ._flat_param import FlatParamHandle, collect_unit_params
-from ._gather_batch import resolve_all_gather_batch_mb
-from ._runtime import TrainingState
-from .api import (
+import fsdp_wrap.comm.collectives as C
+import fsdp_wrap.runtime.construct as _init
+import fsdp_wrap.runtime.hooks as _runtime
+import fsdp_wrap.runtime.summon as _summon
+import fsdp_wrap.runtime.tree as tree
+import fsdp_wrap.state_dict.model as _state_dict
+import fsdp_wrap.state_dict.optim as _osd
+from fsdp_wrap._compat import coerce_dataclass, coerce_enum, run_eagerly_under_dynamo
+from fsdp_wrap.api import (
+    HYBRID_STRATEGIES,
     BackwardPrefetch,
     CPUOffload,
     FullOptimStateDictConfig,
@@ -42,11 +41,16 @@ from .api import (
     StateDictSettings,
     StateDictType,
 )
+from fsdp_wrap.comm.bucket import GradBuckets, resolve_bucket_cap_mb
+from fsdp_wrap.comm.collectives import global_rank
+from fsdp_wrap.comm.gather_batch import resolve_all_gather_batch_mb
+from fsdp_wrap.handle.flat_param import FlatParamHandle
+from fsdp_wrap.handle.layout import collect_unit_params
+from fsdp_wrap.runtime.exec_order import ExecOrder
+from fsdp_wrap.runtime.names import clean_fqn
+from fsdp_wrap.runtime.state import TrainingState, UnitState
 
 __all__ = ["FullyShardedDataParallel", "OptimStateKeyType"]
-
-FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
-
 
 class OptimStateKeyType(Enum):
     """Key type of an optimizer state dict's ``"state"``: FQN strings or ids."""
@@ -55,7 +59,7 @@ class OptimStateKeyType(Enum):
     PARAM_ID = auto()
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(nn.Module, UnitState):
     """Shard a module's parameters across data-parallel ranks (FSDP1 semantics).
 
     The wrapped module's parameters (except those of nested FSDP units and
@@ -132,7 +136,7 @@ class FullyShardedDataParallel(nn.Module):
             process_group = (pg_state.group, pg_state.replicate_group)
 
         if auto_wrap_policy is not None:
-            from .wrap import _auto_wrap
+            from fsdp_wrap.wrap import _auto_wrap
 
             # Children get the root's arguments, with the ignored set resolved to
             # parameters (as torch passes it), so one-shot iterables are safe.
@@ -314,12 +318,7 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
         """Every FSDP instance in ``module``'s tree (pre-order), ``module`` included."""
-        found = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
-        if root_only:
-            for m in found:
-                m._lazy_init()
-            found = [m for m in found if m._is_root]
-        return found
+        return tree.units_under(module, root_only)  # type: ignore[return-value]
 
     def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:  # type: ignore[override]
         """``nn.Module.apply`` with this unit's parameters gathered and written back."""
@@ -339,78 +338,17 @@ class FullyShardedDataParallel(nn.Module):
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         """``.half()``/``.to(dtype)``: with ``use_orig_params=True`` the flat
         parameter is what gets converted, as in torch."""
-        from ._writeback import flat_param_exposed
+        from fsdp_wrap.handle.writeback import flat_param_exposed
 
         with flat_param_exposed(self.__dict__.get("_handle")):
             return super()._apply(*args, **kwargs)
 
     def _lazy_init(self) -> None:
-        """Make the first FSDP instance reached the root of its tree.
-
-        Runs once per tree (at the first forward, state_dict, clip_grad_norm_,
-        ...).  Postcondition: every instance knows the root, the root knows
-        every instance and handle, and every rank was checked to hold the same
-        units.
-        """
-        if self._is_root is not None:
-            return
-        states = FullyShardedDataParallel.fsdp_modules(self)
-        fqn_of = {id(m): clean_fqn(n) for n, m in self.named_modules() if m in states}
-        # Local checks first, so a refused tree stays uninitialised (no root set).
-        _check_homogeneous(self, states, fqn_of)
-        _check_optim_in_backward(self, states, fqn_of)
-        self._is_root = True
-        for st in states:
-            if st is not self:
-                st._is_root = False
-                object.__setattr__(st, "_root", self)
-                st._all_fsdp_states = []
-            if st._handle is not None:
-                st._handle.unit_fqn = fqn_of.get(id(st), "")
-        self._all_fsdp_states = states
-        self._all_handles = [st._handle for st in states if st._handle is not None]
-        self._state_of = {st._handle: st for st in states if st._handle is not None}
-        for st in states:
-            st._optims_in_backward = st._handle is not None and any(
-                hasattr(p, "_in_backward_optimizers") for p in st._handle.params
-            )
-        if self.world_size > 1:
-            # Compares the flat parameters' dtype and shape too: data replaced on
-            # some ranks only is reported on every rank, before any gather.
-            _runtime.all_gather_unit_signatures(self)
-            if dist.get_debug_level() == dist.DebugLevel.DETAIL:
-                self._exec_order.order_check = ForwardOrderCheck(
-                    self._all_handles, self.process_group, self.rank, self.world_size
-                )
-        for h in self._all_handles:
-            h.adopt_flat_param_data()
-        for st in states:
-            st._buffer_orig_dtypes = _init.cast_buffers(st)
+        """Link every unit of this tree to its root (once; see :func:`~fsdp_wrap.runtime.tree.lazy_init`)."""
+        tree.lazy_init(self)
 
     def _reset_lazy_init(self) -> None:
         self._is_root = None
-
-    def _unit_signature(self) -> tuple[Any, ...]:
-        """What every rank's unit must agree on for the collectives to line up:
-        shapes, dtype and strategy, not names (as torch, ranks may ignore
-        different modules when what remains has the same shapes)."""
-        h = self._handle
-        if h is None:
-            return (h,)
-        return (
-            tuple(tuple(i.shape) for i in h.infos),
-            str(h.flat_param.dtype),
-            tuple(h.flat_param.shape),
-            self.sharding_strategy.name,
-            self._use_orig_params,
-        )
-
-    def _unit_names(self) -> tuple[str, tuple[str, ...]]:
-        """The unit's and its parameters' names, for messages."""
-        h = self._handle
-        if h is None:
-            return ("<no parameters>", ())
-        return (h.unit_fqn or "<root>", tuple(i.fqn for i in h.infos))
 
     # ------------------------------------------------------------- no_sync
 
@@ -680,7 +618,7 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError(f"The communication hook must be callable but got {hook}")
         states = FullyShardedDataParallel.fsdp_modules(self)
         for st in states:
-            if st.sharding_strategy in _init.HYBRID_STRATEGIES:
+            if st.sharding_strategy in HYBRID_STRATEGIES:
                 raise AssertionError(
                     "Communication hook is not supported for hybrid strategies: "
                     f"{st.sharding_strategy}"
@@ -697,11 +635,6 @@ class FullyShardedDataParallel(nn.Module):
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
         except RuntimeError as err:
             raise RuntimeError(clean_fqn(str(err))) from None
-
-
-def clean_fqn(name: str) -> str:
-    """Drop every ``_fsdp_wrapped_module.`` segment from a name."""
-    return name.replace(f"{FSDP_WRAPPED_MODULE}.", "").replace(FSDP_WRAPPED_MODULE, "")
 
 
 def _warn_optim_input(optim_input: Any) -> None:
@@ -724,53 +657,6 @@ def _warn_legacy_optim(curr: str, new: str) -> None:
         FutureWarning,
         stacklevel=3,
     )
-
-
-# Options every unit of one tree must share (torch's HOMOGENEOUS_ATTR_NAMES).
-_HOMOGENEOUS = (
-    ("_use_orig_params", "use_orig_params"),
-    ("limit_all_gathers", "limit_all_gathers"),
-    ("_use_full_prec_in_eval", "FSDP_USE_FULL_PREC_IN_EVAL"),
-)
-
-
-def _check_homogeneous(
-    root: FullyShardedDataParallel,
-    states: list[FullyShardedDataParallel],
-    fqn_of: dict[int, str],
-) -> None:
-    """ValueError, at lazy init before any collective, if units disagree on an option."""
-    for attr, option in _HOMOGENEOUS:
-        values = {getattr(st, attr) for st in states}
-        if len(values) > 1:
-            per_unit = ", ".join(
-                f"'{fqn_of.get(id(st), '') or '<root>'}': {getattr(st, attr)}" for st in states
-            )
-            raise ValueError(
-                f"[rank {global_rank()}] Expects one homogeneous value for {attr} but got {values} "
-                f"({option} per FSDP unit: {per_unit}); construct every nested "
-                f"FullyShardedDataParallel of this root with the same {option}"
-            )
-
-
-def _check_optim_in_backward(
-    root: FullyShardedDataParallel,
-    states: list[FullyShardedDataParallel],
-    fqn_of: dict[int, str],
-) -> None:
-    """``_apply_optimizer_in_backward`` on flat parameters is refused, as in torch."""
-    flat = [
-        f"'{fqn_of.get(id(st), '') or '<root>'}'"
-        for st in states
-        if st._handle is not None and hasattr(st._handle.flat_param, "_in_backward_optimizers")
-    ]
-    if flat:
-        raise RuntimeError(
-            f"[rank {global_rank()}] FSDP optimizer in backward only supported with "
-            f"use_orig_params=True! _apply_optimizer_in_backward was given the flat parameters "
-            f"of FSDP units {', '.join(flat)}; wrap with use_orig_params=True and pass the "
-            "model's parameters, or step a regular optimizer after backward"
-        )
 
 
 def _grad_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:

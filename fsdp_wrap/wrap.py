@@ -42,8 +42,8 @@ from typing import Any
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import _init
-from ._mp_overrides import (
+import fsdp_wrap.runtime.construct as _init
+from fsdp_wrap._mp_overrides import (
     _add_mixed_precision_overrides,
     _override_mixed_precision,
     _warn_mixed_precision_overrides,

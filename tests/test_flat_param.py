@@ -1,4 +1,4 @@
-"""Flat-parameter arithmetic of ``fsdp_wrap._flat_param``: layout, padding, shards.
+"""Flat-parameter arithmetic of ``fsdp_wrap.handle.flat_param``: layout, padding, shards.
 
 Single process: a handle's layout and shard need the group's rank and size,
 not the group itself, so both our ``FlatParamHandle`` and torch's are built
@@ -22,8 +22,9 @@ from torch.distributed.fsdp._flat_param import FlatParamHandle as TorchHandle
 from torch.distributed.fsdp._flat_param import HandleShardingStrategy
 
 from fsdp_wrap import FlatParameter, ShardingStrategy
-from fsdp_wrap._collectives import divide_factors
-from fsdp_wrap._flat_param import PADDING_VALUE, FlatParamHandle, collect_unit_params
+from fsdp_wrap.comm.collectives import divide_factors
+from fsdp_wrap.handle.flat_param import PADDING_VALUE, FlatParamHandle
+from fsdp_wrap.handle.layout import collect_unit_params
 from tests.models import Block, TinyTransformer
 
 CPU = torch.device("cpu")

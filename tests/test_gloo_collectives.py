@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp_wrap import _collectives as C
+import fsdp_wrap.comm.collectives as C
 from tests._options_common import compare_step, loss_of, rank_tag, run_configs, train_step
 from tests.models import fsdp_api, fsdp_kwargs, wrap_api
 

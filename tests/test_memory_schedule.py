@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 import fsdp_wrap as fw
-from fsdp_wrap._flat_param import FlatParamHandle
+from fsdp_wrap.handle.flat_param import FlatParamHandle
 from fsdp_wrap.wrap import ModuleWrapPolicy
 
 

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .. import _compat
+import fsdp_wrap._compat as _compat
 
 METADATA_FILE = ".metadata"
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")

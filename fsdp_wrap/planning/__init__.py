@@ -27,12 +27,17 @@ from typing import Any
 
 import torch.nn as nn
 
-from .._compat import coerce_dataclass, coerce_enum
-from .._init import HYBRID_STRATEGIES
-from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from ._memory import NCCL, OPTIMIZERS, RankMemory, estimate, gloo
-from ._report import find_warnings, render
-from ._units import ParamEntry, UnitPlan, discover_units
+from fsdp_wrap._compat import coerce_dataclass, coerce_enum
+from fsdp_wrap.api import (
+    HYBRID_STRATEGIES,
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    ShardingStrategy,
+)
+from fsdp_wrap.planning._memory import NCCL, OPTIMIZERS, RankMemory, estimate, gloo
+from fsdp_wrap.planning._report import find_warnings, render
+from fsdp_wrap.planning._units import ParamEntry, UnitPlan, discover_units
 
 __all__ = ["OPTIMIZERS", "ParamEntry", "Plan", "RankMemory", "UnitPlan", "plan"]
 

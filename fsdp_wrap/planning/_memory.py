@@ -34,9 +34,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .._collectives import GLOO_BROADCAST_MIN_BYTES
-from ..api import BackwardPrefetch
-from ._units import UnitPlan
+from fsdp_wrap.api import BackwardPrefetch
+from fsdp_wrap.comm.collectives import GLOO_BROADCAST_MIN_BYTES
+from fsdp_wrap.planning._units import UnitPlan
 
 #: Optimizer kinds: (state tensors per parameter, ``step`` counter per parameter,
 #: the dtype the states take: the parameter's (Adam's ``zeros_like(param)``) or the

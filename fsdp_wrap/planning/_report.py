@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ._units import UnitPlan
+from fsdp_wrap.planning._units import UnitPlan
 
 if TYPE_CHECKING:
-    from . import Plan
+    from fsdp_wrap.planning import Plan
 
 #: A unit whose unsharded parameters are smaller than this is mostly collective latency.
 SMALL_UNIT_BYTES = 1 << 20

@@ -11,13 +11,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _chunks as CH
-from . import _sharded_io
-from . import _state_dict as SD
-from ._optim_index import _Index, _index, _piece, _rank0_group, _Unit
+import fsdp_wrap.state_dict.chunks as CH
+import fsdp_wrap.state_dict.model as SD
+import fsdp_wrap.state_dict.sharded_io as _sharded_io
+from fsdp_wrap.state_dict.optim_index import _Index, _index, _piece, _rank0_group, _Unit
 
 if TYPE_CHECKING:
-    from ._flat_param import FlatParamHandle
+    from fsdp_wrap.handle.flat_param import FlatParamHandle
 
 
 def _check_loadable(

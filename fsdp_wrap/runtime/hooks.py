@@ -24,44 +24,33 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from enum import Enum, auto
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch.autograd import Variable
 
-from . import _collectives as C
-from . import _init
-from ._collectives import global_rank
-from ._compat import in_backward
-from ._gather_batch import gather_ahead
-from ._writeback import check_unchanged_since_forward
-from .api import BackwardPrefetch
+import fsdp_wrap.runtime.construct as _init
+import fsdp_wrap.runtime.tree as tree
+from fsdp_wrap._compat import in_backward
+from fsdp_wrap.api import BackwardPrefetch
+from fsdp_wrap.comm.gather_batch import gather_ahead
+from fsdp_wrap.handle.writeback import check_unchanged_since_forward
+from fsdp_wrap.runtime.state import TrainingState, UnitState
 
 if TYPE_CHECKING:
-    from ._flat_param import FlatParamHandle
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
-
-
-class TrainingState(Enum):
-    """What an FSDP instance is doing (same members and values as torch's)."""
-
-    IDLE = auto()
-    FORWARD_BACKWARD = auto()
-    SUMMON_FULL_PARAMS = auto()
+    from fsdp_wrap.handle.flat_param import FlatParamHandle
 
 
 # ----------------------------------------------------------------- forward
 
 
-def root_pre_forward(state: FSDP, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+def root_pre_forward(state: UnitState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
     """Lazy-init the tree; at the root, finish any forward that saw no backward.
 
     Postcondition: every unit is sharded or holds a valid unsharded copy, and
     the inputs are on the compute device.
     """
-    state._lazy_init()
+    tree.lazy_init(state)
     if not state._is_root or in_backward():
         # In a backward, this forward is activation checkpointing (wrapped
         # around this root unit) recomputing it: the backward in progress owns
@@ -91,7 +80,7 @@ def root_pre_forward(state: FSDP, args: tuple[Any, ...], kwargs: dict[str, Any])
     return args, kwargs
 
 
-def _buffers_for_eval(root: FSDP) -> None:
+def _buffers_for_eval(root: UnitState) -> None:
     """``FSDP_USE_FULL_PREC_IN_EVAL=1``: buffers in their original dtypes while the
     model is in ``eval()``, cast back to ``buffer_dtype`` once it trains again
     (torch decides on the root's unit, or on any unit if the root has none)."""
@@ -109,7 +98,7 @@ def _buffers_for_eval(root: FSDP) -> None:
     root._buffers_in_full_precision = full
 
 
-def pre_forward(state: FSDP, handle: FlatParamHandle | None) -> None:
+def pre_forward(state: UnitState, handle: FlatParamHandle | None) -> None:
     """Gather this unit's parameters and expose them as unsharded views."""
     state.training_state = TrainingState.FORWARD_BACKWARD
     if handle is None:
@@ -118,7 +107,7 @@ def pre_forward(state: FSDP, handle: FlatParamHandle | None) -> None:
     if root._exec_order.order_check is not None and state.training:
         root._exec_order.order_check.check(handle)
     root._exec_order.record_pre_forward(handle)
-    # No batching in a forward without grad (see fsdp_wrap._gather_batch), nor
+    # No batching in a forward without grad (see fsdp_wrap.comm.gather_batch), nor
     # in a checkpointed forward recomputed in backward: the forward order's
     # next units are then the ones whose backward is already done.
     batch_bytes = (root._all_gather_batch_bytes
@@ -133,7 +122,7 @@ def pre_forward(state: FSDP, handle: FlatParamHandle | None) -> None:
     handle.use_unsharded_views(track_graph=True)
 
 
-def post_forward(state: FSDP, handle: FlatParamHandle | None, output: Any) -> Any:
+def post_forward(state: UnitState, handle: FlatParamHandle | None, output: Any) -> Any:
     """Reshard as the strategy says and hook the outputs for backward."""
     grad_enabled = torch.is_grad_enabled()
     if handle is not None:
@@ -149,7 +138,7 @@ def post_forward(state: FSDP, handle: FlatParamHandle | None, output: Any) -> An
     return output
 
 
-def _register_pre_backward_hooks(state: FSDP, handle: FlatParamHandle | None, output: Any) -> Any:
+def _register_pre_backward_hooks(state: UnitState, handle: FlatParamHandle | None, output: Any) -> Any:
     hook = functools.partial(_pre_backward_hook, state, handle)
 
     def register(t: torch.Tensor) -> torch.Tensor:
@@ -164,7 +153,7 @@ def _register_pre_backward_hooks(state: FSDP, handle: FlatParamHandle | None, ou
 
 
 def _pre_backward_hook(
-    state: FSDP, handle: FlatParamHandle | None, grad: torch.Tensor
+    state: UnitState, handle: FlatParamHandle | None, grad: torch.Tensor
 ) -> torch.Tensor | None:
     """Runs when the gradient of one of the unit's outputs is ready.
 
@@ -200,7 +189,7 @@ def _pre_backward_hook(
     return None
 
 
-def make_post_backward_hook(state: FSDP, handle: FlatParamHandle) -> Callable[[torch.Tensor], None]:
+def make_post_backward_hook(state: UnitState, handle: FlatParamHandle) -> Callable[[torch.Tensor], None]:
     def post_backward(flat_param: torch.Tensor) -> None:
         """Runs after autograd accumulated this unit's unsharded gradient.
 
@@ -238,7 +227,7 @@ def _step_optimizers_in_backward(handle: FlatParamHandle) -> None:
     handle.sync_flat_grad_from_orig()  # drops the flat gradient once no view is left
 
 
-def make_early_free_hook(state: FSDP, handle: FlatParamHandle) -> Callable[[], None]:
+def make_early_free_hook(state: UnitState, handle: FlatParamHandle) -> Callable[[], None]:
     def free_early() -> None:
         """All of this unit's parameter gradients are computed: its gathered
         parameters are no longer needed (unless SHARD_GRAD_OP keeps them under
@@ -249,7 +238,7 @@ def make_early_free_hook(state: FSDP, handle: FlatParamHandle) -> Callable[[], N
     return free_early
 
 
-def _next_backward_pending(root: FSDP, handle: FlatParamHandle) -> FlatParamHandle | None:
+def _next_backward_pending(root: UnitState, handle: FlatParamHandle) -> FlatParamHandle | None:
     """The unit whose backward comes after ``handle``'s, unless it already began."""
     nxt = root._exec_order.next_in_backward(handle)
     if nxt is None or root._state_of[nxt]._ran_pre_backward:
@@ -257,7 +246,7 @@ def _next_backward_pending(root: FSDP, handle: FlatParamHandle) -> FlatParamHand
     return nxt
 
 
-def _prefetch_backward(state: FSDP, handle: FlatParamHandle) -> None:
+def _prefetch_backward(state: UnitState, handle: FlatParamHandle) -> None:
     """Start gathering the unit whose backward comes next, if it has not begun."""
     root = state._root
     nxt = _next_backward_pending(root, handle)
@@ -267,18 +256,18 @@ def _prefetch_backward(state: FSDP, handle: FlatParamHandle) -> None:
         nxt.start_unshard(full_precision=nxt.computes_in_full_precision)
 
 
-def _queue_final_callback(root: FSDP) -> None:
+def _queue_final_callback(root: UnitState) -> None:
     if not root._final_callback_queued:
         root._final_callback_queued = True
         Variable._execution_engine.queue_callback(functools.partial(_final_callback, root))
 
 
-def _final_callback(root: FSDP) -> None:
+def _final_callback(root: UnitState) -> None:
     """End of backward: every unit resharded, every state IDLE."""
     finalize_units(root, free_all=False)
 
 
-def finalize_units(root: FSDP, free_all: bool) -> None:
+def finalize_units(root: UnitState, free_all: bool) -> None:
     """Reduce what the gradient buckets hold, reshard every unit and return
     every state to IDLE.
 
@@ -348,43 +337,3 @@ def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
 
 def _to_device(obj: Any, device: torch.device) -> Any:
     return _apply_to_tensors(lambda t: t.to(device, non_blocking=True), obj)
-
-
-def all_gather_unit_signatures(state: FSDP) -> None:
-    """Fail fast, on every rank, if ranks built different units.
-
-    One ``all_gather_object`` at lazy init; a mismatch would otherwise show up
-    later as a hang or a silently wrong all-gather.
-    """
-    mine = [(s._unit_signature(), s._unit_names()) for s in state._all_fsdp_states]
-    everyone = C.all_gather_objects(mine, state.process_group)
-    for r, theirs in enumerate(everyone):
-        theirs_list: list[Any] = theirs  # type: ignore[assignment]
-        if [sig for sig, _ in theirs_list] == [sig for sig, _ in mine]:
-            continue
-        for i in range(max(len(mine), len(theirs_list))):
-            a = mine[i] if i < len(mine) else None
-            b = theirs_list[i] if i < len(theirs_list) else None
-            if a is None or b is None or a[0] != b[0]:
-                me, them = global_rank(), dist.get_global_rank(state.process_group, r)
-                raise RuntimeError(
-                    f"[rank {me}] FSDP units differ between rank {me} and rank "
-                    f"{them} at unit #{i}: rank {me} has {_describe_unit(a)}, rank {them} "
-                    f"has {_describe_unit(b)}. Every rank must wrap the same model the same "
-                    "way (same auto_wrap_policy, sizes, dtypes and sharding strategy); "
-                    "otherwise collectives would hang."
-                )
-
-
-def _describe_unit(entry: Any) -> str:
-    """One rank's unit for the mismatch message: names with shapes, dtype, strategy."""
-    if entry is None:
-        return "no such unit"
-    sig, (unit, names) = entry
-    if sig[0] is None:
-        return f"{unit} (no parameters)"
-    params = ", ".join(f"{n!r} {shape}" for n, shape in zip(names, sig[0]))
-    return (
-        f"unit {unit!r} [{params}] flat {sig[2]} {sig[1]} {sig[3]} "
-        f"use_orig_params={sig[4]}"
-    )

@@ -10,19 +10,21 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _state_dict as SD
-from .api import StateDictType
+import fsdp_wrap.state_dict.model as SD
+from fsdp_wrap.api import StateDictType
+from fsdp_wrap.runtime.names import clean_fqn
+from fsdp_wrap.runtime.state import UnitState
+from fsdp_wrap.runtime.tree import units_under
 
 if TYPE_CHECKING:
-    from ._flat_param import FlatParamHandle
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+    from fsdp_wrap.handle.flat_param import FlatParamHandle
 
 
 @dataclass
 class _Unit:
     """One FSDP unit's handle and the clean FQNs of its original parameters."""
 
-    state: FSDP
+    state: UnitState
     handle: FlatParamHandle
     fqns: list[str]
 
@@ -50,24 +52,22 @@ def _join(prefix: str, name: str) -> str:
 
 
 def _index(model: nn.Module) -> _Index:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
-
-    if not FSDP.fsdp_modules(model, root_only=True):  # (also runs lazy init)
+    if not units_under(model, root_only=True):  # (also runs lazy init)
         raise ValueError(f"{type(model).__name__} contains no FullyShardedDataParallel unit")
     index = _Index()
     for name, mod in model.named_modules():
-        if not isinstance(mod, FSDP) or mod._handle is None:
+        if not isinstance(mod, UnitState) or mod._handle is None:
             continue
         h = mod._handle
-        base = SD.clean_key(name + ".").rstrip(".")
-        fqns = [_join(base, SD.clean_key(i.fqn)) for i in h.infos]
+        base = clean_fqn(name + ".").rstrip(".")
+        fqns = [_join(base, clean_fqn(i.fqn)) for i in h.infos]
         u = len(index.units)
         index.units.append(_Unit(mod, h, fqns))
         index.where[id(h.flat_param)] = (u, -1, fqns)
         for k, info in enumerate(h.infos):
             index.where[id(info.param)] = (u, k, [fqns[k]])
     for name, p in model.named_parameters():
-        index.where.setdefault(id(p), (-1, -1, [SD.clean_key(name)]))
+        index.where.setdefault(id(p), (-1, -1, [clean_fqn(name)]))
     return index
 
 
@@ -92,7 +92,7 @@ def _settings(model: nn.Module) -> tuple[StateDictType, Any]:
 
 
 
-def _rank0_group(root: FSDP, group: Any) -> Any:
+def _rank0_group(root: UnitState, group: Any) -> Any:
     """The group whose rank 0 ``rank0_only`` means, and that broadcasts on load.
 
     As torch: the ``group`` argument, by default the default group.  Under

@@ -26,7 +26,7 @@ FQNs (no ``_fsdp_wrapped_module.``), exactly the unwrapped model's keys.
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,14 +40,10 @@ from torch.distributed._shard.sharded_tensor import (
     TensorProperties,
 )
 
-from . import _chunks as CH
-from . import _collectives, _compat
-from ._collectives import global_rank
-from ._flat_param import FLAT_PARAM_NAME, walk_unit_modules
-from ._names import CHECKPOINT_WRAPPED, FLAT_PARAM_KEY, WRAPPED, clean_key
-from ._runtime import TrainingState
-from ._sd_buffers import buffers_in_original_dtype
-from .api import (
+import fsdp_wrap._compat as _compat
+import fsdp_wrap.comm.collectives as _collectives
+import fsdp_wrap.state_dict.chunks as CH
+from fsdp_wrap.api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
     LocalOptimStateDictConfig,
@@ -60,10 +56,13 @@ from .api import (
     StateDictSettings,
     StateDictType,
 )
-
-if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
-
+from fsdp_wrap.comm.collectives import global_rank
+from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME
+from fsdp_wrap.handle.layout import walk_unit_modules
+from fsdp_wrap.runtime.names import CHECKPOINT_WRAPPED, WRAPPED, clean_fqn
+from fsdp_wrap.runtime.state import TrainingState, UnitState
+from fsdp_wrap.runtime.tree import lazy_init, units_under
+from fsdp_wrap.state_dict.buffers import buffers_in_original_dtype
 
 _CONFIG_CLASSES: dict[StateDictType, tuple[type[StateDictConfig], type[OptimStateDictConfig]]] = {
     StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
@@ -82,8 +81,6 @@ def set_state_dict_type(
     optim_state_dict_config: OptimStateDictConfig | None,
 ) -> StateDictSettings:
     """Set the type and configs on every FSDP unit in ``module``; return the previous ones."""
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
-
     sd_type = _compat.coerce_enum(state_dict_type, StateDictType, "state_dict_type")
     if sd_type is None:
         raise TypeError("state_dict_type must be a StateDictType member, not None")
@@ -107,7 +104,7 @@ def set_state_dict_type(
         raise RuntimeError(
             f"Expected optim_state_dict_config of type {optim_cls} but got {type(optim_cfg)}"
         )
-    states = FSDP.fsdp_modules(module)
+    states = units_under(module)
     if not states:
         raise ValueError(f"set_state_dict_type found no FSDP unit in {type(module).__name__}")
     previous = get_state_dict_type(module)
@@ -119,10 +116,8 @@ def set_state_dict_type(
 
 
 def get_state_dict_type(module: nn.Module) -> StateDictSettings:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
-
     settings: StateDictSettings | None = None
-    for st in FSDP.fsdp_modules(module):
+    for st in units_under(module):
         mine = StateDictSettings(
             st._state_dict_type, st._state_dict_config, st._optim_state_dict_config
         )
@@ -187,14 +182,14 @@ def _group_device(group: ProcessGroup) -> torch.device:
 # ---------------------------------------------------------------- hooks
 
 
-def register_hooks(state: FSDP) -> None:
+def register_hooks(state: UnitState) -> None:
     state.register_state_dict_pre_hook(_pre_state_dict_hook)
     _compat.register_state_dict_post_hook(state, _post_state_dict_hook)
     _compat.register_load_state_dict_pre_hook(state, _pre_load_state_dict_hook)
     state.register_load_state_dict_post_hook(_post_load_state_dict_hook)
 
 
-def effective_type(state: FSDP, warn: bool = True) -> StateDictType:
+def effective_type(state: UnitState, warn: bool = True) -> StateDictType:
     """The type ``state`` really uses: NO_SHARD always falls back to FULL (with a warning)."""
     sd_type = state._state_dict_type
     if sd_type is StateDictType.FULL_STATE_DICT:
@@ -215,7 +210,7 @@ def effective_type(state: FSDP, warn: bool = True) -> StateDictType:
     return sd_type
 
 
-def _uses_dtensor(state: FSDP) -> bool:
+def _uses_dtensor(state: UnitState) -> bool:
     cfg = state._state_dict_config
     return state._device_mesh is not None or bool(getattr(cfg, "_use_dtensor", False))
 
@@ -224,19 +219,19 @@ def _rel(info_fqn: str) -> str:
     return info_fqn.replace(CHECKPOINT_WRAPPED, "")
 
 
-def _param_rels(state: FSDP) -> list[str]:
+def _param_rels(state: UnitState) -> list[str]:
     """Keys (relative to the wrapped module) of the unit's flattened parameters."""
     h = state._handle
     return [] if h is None else [_rel(i.fqn) for i in h.infos]
 
 
-def _shared_rels(state: FSDP) -> list[str]:
+def _shared_rels(state: UnitState) -> list[str]:
     h = state._handle
     return [] if h is None else [_rel(s.fqn) for s in h.shared]
 
 
-def _pre_state_dict_hook(state: FSDP, prefix: str, keep_vars: bool) -> None:
-    state._lazy_init()
+def _pre_state_dict_hook(state: UnitState, prefix: str, keep_vars: bool) -> None:
+    lazy_init(state)
     sd_type = effective_type(state)
     if state.training_state is not TrainingState.IDLE:
         raise RuntimeError(
@@ -263,21 +258,19 @@ def _pre_state_dict_hook(state: FSDP, prefix: str, keep_vars: bool) -> None:
         return
     # SHARDED: register this rank's dim-0 chunks, moved point to point from the flat
     # shards (one all-to-all, nothing gathered); the post-hook wraps them.
-    from . import _sharded_io
+    import fsdp_wrap.state_dict.sharded_io as _sharded_io
 
     handle.register_params(_sharded_io.local_chunks(handle))
 
 
-def _unit_keys(state: FSDP) -> list[str]:
+def _unit_keys(state: UnitState) -> list[str]:
     """Keys (relative, under the wrapped module) that this unit itself emits."""
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
-
     keys: list[str] = []
     for mod_fqn, mod in walk_unit_modules(
-        state._fsdp_wrapped_module, lambda m: isinstance(m, FSDP)
+        state._fsdp_wrapped_module, lambda m: isinstance(m, UnitState)
     ):
         pre = f"{_rel(mod_fqn)}." if mod_fqn else ""
-        pre = pre.replace("_checkpoint_wrapped_module.", "")
+        pre = clean_fqn(pre)
         keys.extend(pre + n for n, p in mod._parameters.items() if p is not None)
         keys.extend(
             pre + n
@@ -289,7 +282,7 @@ def _unit_keys(state: FSDP) -> list[str]:
 
 
 def _post_state_dict_hook(
-    state: FSDP, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+    state: UnitState, state_dict: dict[str, Any], prefix: str, local_metadata: Any
 ) -> None:
     sd_type = effective_type(state, warn=False)
     try:
@@ -309,7 +302,7 @@ def _post_state_dict_hook(
             state._handle.use_sharded_views()  # copies/chunks were registered by the pre-hook
 
 
-def _full_post_state_dict(state: FSDP, state_dict: dict[str, Any], prefix: str) -> None:
+def _full_post_state_dict(state: UnitState, state_dict: dict[str, Any], prefix: str) -> None:
     cfg = state._state_dict_config
     rank0_only = isinstance(cfg, FullStateDictConfig) and cfg.rank0_only
     drop = rank0_only and state.rank != 0
@@ -327,7 +320,7 @@ def _full_post_state_dict(state: FSDP, state_dict: dict[str, Any], prefix: str) 
             state_dict[key] = value.detach().to("cpu")
 
 
-def _sharded_post_state_dict(state: FSDP, state_dict: dict[str, Any], prefix: str) -> None:
+def _sharded_post_state_dict(state: UnitState, state_dict: dict[str, Any], prefix: str) -> None:
     """Original parameters (tied aliases included, as torch) become dim-0 chunks.
 
     The values in the dict are already this rank's chunks (see the pre-hook).
@@ -346,7 +339,7 @@ def _sharded_post_state_dict(state: FSDP, state_dict: dict[str, Any], prefix: st
             state_dict[key] = CH.wrap_chunk(local, shape, local.dtype, layout, cfg.offload_to_cpu)
 
 
-def local_flat_value(state: FSDP, offload_to_cpu: bool) -> ShardedTensor:
+def local_flat_value(state: UnitState, offload_to_cpu: bool) -> ShardedTensor:
     """This rank's flat shard without right padding as a 1-D ShardedTensor (a view)."""
     h = state._handle
     if h is None:
@@ -378,20 +371,20 @@ def local_flat_value(state: FSDP, offload_to_cpu: bool) -> ShardedTensor:
     )
 
 
-def _local_post_state_dict(state: FSDP, state_dict: dict[str, Any], prefix: str) -> None:
+def _local_post_state_dict(state: UnitState, state_dict: dict[str, Any], prefix: str) -> None:
     """One ``_flat_param`` key per unit; the 1-D original views (use_orig_params) are dropped."""
     if state._handle is None:
         return
     base = prefix + WRAPPED
-    for rel in [*_param_rels(state), *_shared_rels(state), FLAT_PARAM_KEY]:
+    for rel in [*_param_rels(state), *_shared_rels(state), FLAT_PARAM_NAME]:
         state_dict.pop(base + rel, None)
-    state_dict[base + FLAT_PARAM_KEY] = local_flat_value(
+    state_dict[base + FLAT_PARAM_NAME] = local_flat_value(
         state, state._state_dict_config.offload_to_cpu
     )
 
 
 def _pre_load_state_dict_hook(
-    state: FSDP,
+    state: UnitState,
     state_dict: dict[str, Any],
     prefix: str,
     local_metadata: Any = None,
@@ -415,13 +408,13 @@ def _pre_load_state_dict_hook(
 
 
 def _pre_load_for_type(
-    state: FSDP,
+    state: UnitState,
     state_dict: dict[str, Any],
     prefix: str,
     missing_keys: Any = None,
     error_msgs: list[str] | None = None,
 ) -> None:
-    state._lazy_init()
+    lazy_init(state)
     sd_type = effective_type(state)
     wrapped = prefix + WRAPPED
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(wrapped)]:
@@ -442,7 +435,7 @@ def _pre_load_for_type(
             )
         return
     if sd_type is StateDictType.SHARDED_STATE_DICT and state._handle is not None:
-        from . import _sharded_io
+        import fsdp_wrap.state_dict.sharded_io as _sharded_io
 
         _sharded_io.load_sharded_unit(
             state, state_dict, wrapped,
@@ -452,7 +445,7 @@ def _pre_load_for_type(
 
 
 def _full_pre_load(
-    state: FSDP,
+    state: UnitState,
     state_dict: dict[str, Any],
     wrapped: str,
     missing_keys: list[str],
@@ -526,13 +519,13 @@ def _claim(state_dict: dict[str, Any], key: str, param: torch.Tensor, registered
 
 
 def _local_pre_load(
-    state: FSDP, state_dict: dict[str, Any], wrapped: str, error_msgs: list[str]
+    state: UnitState, state_dict: dict[str, Any], wrapped: str, error_msgs: list[str]
 ) -> None:
     h = state._handle
     state.__dict__["_sd_local_load"] = None
     if h is None:
         return
-    key = wrapped + FLAT_PARAM_KEY
+    key = wrapped + FLAT_PARAM_NAME
     originals = [wrapped + rel for rel in [*_param_rels(state), *_shared_rels(state)]]
     if h.use_orig_params:
         # The original names are registered (1-D views); the flat key carries the data.
@@ -554,7 +547,7 @@ def _local_pre_load(
     if local is None or local.numel() != h.shard_valid_numel:
         got = "no tensor" if local is None else f"{local.numel()} elements"
         error_msgs.append(
-            f"[rank {global_rank()}] LOCAL_STATE_DICT key '{clean_key(key)}' of FSDP unit "
+            f"[rank {global_rank()}] LOCAL_STATE_DICT key '{clean_fqn(key)}' of FSDP unit "
             f"'{h.unit_fqn or '<root>'}' expects this rank's flat shard of "
             f"{h.shard_valid_numel} elements but got {got}; LOCAL_STATE_DICT needs the same "
             "world size, wrapping and use_orig_params as when it was saved"
@@ -574,7 +567,7 @@ def _local_pre_load(
         state_dict[key] = padded
 
 
-def _post_load_state_dict_hook(state: FSDP, incompatible_keys: Any) -> None:
+def _post_load_state_dict_hook(state: UnitState, incompatible_keys: Any) -> None:
     if state.__dict__.pop("_sd_flat_param_hidden", False) and state._handle is not None:
         state._handle.module._parameters[FLAT_PARAM_NAME] = state._handle.flat_param
     sd_type = effective_type(state, warn=False)
@@ -583,9 +576,9 @@ def _post_load_state_dict_hook(state: FSDP, incompatible_keys: Any) -> None:
         if pending is not None:
             originals, missing_flat = pending
             # (an inner unit's hook may already have cleaned the shared list)
-            handled = {clean_key(k) for k in originals}
+            handled = {clean_fqn(k) for k in originals}
             incompatible_keys.missing_keys[:] = [
-                k for k in incompatible_keys.missing_keys if clean_key(k) not in handled
+                k for k in incompatible_keys.missing_keys if clean_fqn(k) not in handled
             ]
             if missing_flat is not None:
                 incompatible_keys.missing_keys.append(missing_flat)
@@ -593,4 +586,4 @@ def _post_load_state_dict_hook(state: FSDP, incompatible_keys: Any) -> None:
             state._handle.invalidate_unsharded()
     # FULL and SHARDED loads wrote straight into the local shard in the pre-hook.
     for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
-        keys[:] = [clean_key(k) for k in keys]
+        keys[:] = [clean_fqn(k) for k in keys]

@@ -16,16 +16,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import _collectives as C
-from ._runtime import TrainingState
+import fsdp_wrap.comm.collectives as C
+from fsdp_wrap.runtime.state import TrainingState, UnitState
+from fsdp_wrap.runtime.tree import lazy_init
 
 if TYPE_CHECKING:
-    from ._flat_param import FlatParamHandle
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+    from fsdp_wrap.handle.flat_param import FlatParamHandle
 
 
 def check_options(
-    states: Sequence[FSDP], writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
+    states: Sequence[UnitState], writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
 ) -> None:
     """torch's rules for invalid option combinations (same order and text),
     checked on every unit before any collective."""
@@ -48,7 +48,7 @@ def check_options(
             stacklevel=4,
         )
     for st in states:
-        st._lazy_init()
+        lazy_init(st)
         if st.training_state is TrainingState.SUMMON_FULL_PARAMS:
             raise AssertionError(
                 "Cannot manually unshard parameters when already unsharding parameters"
@@ -59,7 +59,7 @@ def check_options(
 
 @contextlib.contextmanager
 def summon(
-    states: Sequence[FSDP],
+    states: Sequence[UnitState],
     writeback: bool = True,
     rank0_only: bool = False,
     offload_to_cpu: bool = False,
@@ -73,7 +73,7 @@ def summon(
                 # drops the flat gradient (as torch does here)
                 st._handle.sync_flat_grad_from_orig()
             st._handle.pre_unshard()  # write-back checks before any collective
-    entered: list[tuple[FSDP, torch.Tensor | None, bool]] = []
+    entered: list[tuple[UnitState, torch.Tensor | None, bool]] = []
     try:
         for st in states:
             st.training_state = TrainingState.SUMMON_FULL_PARAMS

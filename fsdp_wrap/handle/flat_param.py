@@ -15,7 +15,7 @@ into it again before backward makes those saved views valid again.  This is the
 trick the whole FULL_SHARD schedule rests on.
 
 The layout (order, alignment, padding, shards) is torch's FSDP1's and lives
-in :mod:`fsdp_wrap._layout`; padding holds ``42`` as torch's does.
+in :mod:`fsdp_wrap.handle.layout`; padding holds ``42`` as torch's does.
 """
 
 from __future__ import annotations
@@ -29,45 +29,28 @@ import torch
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
-from . import _collectives as C
-from . import _reduce as R
-from ._flat_grad import GradientsMixin
-from ._flat_tensor import FLAT_PARAM_NAME, FlatParameter, HandleState, _Gathered
-from ._flat_views import ViewsMixin, _overrides_setattr
-from ._layout import (
+import fsdp_wrap.comm.collectives as C
+import fsdp_wrap.comm.reduce as R
+from fsdp_wrap.api import RESHARD_AFTER_FORWARD, SHARDED_STRATEGIES, ShardingStrategy
+from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME, FlatParameter, HandleState, _Gathered
+from fsdp_wrap.handle.grads import GradientsMixin
+from fsdp_wrap.handle.layout import (
     FlatLayout,
     ParamInfo,
     SharedParamInfo,
     alignment,
     check_unit_params,
-    collect_unit_params,
-    walk_unit_modules,
 )
-from ._writeback import write_back_orig_params
-from .api import ShardingStrategy
+from fsdp_wrap.handle.views import ViewsMixin, _overrides_setattr
+from fsdp_wrap.handle.writeback import write_back_orig_params
 
 __all__ = [
-    "FLAT_PARAM_NAME",
     "PADDING_VALUE",
     "FlatParamHandle",
-    "FlatParameter",
-    "ParamInfo",
-    "SharedParamInfo",
-    "collect_unit_params",
-    "walk_unit_modules",
 ]
 
 PADDING_VALUE = 42.0
 
-SHARDED_STRATEGIES = frozenset(
-    {
-        ShardingStrategy.FULL_SHARD,
-        ShardingStrategy.SHARD_GRAD_OP,
-        ShardingStrategy.HYBRID_SHARD,
-        ShardingStrategy._HYBRID_SHARD_ZERO2,
-    }
-)
-RESHARD_AFTER_FORWARD = frozenset({ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD})
 
 
 class FlatParamHandle(GradientsMixin, ViewsMixin):
@@ -404,7 +387,7 @@ class FlatParamHandle(GradientsMixin, ViewsMixin):
         if slot.pending is None:  # completed synchronously
             slot.source, slot.valid = None, True
 
-    # Batched all-gathers (see fsdp_wrap._gather_batch): the gather itself is
+    # Batched all-gathers (see fsdp_wrap.comm.gather_batch): the gather itself is
     # shared, the buffers stay each handle's own.
 
     def needs_gather(self) -> bool:
@@ -506,7 +489,7 @@ class FlatParamHandle(GradientsMixin, ViewsMixin):
         slot.free()
 
     # -------------------------------------------------------------- utilities
-    # (gradients: :class:`~fsdp_wrap._flat_grad.GradientsMixin`)
+    # (gradients: :class:`~fsdp_wrap.handle.grads.GradientsMixin`)
 
     def flat_grad_for_norm(self) -> list[torch.Tensor]:
         """The gradients ``clip_grad_norm_`` must see for this handle."""

@@ -17,11 +17,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
-from . import _collectives as C
-from ._flat_param import walk_unit_modules
-from .api import ShardingStrategy
-
-HYBRID_STRATEGIES = frozenset({ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2})
+import fsdp_wrap.comm.collectives as C
+from fsdp_wrap.api import HYBRID_STRATEGIES, ShardingStrategy
+from fsdp_wrap.handle.layout import walk_unit_modules
+from fsdp_wrap.runtime.names import clean_fqn
+from fsdp_wrap.runtime.state import UnitState
 
 
 class ProcessGroupState(NamedTuple):
@@ -48,7 +48,7 @@ def check_not_wrapped(
     """
     skip = set(ignored)
     found = [
-        name.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "")
+        clean_fqn(name)
         for name, m in root.named_modules()
         if m not in skip and isinstance(m, wrapper_cls)
     ]
@@ -68,8 +68,6 @@ def resolve_ignored(
     ignored_states: Iterable[Any] | None,
 ) -> tuple[set[nn.Module], set[nn.Parameter]]:
     """The ignored modules (whole subtrees) and ignored parameters."""
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
-
     if ignored_modules is not None and ignored_states is not None:
         raise ValueError(
             "Cannot pass both ignored_modules and ignored_states at the same time. "
@@ -99,7 +97,7 @@ def resolve_ignored(
         bad = [type(m) for m in roots if not isinstance(m, nn.Module)]
         if bad:
             raise ValueError(f"ignored_modules expects nn.Module list elements but got types {bad}")
-    if any(isinstance(m, FSDP) for m in roots):
+    if any(isinstance(m, UnitState) for m in roots):
         raise ValueError("`ignored_modules` should not include FSDP modules")
     if module in roots:
         warnings.warn(
@@ -110,7 +108,7 @@ def resolve_ignored(
     mods: set[nn.Module] = set()
     for root in roots:
         for m in root.modules():
-            if not isinstance(m, FSDP):
+            if not isinstance(m, UnitState):
                 mods.add(m)
     for m in mods:
         params.update(m.parameters(recurse=False))
@@ -369,11 +367,9 @@ def check_no_cross_unit_sharing(
     module: nn.Module, params: list[tuple[str, nn.Module, str, nn.Parameter]], rank: int
 ) -> None:
     """A parameter owned by a nested unit cannot also belong to this unit."""
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
-
     owned: dict[nn.Parameter, str] = {}
     for name, sub in module.named_modules():
-        if isinstance(sub, FSDP) and sub._handle is not None:
+        if isinstance(sub, UnitState) and sub._handle is not None:
             for info in sub._handle.infos:
                 owned[info.param] = f"{name}.{info.fqn}"
     for fqn, *_, p in params:
@@ -387,14 +383,12 @@ def check_no_cross_unit_sharing(
 
 def cast_buffers(state: Any) -> dict[str, torch.dtype]:
     """Cast the unit's floating buffers to ``buffer_dtype``; return their original dtypes."""
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
-
     dtype = state.mixed_precision.buffer_dtype
     if dtype is None:
         return {}
     orig: dict[str, torch.dtype] = dict(state._buffer_orig_dtypes)
     for mod_fqn, mod in walk_unit_modules(
-        state._fsdp_wrapped_module, lambda m: isinstance(m, FSDP)
+        state._fsdp_wrapped_module, lambda m: isinstance(m, UnitState)
     ):
         if mod in state._ignored_modules:
             continue  # ignored modules' buffers keep their dtype, as in torch
@@ -409,12 +403,10 @@ def cast_buffers(state: Any) -> dict[str, torch.dtype]:
 
 def restore_buffer_dtypes(state: Any) -> None:
     """Undo :func:`cast_buffers`: the unit's cast buffers back in their original dtypes."""
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
-
     if not state._buffer_orig_dtypes:
         return
     for mod_fqn, mod in walk_unit_modules(
-        state._fsdp_wrapped_module, lambda m: isinstance(m, FSDP)
+        state._fsdp_wrapped_module, lambda m: isinstance(m, UnitState)
     ):
         for name, b in mod._buffers.items():
             dtype = state._buffer_orig_dtypes.get(f"{mod_fqn}.{name}" if mod_fqn else name)

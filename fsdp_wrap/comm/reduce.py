@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 from torch.distributed import ProcessGroup
 
-from . import _collectives as C
+import fsdp_wrap.comm.collectives as C
 
 
 @dataclass(frozen=True)

@@ -9,24 +9,20 @@ return cast buffers to their original dtype.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from ._layout import walk_unit_modules
-from ._names import CHECKPOINT_WRAPPED, WRAPPED
-
-if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+from fsdp_wrap.handle.layout import walk_unit_modules
+from fsdp_wrap.runtime.names import CHECKPOINT_WRAPPED, WRAPPED
+from fsdp_wrap.runtime.state import UnitState
 
 __all__ = ["buffers_in_original_dtype"]
 
 
-def buffers_in_original_dtype(state: FSDP, state_dict: dict[str, Any], prefix: str,
+def buffers_in_original_dtype(state: UnitState, state_dict: dict[str, Any], prefix: str,
                               local: bool) -> None:
     """Replace this unit's buffer entries as torch's post-state-dict hooks do."""
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
-
     if local:
         for rel, dtype in state._buffer_orig_dtypes.items():
             key = prefix + WRAPPED + rel
@@ -37,7 +33,7 @@ def buffers_in_original_dtype(state: FSDP, state_dict: dict[str, Any], prefix: s
     if state.mixed_precision.buffer_dtype is None:
         return
     for mod_fqn, mod in walk_unit_modules(
-        state._fsdp_wrapped_module, lambda m: isinstance(m, FSDP)
+        state._fsdp_wrapped_module, lambda m: isinstance(m, UnitState)
     ):
         if mod in state._ignored_modules:
             continue

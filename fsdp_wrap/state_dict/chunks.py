@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,14 +26,10 @@ from torch.distributed._shard.sharded_tensor import (
 )
 from torch.distributed.tensor import DTensor
 
-from . import _collectives
-from ._collectives import global_rank
-from ._names import clean_key
-
-if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
-
-
+import fsdp_wrap.comm.collectives as _collectives
+from fsdp_wrap.comm.collectives import global_rank
+from fsdp_wrap.runtime.names import clean_fqn
+from fsdp_wrap.runtime.state import UnitState
 
 
 @dataclass(frozen=True)
@@ -51,7 +47,7 @@ class ChunkLayout:
     mesh: Any = None
 
 
-def chunk_layout(state: FSDP, use_dtensor: bool) -> ChunkLayout:
+def chunk_layout(state: UnitState, use_dtensor: bool) -> ChunkLayout:
     """The layout of ``state``'s sharded values (DTensor with a mesh or ``_use_dtensor``)."""
     mesh = state._device_mesh
     if mesh is None and use_dtensor:
@@ -167,7 +163,7 @@ def local_chunk(key: str, value: Any, layout: ChunkLayout) -> tuple[torch.Size, 
         shards = value.local_shards()
         if len(shards) > 1:
             raise ValueError(
-                f"[rank {global_rank()}] '{clean_key(key)}': expected at most one local shard "
+                f"[rank {global_rank()}] '{clean_fqn(key)}': expected at most one local shard "
                 f"but got {len(shards)}"
             )
         if shards:
@@ -182,7 +178,7 @@ def local_chunk(key: str, value: Any, layout: ChunkLayout) -> tuple[torch.Size, 
     if local is None or local.shape != expected:
         got = None if local is None else tuple(local.shape)
         raise ValueError(
-            f"[rank {global_rank()}] '{clean_key(key)}' is not chunked on dim 0 over "
+            f"[rank {global_rank()}] '{clean_fqn(key)}' is not chunked on dim 0 over "
             f"{layout.world_size} ranks: expected a local chunk of shape {tuple(expected)} "
             f"at row {start} but got {got} ({where}). Load sharded checkpoints through "
             "torch.distributed.checkpoint so they are resharded for this world size."

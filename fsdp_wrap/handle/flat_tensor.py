@@ -2,7 +2,7 @@
 
 ``FlatParameter`` is what the optimizer sees of a unit; ``_Gathered`` holds one
 all-gathered (unsharded) copy and the collective filling it.  The handle in
-:mod:`fsdp_wrap._flat_param` owns both.
+:mod:`fsdp_wrap.handle.flat_param` owns both.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import _collectives as C
+import fsdp_wrap.comm.collectives as C
 
 __all__ = ["FLAT_PARAM_NAME", "FlatParameter", "HandleState"]
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from ._flat_param import FlatParamHandle
+    from fsdp_wrap.handle.flat_param import FlatParamHandle
 
 __all__ = ["check_unchanged_since_forward", "flat_param_exposed", "write_back_orig_params"]
 
@@ -173,7 +173,7 @@ def _write_back_grad(handle: FlatParamHandle, index: int, full: bool) -> None:
     if flat.grad is None:
         flat.grad = flat_grad
     # The parameter's .grad is a view of the flat gradient again.
-    from ._flat_grad import _assign_grad
+    from fsdp_wrap.handle.grads import _assign_grad
 
     info = handle.infos[index]
     lo, hi = _shard_range(handle, index, full)
@@ -209,7 +209,7 @@ def flat_param_exposed(handle: FlatParamHandle | None) -> Generator[None, None, 
     parameters view it again.  With ``use_orig_params=True`` only, on a
     sharded unit (as torch's ``_deregister_orig_params_ctx``).
     """
-    from ._flat_param import FLAT_PARAM_NAME, HandleState
+    from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME, HandleState
 
     if handle is None or not handle.use_orig_params or handle.state is not HandleState.SHARDED:
         yield

@@ -17,7 +17,7 @@ group of them at once when its bytes reach a cap:
   FSDP2's ``foreach_reduce``).
 
 Every element goes through the same casts, divisions and sum as in
-:func:`fsdp_wrap._reduce.reduce_default`, so the results are bit-identical
+:func:`fsdp_wrap.comm.reduce.reduce_default`, so the results are bit-identical
 to per-unit reduction.
 
 [Note: when reduced gradients appear]
@@ -51,11 +51,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from . import _collectives as C
-from . import _reduce as R
+import fsdp_wrap.comm.collectives as C
+import fsdp_wrap.comm.reduce as R
 
 if TYPE_CHECKING:
-    from ._flat_param import FlatParamHandle
+    from fsdp_wrap.handle.flat_param import FlatParamHandle
 
 __all__ = [
     "BUCKET_CAP_ENV",

@@ -32,20 +32,30 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _chunks as CH
-from . import _collectives, _sharded_io
-from . import _state_dict as SD
-from ._collectives import global_rank
-from ._optim_index import _Index, _index, _optim_params, _piece, _rank0_group, _settings
-from ._optim_load import _broadcast_osd, _flatten_optim
-from .api import (
+import fsdp_wrap.comm.collectives as _collectives
+import fsdp_wrap.state_dict.chunks as CH
+import fsdp_wrap.state_dict.model as SD
+import fsdp_wrap.state_dict.sharded_io as _sharded_io
+from fsdp_wrap.api import (
     FullOptimStateDictConfig,
     StateDictType,
 )
+from fsdp_wrap.comm.collectives import global_rank
+from fsdp_wrap.runtime.names import clean_fqn
+from fsdp_wrap.runtime.state import UnitState
+from fsdp_wrap.runtime.tree import units_under
+from fsdp_wrap.state_dict.optim_index import (
+    _Index,
+    _index,
+    _optim_params,
+    _piece,
+    _rank0_group,
+    _settings,
+)
+from fsdp_wrap.state_dict.optim_load import _broadcast_osd, _flatten_optim
 
 if TYPE_CHECKING:
-    from ._flat_param import FlatParamHandle
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+    from fsdp_wrap.handle.flat_param import FlatParamHandle
 
 
 # ------------------------------------------------------------------- save
@@ -74,7 +84,7 @@ def _by_param_id(
         for name, p in model.named_parameters(remove_duplicate=False):
             if id(p) in pid_of:
                 pid_of_key.setdefault(name, pid_of[id(p)])
-                pid_of_key.setdefault(SD.clean_key(name), pid_of[id(p)])
+                pid_of_key.setdefault(clean_fqn(name), pid_of[id(p)])
     by_id: dict[int, Any] = {}
     other: dict[Any, Any] = {}
     for key, value in state.items():
@@ -254,7 +264,7 @@ def _check_rank0_states_everywhere(orders: list[list[tuple[str, ...]]], rank: in
         )
 
 
-def _all_gather_objects(obj: Any, root: FSDP) -> list[Any]:
+def _all_gather_objects(obj: Any, root: UnitState) -> list[Any]:
     out: list[Any] = [None] * root.world_size
     dist.all_gather_object(out, obj, group=root.process_group)
     return out
@@ -403,10 +413,8 @@ def optim_state_dict(
     )
 
 
-def _fsdp_modules(model: nn.Module) -> list[FSDP]:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
-
-    return FSDP.fsdp_modules(model)
+def _fsdp_modules(model: nn.Module) -> list[UnitState]:
+    return units_under(model)
 
 
 def optim_state_dict_to_load(
@@ -501,12 +509,10 @@ def _param_names(model: nn.Module, params: list[torch.Tensor]) -> list[str]:
     Parameter ids and names map one to one only without flat parameters of
     several originals: those raise (torch's FSDP1 raises here too).
     """
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
-
-    if FSDP.fsdp_modules(model):
+    if units_under(model):
         where = _index(model).where  # also lists the parameters outside FSDP
     else:
-        where = {id(p): (-1, -1, [SD.clean_key(n)]) for n, p in model.named_parameters()}
+        where = {id(p): (-1, -1, [clean_fqn(n)]) for n, p in model.named_parameters()}
     names = []
     for p in params:
         _, k, fqns = where[id(p)]

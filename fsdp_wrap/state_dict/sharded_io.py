@@ -29,15 +29,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _chunks as CH
-from . import _collectives
-from . import _state_dict as SD
-from ._collectives import global_rank
-from ._flat_param import FLAT_PARAM_NAME
+import fsdp_wrap.comm.collectives as _collectives
+import fsdp_wrap.state_dict.chunks as CH
+import fsdp_wrap.state_dict.model as SD
+from fsdp_wrap.comm.collectives import global_rank
+from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME
+from fsdp_wrap.runtime.names import clean_fqn
+from fsdp_wrap.runtime.state import UnitState
 
 if TYPE_CHECKING:
-    from ._flat_param import FlatParamHandle
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+    from fsdp_wrap.handle.flat_param import FlatParamHandle
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,7 @@ def load_chunks(h: FlatParamHandle, chunks: dict[int, torch.Tensor]) -> None:
 
 
 def load_sharded_unit(
-    state: FSDP,
+    state: UnitState,
     state_dict: dict[str, Any],
     wrapped: str,
     missing_keys: list[str],
@@ -224,7 +225,7 @@ def load_sharded_unit(
             if shape is None or tuple(shape) != tuple(info.shape):
                 got = tuple(shape) if shape is not None else type(value).__name__
                 error_msgs.append(
-                    f"size mismatch for {SD.clean_key(key)}: copying a param with shape {got} "
+                    f"size mismatch for {clean_fqn(key)}: copying a param with shape {got} "
                     f"from checkpoint, the shape in current model is {tuple(info.shape)}."
                 )
             elif CH.is_chunked(value):

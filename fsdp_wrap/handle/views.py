@@ -1,4 +1,4 @@
-"""The views half of :class:`~fsdp_wrap._flat_param.FlatParamHandle`.
+"""The views half of :class:`~fsdp_wrap.handle.flat_param.FlatParamHandle`.
 
 A mixin the handle inherits, kept in its own file so the handle's file stays
 readable: how the original parameters are exposed to the modules around a
@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.nn as nn
 
-from ._flat_tensor import FLAT_PARAM_NAME, HandleState
+from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME, HandleState
 
 if TYPE_CHECKING:
-    from ._layout import ParamInfo, SharedParamInfo
+    from fsdp_wrap.handle.layout import ParamInfo, SharedParamInfo
 
 
 class ViewsMixin:

@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from . import _collectives as C
-from ._bucket import resolve_mb
+import fsdp_wrap.comm.collectives as C
+from fsdp_wrap.comm.bucket import resolve_mb
 
 if TYPE_CHECKING:
-    from ._flat_param import FlatParamHandle
+    from fsdp_wrap.handle.flat_param import FlatParamHandle
 
 __all__ = ["ALL_GATHER_BATCH_ENV", "DEFAULT_ALL_GATHER_BATCH_MB", "gather_ahead",
            "resolve_all_gather_batch_mb"]

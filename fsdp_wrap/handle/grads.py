@@ -1,10 +1,10 @@
-"""The gradient half of :class:`~fsdp_wrap._flat_param.FlatParamHandle`.
+"""The gradient half of :class:`~fsdp_wrap.handle.flat_param.FlatParamHandle`.
 
 A mixin the handle inherits, kept in its own file so the handle's file stays
 readable: parking a reduced gradient while a new one accumulates, taking the
 local gradient for reduction, installing the reduced one, and the original
 parameters' ``.grad`` views.  *How* a gradient is reduced lives in
-:mod:`fsdp_wrap._reduce` (one unit) and :mod:`fsdp_wrap._bucket` (several units
+:mod:`fsdp_wrap.comm.reduce` (one unit) and :mod:`fsdp_wrap.comm.bucket` (several units
 in one collective); this file says what the handle holds before and after.
 """
 
@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from . import _reduce as R
+import fsdp_wrap.comm.reduce as R
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-    from ._layout import FlatLayout, ParamInfo
+    from fsdp_wrap.handle.layout import FlatLayout, ParamInfo
 
 
 class GradientsMixin:
@@ -99,7 +99,7 @@ class GradientsMixin:
         """Turn the local unsharded gradient on ``flat_param`` into the mean sharded one.
 
         Called from the post-backward hook after ``reshard`` when this unit is
-        reduced on its own (see :mod:`fsdp_wrap._bucket` for several at once).
+        reduced on its own (see :mod:`fsdp_wrap.comm.bucket` for several at once).
         Sharded strategies reduce-scatter over the shard group; NO_SHARD
         all-reduces; hybrid strategies then all-reduce the shard over the
         replicate group.  With ``sync=False`` (``no_sync``) the local gradient

@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from . import _collectives as C
-from ._collectives import global_rank
+import fsdp_wrap.comm.collectives as C
+from fsdp_wrap.comm.collectives import global_rank
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-    from ._flat_param import FlatParamHandle
+    from fsdp_wrap.handle.flat_param import FlatParamHandle
 
 
 class ExecOrder:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from ._compat import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE
+from fsdp_wrap._compat import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE
 
 Work = dist.Work
 
