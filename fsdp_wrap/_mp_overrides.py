@@ -8,17 +8,16 @@ forward hooks that run them in float32 inside a low-precision model.  Used by
 
 from __future__ import annotations
 
-import collections
 import copy
-import dataclasses
 import functools
 import warnings
 from collections.abc import Iterable
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.nn.utils.rnn import PackedSequence
+
+from fsdp_wrap.runtime.hooks import map_tensors
 
 
 def _add_mixed_precision_overrides(
@@ -43,33 +42,6 @@ def _add_mixed_precision_overrides(
     return targets
 
 
-def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
-    """Apply ``fn`` to each tensor inside nested tuples, lists, dicts and dataclasses."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, PackedSequence):
-        return value
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changes = {
-            f.name: _map_tensors(fn, getattr(value, f.name))
-            for f in dataclasses.fields(value)
-            if f.init
-        }
-        return dataclasses.replace(value, **changes)
-    if isinstance(value, collections.OrderedDict):
-        ordered = value.__class__()
-        for key, item in value.items():
-            ordered[key] = _map_tensors(fn, item)
-        return ordered
-    if isinstance(value, dict):
-        return {key: _map_tensors(fn, item) for key, item in value.items()}
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_map_tensors(fn, item) for item in value))
-    if isinstance(value, (list, tuple, set)):
-        return type(value)(_map_tensors(fn, item) for item in value)
-    return value
-
-
 def _register_full_precision_hooks(module: nn.Module) -> None:
     """Run ``module`` in float32 while the rest of the model may run in low precision.
 
@@ -87,13 +59,13 @@ def _register_full_precision_hooks(module: nn.Module) -> None:
 
     def pre_hook(mod: nn.Module, args: tuple[Any, ...]) -> Any:
         arrived_dtype[0] = None
-        return _map_tensors(functools.partial(to_dtype, torch.float32), args)
+        return map_tensors(functools.partial(to_dtype, torch.float32), args)
 
     def post_hook(mod: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         original = arrived_dtype[0]
         if original is None:
             return None
-        return _map_tensors(functools.partial(to_dtype, original), output)
+        return map_tensors(functools.partial(to_dtype, original), output)
 
     module.register_forward_pre_hook(pre_hook, prepend=False)
     module.register_forward_hook(post_hook, prepend=False)

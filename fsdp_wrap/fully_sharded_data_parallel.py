@@ -59,7 +59,7 @@ class OptimStateKeyType(Enum):
     PARAM_ID = auto()
 
 
-class FullyShardedDataParallel(nn.Module, UnitState):
+class FullyShardedDataParallel(UnitState):
     """Shard a module's parameters across data-parallel ranks (FSDP1 semantics).
 
     The wrapped module's parameters (except those of nested FSDP units and
@@ -187,9 +187,9 @@ class FullyShardedDataParallel(nn.Module, UnitState):
         # Used at the root only (the root's value counts for the whole tree).
         self._grad_buckets = GradBuckets(int(cap_mb * 1024 * 1024))
         self._all_gather_batch_bytes = int(batch_mb * 1024 * 1024)
-        self._all_fsdp_states: list[FullyShardedDataParallel] = []
+        self._all_fsdp_states = []
         self._all_handles: list[FlatParamHandle] = []
-        self._state_of: dict[FlatParamHandle, FullyShardedDataParallel] = {}
+        self._state_of = {}
         # Original dtypes of buffers cast to ``buffer_dtype`` (clean FQN under
         # the wrapped module -> dtype); state dicts save them in these dtypes.
         self._buffer_orig_dtypes: dict[str, torch.dtype] = {}

@@ -21,17 +21,45 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Generator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+import torch.nn as nn
 
-if TYPE_CHECKING:
-    from fsdp_wrap.handle.flat_param import FlatParamHandle
+from fsdp_wrap.api import ShardingStrategy
+from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME, HandleState
+from fsdp_wrap.handle.grads import _assign_grad
+from fsdp_wrap.handle.layout import ParamInfo, SharedParamInfo
+
+
+class OwningHandle(Protocol):
+    """What write-back reads and calls on its handle (the ``FlatParamHandle`` of
+    ``handle/flat_param.py``, which owns it: only the handle calls these functions,
+    and they change only the handle's own flat parameter, its gradient and its
+    unit's registered parameters)."""
+
+    flat_param: nn.Parameter
+    local_shard: torch.Tensor
+    infos: list[ParamInfo]
+    shared: list[SharedParamInfo]
+    module: nn.Module
+    rank: int
+    unit_fqn: str
+    strategy: ShardingStrategy
+    state: HandleState
+    use_orig_params: bool
+    uses_sharded_strategy: bool
+    has_unreduced_grad: bool
+
+    def param_shard_slice(self, index: int) -> tuple[int, int] | None: ...
+    def pre_unshard(self) -> bool: ...
+    def use_sharded_views(self) -> None: ...
+    def adopt_flat_param_data(self) -> None: ...
 
 __all__ = ["check_unchanged_since_forward", "flat_param_exposed", "write_back_orig_params"]
 
 
-def _where(handle: FlatParamHandle, fqn: str) -> str:
+def _where(handle: OwningHandle, fqn: str) -> str:
     unit = handle.unit_fqn
     full = f"{unit}.{fqn}" if unit else fqn
     return f"(rank {handle.rank}, FSDP unit '{unit or '<root>'}') '{full}'"
@@ -41,7 +69,7 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def _shard_range(handle: FlatParamHandle, index: int, full: bool) -> tuple[int, int]:
+def _shard_range(handle: OwningHandle, index: int, full: bool) -> tuple[int, int]:
     """``[start, end)`` of parameter ``index`` in the local shard (or, with
     ``full``, in the unsharded flat tensor)."""
     info = handle.infos[index]
@@ -51,7 +79,7 @@ def _shard_range(handle: FlatParamHandle, index: int, full: bool) -> tuple[int, 
     return (0, 0) if sl is None else sl
 
 
-def _copy_into(handle: FlatParamHandle, what: str, index: int, src: torch.Tensor,
+def _copy_into(handle: OwningHandle, what: str, index: int, src: torch.Tensor,
                dst: torch.Tensor, full: bool) -> None:
     info = handle.infos[index]
     lo, hi = _shard_range(handle, index, full)
@@ -72,7 +100,7 @@ def _copy_into(handle: FlatParamHandle, what: str, index: int, src: torch.Tensor
     dst[lo:hi].copy_(flat_src)
 
 
-def write_back_orig_params(handle: FlatParamHandle) -> bool:
+def write_back_orig_params(handle: OwningHandle) -> bool:
     """Copy replaced original parameters and gradients into the flat ones.
 
     Precondition: the handle is sharded (its original parameters registered as
@@ -123,7 +151,7 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return lo, lo + t.numel() * t.element_size()
 
 
-def _nothing_replaced(handle: FlatParamHandle) -> bool:
+def _nothing_replaced(handle: OwningHandle) -> bool:
     """The common case, decided cheaply: every original parameter is still the
     registered object, its data lies in the local shard and its ``.grad`` in
     the flat gradient (or both gradients are ``None``).
@@ -154,7 +182,7 @@ def _nothing_replaced(handle: FlatParamHandle) -> bool:
     return True
 
 
-def _write_back_grad(handle: FlatParamHandle, index: int, full: bool) -> None:
+def _write_back_grad(handle: OwningHandle, index: int, full: bool) -> None:
     """Gradient part of :func:`write_back_orig_params` for parameter ``index``."""
     param = handle.infos[index].param
     flat = handle.flat_param
@@ -173,7 +201,6 @@ def _write_back_grad(handle: FlatParamHandle, index: int, full: bool) -> None:
     if flat.grad is None:
         flat.grad = flat_grad
     # The parameter's .grad is a view of the flat gradient again.
-    from fsdp_wrap.handle.grads import _assign_grad
 
     info = handle.infos[index]
     lo, hi = _shard_range(handle, index, full)
@@ -181,7 +208,7 @@ def _write_back_grad(handle: FlatParamHandle, index: int, full: bool) -> None:
     _assign_grad(param, view.view(info.shape) if full else view)
 
 
-def check_unchanged_since_forward(handle: FlatParamHandle, views: list[torch.Tensor]) -> None:
+def check_unchanged_since_forward(handle: OwningHandle, views: list[torch.Tensor]) -> None:
     """Fail if a unit kept unsharded after forward had a parameter replaced
     before its backward (the gradient would silently belong to the old one)."""
     flat = handle.flat_param
@@ -200,7 +227,7 @@ def check_unchanged_since_forward(handle: FlatParamHandle, views: list[torch.Ten
 
 
 @contextlib.contextmanager
-def flat_param_exposed(handle: FlatParamHandle | None) -> Generator[None, None, None]:
+def flat_param_exposed(handle: OwningHandle | None) -> Generator[None, None, None]:
     """Register the flat parameter in place of the original ones for a while.
 
     ``nn.Module._apply`` (``.half()``, ``.to(dtype)``, ``.double()``) then
@@ -209,7 +236,6 @@ def flat_param_exposed(handle: FlatParamHandle | None) -> Generator[None, None, 
     parameters view it again.  With ``use_orig_params=True`` only, on a
     sharded unit (as torch's ``_deregister_orig_params_ctx``).
     """
-    from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME, HandleState
 
     if handle is None or not handle.use_orig_params or handle.state is not HandleState.SHARDED:
         yield

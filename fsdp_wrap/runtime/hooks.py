@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch.autograd import Variable
+from torch.nn.utils.rnn import PackedSequence
 
 import fsdp_wrap.runtime.construct as _init
 import fsdp_wrap.runtime.tree as tree
@@ -146,7 +147,7 @@ def _register_pre_backward_hooks(state: UnitState, handle: FlatParamHandle | Non
             t.register_hook(hook)
         return t
 
-    return _apply_to_tensors(register, output)
+    return map_tensors(register, output, in_place_mappings=True)
 
 
 # ---------------------------------------------------------------- backward
@@ -302,38 +303,55 @@ def finalize_units(root: UnitState, free_all: bool) -> None:
 # ----------------------------------------------------------------- helpers
 
 
-def _apply_to_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
-    """Apply ``fn`` to every tensor in nested tuples, lists, dicts and dataclasses."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {
-            f.name: _apply_to_tensors(fn, getattr(obj, f.name))
-            for f in dataclasses.fields(obj)
-            if f.init
-        }
-        return dataclasses.replace(obj, **changes)
-    if isinstance(obj, dict):
-        return type(obj)((k, _apply_to_tensors(fn, v)) for k, v in obj.items()) if type(
-            obj
-        ) is dict else _map_mapping(fn, obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_apply_to_tensors(fn, v) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_apply_to_tensors(fn, v) for v in obj)
-    return obj
+def map_tensors(
+    fn: Callable[[torch.Tensor], torch.Tensor], obj: Any, *, in_place_mappings: bool = False
+) -> Any:
+    """Apply ``fn`` to every tensor in nested tuples, lists, sets, dicts,
+    namedtuples and dataclasses; return the same structure.
 
+    As torch's ``_apply_to_tensors``: a ``PackedSequence`` gets ``fn`` applied
+    to its data for the side effect and is returned as it was; plain dicts
+    are copied.  Other mappings (``OrderedDict``, Hugging Face's
+    ``ModelOutput``) are rebuilt as a new instance of their class, or, with
+    ``in_place_mappings`` (forward inputs and outputs), updated in place so
+    that whatever else the object carries stays.
+    """
 
-def _map_mapping(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
-    for k in list(obj.keys()):
-        obj[k] = _apply_to_tensors(fn, obj[k])
-    return obj
+    def apply(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return fn(x)
+        if isinstance(x, PackedSequence):
+            apply(x.data)
+            return x
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            changes = {f.name: apply(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init}
+            return dataclasses.replace(x, **changes)
+        if isinstance(x, dict):
+            if type(x) is dict:
+                return {k: apply(v) for k, v in x.items()}
+            if in_place_mappings:
+                for k in list(x.keys()):
+                    x[k] = apply(x[k])
+                return x
+            rebuilt = x.__class__()
+            for k, v in x.items():
+                rebuilt[k] = apply(v)
+            return rebuilt
+        if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
+            return type(x)(*(apply(v) for v in x))
+        if isinstance(x, (list, tuple, set)):
+            return type(x)(apply(v) for v in x)
+        return x
+
+    return apply(obj)
 
 
 def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
     """Cast every floating-point tensor in ``obj`` to ``dtype``."""
-    return _apply_to_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, obj)
+    return map_tensors(
+        lambda t: t.to(dtype) if t.is_floating_point() else t, obj, in_place_mappings=True
+    )
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
-    return _apply_to_tensors(lambda t: t.to(device, non_blocking=True), obj)
+    return map_tensors(lambda t: t.to(device, non_blocking=True), obj, in_place_mappings=True)

@@ -41,8 +41,11 @@ class TrainingState(Enum):
     SUMMON_FULL_PARAMS = auto()
 
 
-class UnitState:
+class UnitState(nn.Module):
     """The state of one FSDP unit; declared here, set by the façade.
+
+    A module (the façade is one): lower layers may register hooks on it and
+    walk its tree.
 
     Per unit: the wrapped module, the handle of its flat parameter (``None``
     for a unit without parameters), its process groups and options.  Per tree,

@@ -27,7 +27,7 @@ def units_under(module: nn.Module, root_only: bool = False) -> list[UnitState]:
 
     ``root_only`` keeps the roots, after lazy-initialising each tree.
     """
-    found = [m for m in module.modules() if isinstance(m, UnitState)]
+    found: list[UnitState] = [m for m in module.modules() if isinstance(m, UnitState)]
     if root_only:
         for m in found:
             lazy_init(m)
@@ -44,9 +44,8 @@ def lazy_init(state: UnitState) -> None:
     """
     if state._is_root is not None:
         return
-    module: nn.Module = state  # type: ignore[assignment]  (a unit is a module)
-    states = units_under(module)
-    fqn_of = {id(m): clean_fqn(n) for n, m in module.named_modules() if m in states}
+    states = units_under(state)
+    fqn_of = {id(m): clean_fqn(n) for n, m in state.named_modules() if m in states}
     # Local checks first, so a refused tree stays uninitialised (no root set).
     _check_homogeneous(states, fqn_of)
     _check_optim_in_backward(states, fqn_of)

@@ -221,3 +221,17 @@ def gather_chunks(items: Sequence[tuple[str, Any]], layout: ChunkLayout) -> list
             out[i] = full.view(shape)
             pos += size
     return [t for t in out if t is not None]
+
+
+def uses_dtensor(state: UnitState) -> bool:
+    """Do this unit's SHARDED state dicts hold DTensors (a device mesh, or asked for)?"""
+    cfg = state._state_dict_config
+    return state._device_mesh is not None or bool(getattr(cfg, "_use_dtensor", False))
+
+
+def claim(state_dict: dict[str, Any], key: str, param: torch.Tensor, registered: bool) -> None:
+    """Load ``key`` through the module (a registered parameter) or drop it (FSDP loads it)."""
+    if registered:
+        state_dict[key] = param  # nn.Module copies the parameter onto itself: a no-op
+    else:
+        del state_dict[key]

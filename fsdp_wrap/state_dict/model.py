@@ -59,7 +59,7 @@ from fsdp_wrap.api import (
 from fsdp_wrap.comm.collectives import global_rank
 from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME
 from fsdp_wrap.handle.layout import walk_unit_modules
-from fsdp_wrap.runtime.names import CHECKPOINT_WRAPPED, WRAPPED, clean_fqn
+from fsdp_wrap.runtime.names import WRAPPED, clean_fqn
 from fsdp_wrap.runtime.state import TrainingState, UnitState
 from fsdp_wrap.runtime.tree import lazy_init, units_under
 from fsdp_wrap.state_dict.buffers import buffers_in_original_dtype
@@ -210,24 +210,15 @@ def effective_type(state: UnitState, warn: bool = True) -> StateDictType:
     return sd_type
 
 
-def _uses_dtensor(state: UnitState) -> bool:
-    cfg = state._state_dict_config
-    return state._device_mesh is not None or bool(getattr(cfg, "_use_dtensor", False))
-
-
-def _rel(info_fqn: str) -> str:
-    return info_fqn.replace(CHECKPOINT_WRAPPED, "")
-
-
 def _param_rels(state: UnitState) -> list[str]:
     """Keys (relative to the wrapped module) of the unit's flattened parameters."""
     h = state._handle
-    return [] if h is None else [_rel(i.fqn) for i in h.infos]
+    return [] if h is None else [clean_fqn(i.fqn) for i in h.infos]
 
 
 def _shared_rels(state: UnitState) -> list[str]:
     h = state._handle
-    return [] if h is None else [_rel(s.fqn) for s in h.shared]
+    return [] if h is None else [clean_fqn(s.fqn) for s in h.shared]
 
 
 def _pre_state_dict_hook(state: UnitState, prefix: str, keep_vars: bool) -> None:
@@ -269,7 +260,7 @@ def _unit_keys(state: UnitState) -> list[str]:
     for mod_fqn, mod in walk_unit_modules(
         state._fsdp_wrapped_module, lambda m: isinstance(m, UnitState)
     ):
-        pre = f"{_rel(mod_fqn)}." if mod_fqn else ""
+        pre = f"{clean_fqn(mod_fqn)}." if mod_fqn else ""
         pre = clean_fqn(pre)
         keys.extend(pre + n for n, p in mod._parameters.items() if p is not None)
         keys.extend(
@@ -326,12 +317,12 @@ def _sharded_post_state_dict(state: UnitState, state_dict: dict[str, Any], prefi
     The values in the dict are already this rank's chunks (see the pre-hook).
     """
     cfg = state._state_dict_config
-    layout = CH.chunk_layout(state, _uses_dtensor(state))
+    layout = CH.chunk_layout(state, CH.uses_dtensor(state))
     h = state._handle
     if h is None:
         return
-    shapes = {_rel(i.fqn): i.shape for i in h.infos}
-    shapes.update({_rel(s.fqn): h.infos[s.index].shape for s in h.shared})
+    shapes = {clean_fqn(i.fqn): i.shape for i in h.infos}
+    shapes.update({clean_fqn(s.fqn): h.infos[s.index].shape for s in h.shared})
     for rel, shape in shapes.items():
         key = prefix + WRAPPED + rel
         if key in state_dict:
@@ -467,7 +458,7 @@ def _full_pre_load(
     h.invalidate_unsharded()  # any gathered copy is stale from here on
     with torch.no_grad():
         for i, info in enumerate(h.infos):
-            key = wrapped + _rel(info.fqn)
+            key = wrapped + clean_fqn(info.fqn)
             value = _as_tensor(state_dict.get(key))
             if value is None:
                 if not h.use_orig_params:  # not registered: nn.Module cannot see it
@@ -486,11 +477,11 @@ def _full_pre_load(
                     h.local_shard[sl[0] : sl[1]].copy_(
                         value.detach().reshape(-1)[start : start + sl[1] - sl[0]]
                     )
-            _claim(state_dict, key, info.param, h.use_orig_params)
+            CH.claim(state_dict, key, info.param, h.use_orig_params)
         for shared in h.shared:
-            key = wrapped + _rel(shared.fqn)
+            key = wrapped + clean_fqn(shared.fqn)
             if key in state_dict:
-                _claim(state_dict, key, h.infos[shared.index].param, h.use_orig_params)
+                CH.claim(state_dict, key, h.infos[shared.index].param, h.use_orig_params)
         if not h.use_orig_params:
             state_dict[wrapped + FLAT_PARAM_NAME] = h.flat_param
 
@@ -509,13 +500,6 @@ def _as_tensor(value: Any) -> Any:
         if isinstance(loaded, torch.Tensor):
             return loaded
     return value
-
-
-def _claim(state_dict: dict[str, Any], key: str, param: torch.Tensor, registered: bool) -> None:
-    if registered:
-        state_dict[key] = param  # nn.Module copies the parameter onto itself: a no-op
-    else:
-        del state_dict[key]
 
 
 def _local_pre_load(

@@ -31,7 +31,6 @@ import torch
 
 import fsdp_wrap.comm.collectives as _collectives
 import fsdp_wrap.state_dict.chunks as CH
-import fsdp_wrap.state_dict.model as SD
 from fsdp_wrap.comm.collectives import global_rank
 from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME
 from fsdp_wrap.runtime.names import clean_fqn
@@ -202,7 +201,7 @@ def load_sharded_unit(
     h = state._handle
     if h is None:
         return
-    layout = CH.chunk_layout(state, SD._uses_dtensor(state))
+    layout = CH.chunk_layout(state, CH.uses_dtensor(state))
     if layout.world_size != h.world_size:
         raise RuntimeError(
             f"[rank {global_rank()}] FSDP unit '{h.unit_fqn or '<root>'}': sharded state-dict values are "
@@ -212,7 +211,7 @@ def load_sharded_unit(
     chunks: dict[int, torch.Tensor] = {}
     with torch.no_grad():
         for i, info in enumerate(h.infos):
-            key = wrapped + SD._rel(info.fqn)
+            key = wrapped + clean_fqn(info.fqn)
             value = state_dict.get(key)
             if value is None:
                 if not h.use_orig_params:  # not registered: nn.Module cannot see it
@@ -237,11 +236,11 @@ def load_sharded_unit(
                     h.local_shard[sl[0] : sl[1]].copy_(
                         value.detach().reshape(-1)[start : start + sl[1] - sl[0]]
                     )
-            SD._claim(state_dict, key, info.param, h.use_orig_params)
+            CH.claim(state_dict, key, info.param, h.use_orig_params)
         for shared in h.shared:
-            key = wrapped + SD._rel(shared.fqn)
+            key = wrapped + clean_fqn(shared.fqn)
             if key in state_dict:
-                SD._claim(state_dict, key, h.infos[shared.index].param, h.use_orig_params)
+                CH.claim(state_dict, key, h.infos[shared.index].param, h.use_orig_params)
         if not h.use_orig_params:
             state_dict[wrapped + FLAT_PARAM_NAME] = h.flat_param
     load_chunks(h, chunks)
