@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import warnings
 from collections.abc import Generator, Iterable, Iterator
 from enum import Enum, auto
@@ -23,6 +22,7 @@ import torch.nn as nn
 import fsdp_wrap.comm.collectives as C
 import fsdp_wrap.runtime.construct as _init
 import fsdp_wrap.runtime.hooks as _runtime
+import fsdp_wrap.runtime.setup as setup
 import fsdp_wrap.runtime.summon as _summon
 import fsdp_wrap.runtime.tree as tree
 import fsdp_wrap.state_dict.model as _state_dict
@@ -32,8 +32,6 @@ from fsdp_wrap.api import (
     HYBRID_STRATEGIES,
     BackwardPrefetch,
     CPUOffload,
-    FullOptimStateDictConfig,
-    FullStateDictConfig,
     MixedPrecision,
     OptimStateDictConfig,
     ShardingStrategy,
@@ -41,12 +39,9 @@ from fsdp_wrap.api import (
     StateDictSettings,
     StateDictType,
 )
-from fsdp_wrap.comm.bucket import GradBuckets, resolve_bucket_cap_mb
+from fsdp_wrap.comm.bucket import resolve_bucket_cap_mb
 from fsdp_wrap.comm.collectives import global_rank
 from fsdp_wrap.comm.gather_batch import resolve_all_gather_batch_mb
-from fsdp_wrap.handle.flat_param import FlatParamHandle
-from fsdp_wrap.handle.layout import collect_unit_params
-from fsdp_wrap.runtime.exec_order import ExecOrder
 from fsdp_wrap.runtime.names import clean_fqn
 from fsdp_wrap.runtime.state import TrainingState, UnitState
 
@@ -109,139 +104,47 @@ class FullyShardedDataParallel(UnitState):
                 "FSDP was given a module that is already wrapped by FullyShardedDataParallel; "
                 "wrap the inner module once (nest FSDP around submodules instead)."
             )
+        # 1. Arguments, checked before any collective.
         strategy = coerce_enum(sharding_strategy, ShardingStrategy, "sharding_strategy")
         backward_prefetch = coerce_enum(backward_prefetch, BackwardPrefetch, "backward_prefetch")
         cpu_offload = coerce_dataclass(cpu_offload, CPUOffload, "cpu_offload")
         mixed_precision = coerce_dataclass(mixed_precision, MixedPrecision, "mixed_precision")
         strategy = strategy or ShardingStrategy.FULL_SHARD
-        # Checked before any collective.
         cap_mb = resolve_bucket_cap_mb(bucket_cap_mb)
         batch_mb = resolve_all_gather_batch_mb(all_gather_batch_mb)
-
         ignored_mods, ignored_params = _init.resolve_ignored(module, ignored_modules, ignored_states)
-        self._ignored_modules = ignored_mods
-        self._ignored_params = ignored_params
-        pg_state = _init.resolve_process_group(
-            process_group, device_mesh, strategy, auto_wrap_policy is not None
+        self._ignored_modules, self._ignored_params = ignored_mods, ignored_params
+        # 2. Process groups.
+        pg_state, child_group = setup.init_process_groups(
+            self, process_group, device_mesh, strategy, auto_wrap_policy is not None
         )
-        self.process_group = pg_state.group
-        self.rank = pg_state.rank
-        self.world_size = pg_state.world_size
-        self._device_mesh = device_mesh
-        self._inter_node_pg = pg_state.replicate_group
-        divide = C.divide_factors(self.world_size * pg_state.replicate_size)
-        self._gradient_predivide_factor, self._gradient_postdivide_factor = divide
-        if pg_state.replicate_group is not None and device_mesh is None:
-            # Children share this unit's groups instead of building their own.
-            process_group = (pg_state.group, pg_state.replicate_group)
-
+        # 3. Children the policy picks become units of their own, with the
+        # root's arguments (the ignored set resolved to parameters, as torch
+        # passes it, so one-shot iterables are safe).
         if auto_wrap_policy is not None:
             from fsdp_wrap.wrap import _auto_wrap
 
-            # Children get the root's arguments, with the ignored set resolved to
-            # parameters (as torch passes it), so one-shot iterables are safe.
             root_kwargs = dict(
-                process_group=process_group,
-                sharding_strategy=sharding_strategy,
-                cpu_offload=cpu_offload,
-                auto_wrap_policy=auto_wrap_policy,
-                backward_prefetch=backward_prefetch,
-                mixed_precision=mixed_precision,
-                ignored_modules=None,
-                param_init_fn=param_init_fn,
-                device_id=device_id,
-                sync_module_states=sync_module_states,
-                forward_prefetch=forward_prefetch,
-                limit_all_gathers=limit_all_gathers,
-                use_orig_params=use_orig_params,
+                process_group=child_group, sharding_strategy=sharding_strategy,
+                cpu_offload=cpu_offload, auto_wrap_policy=auto_wrap_policy,
+                backward_prefetch=backward_prefetch, mixed_precision=mixed_precision,
+                ignored_modules=None, param_init_fn=param_init_fn, device_id=device_id,
+                sync_module_states=sync_module_states, forward_prefetch=forward_prefetch,
+                limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params,
                 ignored_states=list(ignored_params) if ignored_params else None,
                 device_mesh=device_mesh,
             )
-            _auto_wrap(
-                module, auto_wrap_policy, ignored_mods, ignored_params, root_kwargs,
-                FullyShardedDataParallel,
-            )
-
-        self.sharding_strategy = _init.clamp_strategy(strategy, self.world_size)
-        self.cpu_offload = cpu_offload or CPUOffload()
-        self.mixed_precision = mixed_precision or MixedPrecision()
-        self.backward_prefetch = backward_prefetch
-        self.forward_prefetch = forward_prefetch
-        self.limit_all_gathers = limit_all_gathers
-        self._use_orig_params = use_orig_params
-        self._use_full_prec_in_eval = os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL", "") == "1"
-        self._buffers_in_full_precision = False  # (root) see _runtime._buffers_for_eval
-        self._optims_in_backward = False  # set at lazy init (_apply_optimizer_in_backward)
-        self._sync_module_states = sync_module_states
-        self.training_state = TrainingState.IDLE
-        self._is_root: bool | None = None
-        # Plain attribute, not a submodule: the root is not a child of its units.
-        object.__setattr__(self, "_root", self)
-        self._sync_gradients = True
-        self._comm_hook: Callable[..., Any] | None = None
-        self._comm_hook_state: object = None
-        self._ran_pre_backward = False
-        self._final_callback_queued = False
-        self._forward_pending_backward = False
-        self._exec_order = ExecOrder()
-        # Used at the root only (the root's value counts for the whole tree).
-        self._grad_buckets = GradBuckets(int(cap_mb * 1024 * 1024))
-        self._all_gather_batch_bytes = int(batch_mb * 1024 * 1024)
-        self._all_fsdp_states = []
-        self._all_handles: list[FlatParamHandle] = []
-        self._state_of = {}
-        # Original dtypes of buffers cast to ``buffer_dtype`` (clean FQN under
-        # the wrapped module -> dtype); state dicts save them in these dtypes.
-        self._buffer_orig_dtypes: dict[str, torch.dtype] = {}
-
-        def stop(m: nn.Module) -> bool:
-            return isinstance(m, FullyShardedDataParallel) or m in ignored_mods
-
-        self.compute_device = _init.resolve_device(module, device_id, stop, ignored_params)
-        _init.materialize_meta(
-            module, stop, ignored_params, param_init_fn, self.compute_device, self.rank
+            _auto_wrap(module, auto_wrap_policy, ignored_mods, ignored_params, root_kwargs,
+                       FullyShardedDataParallel)
+        # 4. This unit: options, runtime state, its module placed, its handle.
+        setup.init_settings(
+            self, strategy, cpu_offload, mixed_precision, backward_prefetch, forward_prefetch,
+            limit_all_gathers, use_orig_params, sync_module_states,
         )
-        _init.move_to_device(module, self.compute_device, stop, ignored_params)
-        if sync_module_states:
-            groups = [g for g in (self._inter_node_pg, self.process_group) if g is not None]
-            _init.sync_module_states(module, stop, ignored_params, groups)
-
-        params, shared = collect_unit_params(module, stop, ignored_params)
-        _init.check_no_cross_unit_sharing(module, params, self.rank)
-        self._handle: FlatParamHandle | None = None
-        if params:
-            self._handle = FlatParamHandle(
-                module,
-                params,
-                shared,
-                unit_fqn="",  # set to the real FQN at lazy init
-                device=self.compute_device,
-                strategy=self.sharding_strategy,
-                process_group=self.process_group,
-                rank=self.rank,
-                world_size=self.world_size,
-                use_orig_params=use_orig_params,
-                divide=divide,
-                param_dtype=self.mixed_precision.param_dtype,
-                reduce_dtype=self.mixed_precision.reduce_dtype,
-                keep_low_precision_grads=self.mixed_precision.keep_low_precision_grads,
-                offload_params=self.cpu_offload.offload_params,
-                replicate_group=self._inter_node_pg if pg_state.replicate_size > 1 else None,
-                limit_all_gathers=limit_all_gathers,
-                use_full_prec_in_eval=self._use_full_prec_in_eval,
-            )
-            if self._handle.flat_param.requires_grad:
-                # A fully frozen unit gets no gradient; the end-of-backward
-                # callback reshards it.
-                self._handle.flat_param.register_post_accumulate_grad_hook(
-                    _runtime.make_post_backward_hook(self, self._handle)
-                )
-                if self._handle.uses_sharded_strategy:
-                    # (NO_SHARD's unsharded data is the parameter: nothing to free early)
-                    self._handle.on_view_grads_ready = _runtime.make_early_free_hook(
-                        self, self._handle
-                    )
-        self.params = [self._handle.flat_param] if self._handle is not None else []
+        setup.init_runtime_state(self, cap_mb, batch_mb)
+        setup.place_module(self, module, device_id, param_init_fn, sync_module_states)
+        setup.build_handle(self, module, pg_state)
+        _runtime.register_handle_hooks(self)
         self._fsdp_wrapped_module = module
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
             # Names, not the repr: a child unit's repr spells out FSDP's internals.
@@ -252,11 +155,8 @@ class FullyShardedDataParallel(UnitState):
                 "children, or a module whose forward uses them, instead",
                 stacklevel=2,
             )
-        self._state_dict_type = StateDictType.FULL_STATE_DICT
-        self._state_dict_config: StateDictConfig = FullStateDictConfig()
-        self._optim_state_dict_config: OptimStateDictConfig = FullOptimStateDictConfig()
+        # 5. State-dict hooks; torch.compile breaks the graph at unit boundaries.
         _state_dict.register_hooks(self)
-        # torch.compile: graph breaks at unit boundaries, as for torch's FSDP1.
         run_eagerly_under_dynamo()
         _init.annotate_for_dynamo(module, ignored_mods, use_orig_params)
 

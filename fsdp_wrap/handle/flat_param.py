@@ -27,11 +27,11 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from torch.distributed import ProcessGroup
 
 import fsdp_wrap.comm.collectives as C
 import fsdp_wrap.comm.reduce as R
-from fsdp_wrap.api import RESHARD_AFTER_FORWARD, SHARDED_STRATEGIES, ShardingStrategy
+from fsdp_wrap.api import RESHARD_AFTER_FORWARD, SHARDED_STRATEGIES
+from fsdp_wrap.handle.config import HandleConfig
 from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME, FlatParameter, HandleState, _Gathered
 from fsdp_wrap.handle.grads import GradientsMixin
 from fsdp_wrap.handle.layout import (
@@ -65,23 +65,18 @@ class FlatParamHandle(GradientsMixin, ViewsMixin):
         module: nn.Module,
         params: Sequence[tuple[str, nn.Module, str, nn.Parameter]],
         shared: Sequence[tuple[str, nn.Module, str, int]],
-        *,
-        unit_fqn: str,
-        device: torch.device,
-        strategy: ShardingStrategy,
-        process_group: ProcessGroup,
-        rank: int,
-        world_size: int,
-        use_orig_params: bool,
-        divide: C.DivideFactors,
-        param_dtype: torch.dtype | None = None,
-        reduce_dtype: torch.dtype | None = None,
-        keep_low_precision_grads: bool = False,
-        offload_params: bool = False,
-        replicate_group: ProcessGroup | None = None,
-        limit_all_gathers: bool = True,
-        use_full_prec_in_eval: bool = False,
+        config: HandleConfig,
+        unit_fqn: str = "",
     ) -> None:
+        self.config = config
+        device, strategy, rank, world_size = (
+            config.device, config.strategy, config.rank, config.world_size
+        )
+        use_orig_params, param_dtype, reduce_dtype = (
+            config.use_orig_params, config.param_dtype, config.reduce_dtype
+        )
+        process_group, replicate_group = config.process_group, config.replicate_group
+        offload_params = config.offload_params
         self.module = module  # the unit's wrapped module
         self.unit_fqn = unit_fqn
         self.device = device
@@ -100,7 +95,7 @@ class FlatParamHandle(GradientsMixin, ViewsMixin):
         # gathers are broadcasts, see _collectives) stages a full-unit buffer
         # until wait(): ``limit_all_gathers`` (torch's memory-vs-overlap switch)
         # keeps CPU gathers synchronous.
-        self.async_gathers = device.type != "cpu" or not limit_all_gathers
+        self.async_gathers = device.type != "cpu" or not config.limit_all_gathers
 
         check_unit_params(params, f"(rank {rank}, FSDP unit '{unit_fqn or '<root>'}')",
                           use_orig_params)
@@ -112,7 +107,7 @@ class FlatParamHandle(GradientsMixin, ViewsMixin):
         self.orig_dtype = dtype
         self.compute_dtype = param_dtype or dtype
         self.reduce_dtype = reduce_dtype or param_dtype or dtype
-        self.keep_low_precision_grads = keep_low_precision_grads
+        self.keep_low_precision_grads = config.keep_low_precision_grads
         self.shard_device = torch.device("cpu") if offload_params else device
         self.layout = FlatLayout.build(
             [p.numel() for *_, p in params],
@@ -130,7 +125,7 @@ class FlatParamHandle(GradientsMixin, ViewsMixin):
             padded_numel=self.layout.padded_numel,
             shard_numel=self.layout.shard_numel,
             world_size=world_size,
-            divide=divide,
+            divide=config.divide,
             reduce_dtype=self.reduce_dtype,
             group=process_group,
             replicate_group=replicate_group,
@@ -175,7 +170,7 @@ class FlatParamHandle(GradientsMixin, ViewsMixin):
         # NO_SHARD: the views of one forward, kept for the next (see _reusable_views).
         self._kept_views: tuple[tuple[object, ...], list[torch.Tensor]] | None = None
         self._skip_writeback_check = os.environ.get("FSDP_SKIP_WRITEBACK_CHECK", "") == "1"
-        self._use_full_prec_in_eval = use_full_prec_in_eval  # the unit's (FSDP_USE_FULL_PREC_IN_EVAL)
+        self._use_full_prec_in_eval = config.use_full_prec_in_eval  # FSDP_USE_FULL_PREC_IN_EVAL
         # Swapping views calls a module's own __setattr__/__delattr__ override,
         # as torch does, unless FSDP_USE_UNSAFE_SETATTR=1.
         self._safe_setattr = os.environ.get("FSDP_USE_UNSAFE_SETATTR", "") != "1"

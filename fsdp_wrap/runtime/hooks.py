@@ -42,6 +42,20 @@ if TYPE_CHECKING:
     from fsdp_wrap.handle.flat_param import FlatParamHandle
 
 
+def register_handle_hooks(state: UnitState) -> None:
+    """The unit's gradient hooks: reduce when the flat gradient is complete and,
+    for sharded strategies, free the unsharded data once every view's gradient
+    arrived.  A fully frozen unit gets none (the end-of-backward callback
+    reshards it)."""
+    handle = state._handle
+    if handle is None or not handle.flat_param.requires_grad:
+        return
+    handle.flat_param.register_post_accumulate_grad_hook(make_post_backward_hook(state, handle))
+    if handle.uses_sharded_strategy:
+        # (NO_SHARD's unsharded data is the parameter: nothing to free early)
+        handle.on_view_grads_ready = make_early_free_hook(state, handle)
+
+
 # ----------------------------------------------------------------- forward
 
 
