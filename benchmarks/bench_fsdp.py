@@ -123,7 +123,7 @@ def _worker(rank: int, job: str, cfg: dict[str, Any], port: int, out: str) -> No
     finally:
         dist.barrier()
         dist.destroy_process_group()
-    exit_now()  # see fsdp_wrap/_teardown.py: gloo's threads vs interpreter shutdown
+    exit_now()  # see fsdp_wrap/comm/teardown.py: gloo's threads vs interpreter shutdown
 
 
 def _gather(obj: Any) -> list[Any]:

@@ -71,7 +71,7 @@ def _worker(rank: int, port: int, framework: str, strategy: str, orig: bool) -> 
         print(f"{framework} {strategy} orig={orig}: peak {(sampler.peak - base) / unit:.2f} units")
     dist.barrier()
     dist.destroy_process_group()
-    exit_now()  # see fsdp_wrap/_teardown.py: gloo's threads vs interpreter shutdown
+    exit_now()  # see fsdp_wrap/comm/teardown.py: gloo's threads vs interpreter shutdown
 
 
 def main() -> None:

@@ -184,7 +184,7 @@ def _worker(rank: int, port: int, cfgs: list[dict[str, Any]], out: str, device: 
         # (gloo aborts the process at exit otherwise).
         dist.barrier()
         dist.destroy_process_group()
-    exit_now()  # see fsdp_wrap/_teardown.py: gloo's threads vs interpreter shutdown
+    exit_now()  # see fsdp_wrap/comm/teardown.py: gloo's threads vs interpreter shutdown
 
 
 def run(cfgs: list[dict[str, Any]], device: str = "cpu",

@@ -4,6 +4,7 @@ Change the import of torch's FSDP package to ``import fsdp_wrap as fsdp``;
 every public FSDP1 name below keeps torch's meaning and defaults.
 """
 
+from fsdp_wrap._compat import __version__ as __version__
 from fsdp_wrap.api import (
     BackwardPrefetch,
     CPUOffload,
@@ -24,8 +25,6 @@ from fsdp_wrap.fully_sharded_data_parallel import FullyShardedDataParallel, Opti
 from fsdp_wrap.handle.flat_tensor import FlatParameter
 from fsdp_wrap.installer import install, installed, uninstall
 from fsdp_wrap.planning import Plan, plan
-
-__version__ = "0.1.0"
 
 __all__ = [
     "BackwardPrefetch",

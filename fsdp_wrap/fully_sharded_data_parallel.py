@@ -1,9 +1,11 @@
-"""``FullyShardedDataParallel``: the public façade tying the package together.
+"""``FullyShardedDataParallel``: the public façade tying the layers together.
 
-Construction resolves the arguments (:mod:`._init`), auto-wraps children
-(:mod:`.wrap`), builds this unit's :class:`FlatParamHandle` and registers the
-state-dict hooks.  Forward and backward delegate to :mod:`._runtime`; state
-dicts to :mod:`._state_dict`.
+Construction runs the steps of :mod:`fsdp_wrap.runtime.setup` (arguments
+resolved and checked first, then process groups, auto-wrapping of children
+through :mod:`fsdp_wrap.wrap`, this unit's handle, the hooks).  The instance
+*is* its unit state (:class:`~fsdp_wrap.runtime.state.UnitState`); forward and
+backward delegate to :mod:`fsdp_wrap.runtime.hooks`, lazy init to
+:mod:`fsdp_wrap.runtime.tree`, state dicts to :mod:`fsdp_wrap.state_dict`.
 """
 
 from __future__ import annotations

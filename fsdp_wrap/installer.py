@@ -47,6 +47,7 @@ import torch.nn as nn
 
 import fsdp_wrap.api as api
 import fsdp_wrap.wrap as wrap
+from fsdp_wrap._compat import __version__
 from fsdp_wrap.api import HYBRID_STRATEGIES
 from fsdp_wrap.fully_sharded_data_parallel import FullyShardedDataParallel, OptimStateKeyType
 from fsdp_wrap.sharded_grad_scaler import ShardedGradScaler
@@ -257,8 +258,6 @@ def uninstall(verbose: bool = False) -> None:
 
 
 def _version() -> str:
-    from fsdp_wrap import __version__
-
     return __version__
 
 

@@ -1,4 +1,4 @@
-"""The gloo forms of fsdp_wrap's collectives (``fsdp_wrap/_collectives.py``).
+"""The gloo forms of fsdp_wrap's collectives (``fsdp_wrap/comm/collectives.py``).
 
 On gloo with CPU tensors a large all-gather runs as one broadcast per rank and
 a reduce-scatter of a scratch input as an in-place all-reduce.  Checked here:

@@ -46,7 +46,7 @@ import collections
 import functools
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -54,8 +54,20 @@ import torch.distributed as dist
 import fsdp_wrap.comm.collectives as C
 import fsdp_wrap.comm.reduce as R
 
-if TYPE_CHECKING:
-    from fsdp_wrap.handle.flat_param import FlatParamHandle
+
+class FlatParamHandle(Protocol):
+    """What a bucket reads and calls on a unit's handle
+    (``fsdp_wrap.handle.flat_param.FlatParamHandle``; the layer above)."""
+
+    flat_param: torch.nn.Parameter
+
+    @property
+    def reduce_spec(self) -> R.ReduceSpec: ...
+    @property
+    def can_bucket_reduction(self) -> bool: ...
+    def reduce_gradient(self, sync: bool) -> None: ...
+    def take_grad_for_reduction(self, sync: bool) -> torch.Tensor | None: ...
+    def install_reduced_grad(self, reduced: torch.Tensor) -> None: ...
 
 __all__ = [
     "BUCKET_CAP_ENV",

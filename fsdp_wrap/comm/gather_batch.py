@@ -28,15 +28,32 @@ unit at the end of backward, or, with no backward, at the next root forward
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import torch
+from torch.distributed import ProcessGroup
 
 import fsdp_wrap.comm.collectives as C
 from fsdp_wrap.comm.bucket import resolve_mb
 
-if TYPE_CHECKING:
-    from fsdp_wrap.handle.flat_param import FlatParamHandle
+
+class FlatParamHandle(Protocol):
+    """What a batched gather reads and calls on a unit's handle
+    (``fsdp_wrap.handle.flat_param.FlatParamHandle``; the layer above)."""
+
+    flat_param: torch.nn.Parameter
+    device: torch.device
+    process_group: ProcessGroup
+    compute_dtype: torch.dtype
+    async_gathers: bool
+
+    @property
+    def computes_in_full_precision(self) -> bool: ...
+    @property
+    def gather_nbytes(self) -> int: ...
+    def needs_gather(self) -> bool: ...
+    def gather_input(self) -> torch.Tensor: ...
+    def take_gathered(self, rows: torch.Tensor) -> None: ...
 
 __all__ = ["ALL_GATHER_BATCH_ENV", "DEFAULT_ALL_GATHER_BATCH_MB", "gather_ahead",
            "resolve_all_gather_batch_mb"]

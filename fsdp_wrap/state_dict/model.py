@@ -14,10 +14,10 @@ FQNs (no ``_fsdp_wrapped_module.``), exactly the unwrapped model's keys.
   the full views, the post-hook writes this rank's part back into the shard.
 * SHARDED: each original parameter is cut on dim 0 with ``torch.chunk``
   semantics into a ShardedTensor (DTensor ``Shard(0)`` with a device mesh;
-  ``_chunks.py``).  The layout depends only on the parameter's shape and the
+  ``state_dict/chunks.py``).  The layout depends only on the parameter's shape and the
   world size, never on the flat layout, so DCP can reshard it.  Saving and
   loading move only the pieces each rank needs, without gathering a unit
-  (``_sharded_io.py``).
+  (``state_dict/sharded_io.py``).
 * LOCAL: one ``<unit>._flat_param`` 1-D ShardedTensor per unit holding this
   rank's flat shard without its right padding.  No collective; needs the same
   world size and wrapping to load.
