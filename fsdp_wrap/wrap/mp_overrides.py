@@ -3,7 +3,7 @@
 Module classes that must run in full precision (``MixedPrecision._module_classes_to_ignore``,
 e.g. batch norm) become FSDP units of their own with mixed precision off, and get
 forward hooks that run them in float32 inside a low-precision model.  Used by
-:mod:`fsdp_wrap.wrap`; nothing here builds a unit.
+:mod:`fsdp_wrap.wrap.auto_wrap`; nothing here builds a unit.
 """
 
 from __future__ import annotations
@@ -91,7 +91,11 @@ def _override_mixed_precision(
     return found
 
 
-def _warn_mixed_precision_overrides(found: set[type[nn.Module]]) -> None:
+def _warn_mixed_precision_overrides(found: set[type[nn.Module]], *, stacklevel: int) -> None:
+    """Warn that the classes ``found`` become units with mixed precision off.
+
+    ``stacklevel`` as for :func:`warnings.warn`, counted from this function.
+    """
     if not found:
         return
     # The misspelling "instacnes" is kept on purpose: the text matches torch's.
@@ -100,5 +104,5 @@ def _warn_mixed_precision_overrides(found: set[type[nn.Module]]) -> None:
         f"where the wrapped module has submodules of type:\n{found}\n"
         "These modules will be wrapped as separate FSDP instacnes with mixed "
         "precision disabled.",
-        stacklevel=3,
+        stacklevel=stacklevel,
     )
