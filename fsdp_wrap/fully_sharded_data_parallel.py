@@ -530,7 +530,7 @@ class FullyShardedDataParallel(UnitState):
         for st in states:
             st._comm_hook, st._comm_hook_state = hook, state
             if st._handle is not None:
-                st._handle.comm_hook = (state, hook)
+                st._handle.grads.comm_hook = (state, hook)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         try:

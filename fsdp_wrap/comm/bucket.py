@@ -55,14 +55,12 @@ import fsdp_wrap.comm.collectives as C
 import fsdp_wrap.comm.reduce as R
 
 
-class FlatParamHandle(Protocol):
-    """What a bucket reads and calls on a unit's handle
-    (``fsdp_wrap.handle.flat_param.FlatParamHandle``; the layer above)."""
+class UnitGrads(Protocol):
+    """What a bucket reads and calls on a unit's gradient part
+    (``handle.grads``, a ``fsdp_wrap.handle.grads.FlatGrads``; the layer above)."""
 
-    flat_param: torch.nn.Parameter
+    reduce_spec: R.ReduceSpec
 
-    @property
-    def reduce_spec(self) -> R.ReduceSpec: ...
     @property
     def can_bucket_reduction(self) -> bool: ...
     def reduce_gradient(self, sync: bool) -> None: ...
@@ -118,7 +116,7 @@ class _Bucket:
     """Gradients waiting to be reduced together (all with the same ``key``)."""
 
     key: tuple[object, ...] = ()
-    handles: list[FlatParamHandle] = field(default_factory=list)
+    units: list[UnitGrads] = field(default_factory=list)
     grads: list[torch.Tensor] = field(default_factory=list)
     nbytes: int = 0
 
@@ -128,7 +126,7 @@ class _InFlight:
     """One issued bucket: its collective and where each unit's result lies."""
 
     work: C.Work | C.PendingWork | None
-    handles: list[FlatParamHandle]
+    units: list[UnitGrads]
     results: list[torch.Tensor]  # views of ``output``, one per unit
     output: torch.Tensor
     keep_alive: torch.Tensor  # the collective's input, until it completes
@@ -149,42 +147,42 @@ class GradBuckets:
         self._open = _Bucket()
         self._in_flight: collections.deque[_InFlight] = collections.deque()
 
-    def reduce(self, handle: FlatParamHandle, sync: bool, alone: bool = False) -> None:
-        """Reduce ``handle``'s gradient now or put it into the open bucket.
+    def reduce(self, unit: UnitGrads, sync: bool, alone: bool = False) -> None:
+        """Reduce ``unit``'s gradient now or put it into the open bucket.
 
         ``alone``: reduce it now, on its own (its reduced gradient is on
         ``flat_param.grad`` on return: an optimizer steps in backward).
         """
-        if alone or not sync or self.cap_bytes <= 0 or not handle.can_bucket_reduction:
+        if alone or not sync or self.cap_bytes <= 0 or not unit.can_bucket_reduction:
             # Reduced on its own, after every earlier unit's (same order on all ranks).
             if sync:
                 self._issue()
-            handle.reduce_gradient(sync)
+            unit.reduce_gradient(sync)
             return
-        if handle in self._open.handles or any(handle in f.handles for f in self._in_flight):
+        if unit in self._open.units or any(unit in f.units for f in self._in_flight):
             # A second post-backward of one unit in one backward: finish the
             # first reduction before taking the new gradient, as without buckets.
             self.finish()
-        grad = handle.take_grad_for_reduction(sync)
+        grad = unit.take_grad_for_reduction(sync)
         if grad is None:
             return
-        spec = handle.reduce_spec
+        spec = unit.reduce_spec
         numel = spec.padded_numel if spec.sharded else grad.numel()
         nbytes = numel * _itemsize(spec.reduce_dtype)
         if nbytes >= self.cap_bytes:
             # Alone in any case: reduced exactly as without buckets (in place
             # where the gradient needs no padding, no copy into a bucket).
             self._issue()
-            _reduce_alone(handle, grad)
+            _reduce_alone(unit, grad)
             return
         key = (spec.sharded, spec.reduce_dtype, grad.device, id(spec.group), spec.world_size,
                spec.divide)
         bucket = self._open
-        if bucket.handles and (key != bucket.key or bucket.nbytes + nbytes > self.cap_bytes):
+        if bucket.units and (key != bucket.key or bucket.nbytes + nbytes > self.cap_bytes):
             self._issue()
             bucket = self._open
         bucket.key = key
-        bucket.handles.append(handle)
+        bucket.units.append(unit)
         bucket.grads.append(grad)
         bucket.nbytes += nbytes
         if bucket.nbytes >= self.cap_bytes:
@@ -198,7 +196,7 @@ class GradBuckets:
 
     @property
     def idle(self) -> bool:
-        return not self._open.handles and not self._in_flight
+        return not self._open.units and not self._in_flight
 
     # ----------------------------------------------------------------- steps
 
@@ -208,9 +206,9 @@ class GradBuckets:
         A bucket of one unit is reduced as without buckets (no copy).
         """
         bucket, self._open = self._open, _Bucket()
-        if not bucket.handles:
+        if not bucket.units:
             return
-        spec = bucket.handles[0].reduce_spec
+        spec = bucket.units[0].reduce_spec
         if spec.sharded:
             # At most one sharded bucket in flight: its buffers are memory the
             # step would not otherwise hold.  A NO_SHARD bucket's buffer takes
@@ -219,13 +217,13 @@ class GradBuckets:
             # back: every one is in flight until the end of backward, as DDP's.
             while self._in_flight:
                 self._wait()
-        if len(bucket.handles) == 1:
-            _reduce_alone(bucket.handles[0], bucket.grads[0])
+        if len(bucket.units) == 1:
+            _reduce_alone(bucket.units[0], bucket.grads[0])
             return
         pre, post = spec.divide
         device = bucket.grads[0].device
         if spec.sharded:
-            widths = [h.reduce_spec.shard_numel for h in bucket.handles]
+            widths = [h.reduce_spec.shard_numel for h in bucket.units]
             buffer = torch.empty((spec.world_size, sum(widths)), dtype=spec.reduce_dtype,
                                  device=device)
             col = 0
@@ -248,7 +246,7 @@ class GradBuckets:
         else:
             output = flat_in
             work = C.all_reduce(output, spec.group, async_op=True)
-        self._in_flight.append(_InFlight(work, bucket.handles, list(output.split(widths)), output,
+        self._in_flight.append(_InFlight(work, bucket.units, list(output.split(widths)), output,
                                          flat_in, post))
 
     def _wait(self) -> None:
@@ -259,13 +257,13 @@ class GradBuckets:
             flight.work.wait()
         if flight.post > 1:
             flight.output.div_(flight.post)
-        for handle, result in zip(flight.handles, flight.results):
-            handle.install_reduced_grad(result)
+        for unit, result in zip(flight.units, flight.results):
+            unit.install_reduced_grad(result)
 
 
-def _reduce_alone(handle: FlatParamHandle, grad: torch.Tensor) -> None:
-    """``handle``'s reduction on its own, as ``reduce_gradient`` does it."""
-    handle.install_reduced_grad(R.reduce_default(grad, handle.reduce_spec))
+def _reduce_alone(unit: UnitGrads, grad: torch.Tensor) -> None:
+    """``unit``'s reduction on its own, as ``reduce_gradient`` does it."""
+    unit.install_reduced_grad(R.reduce_default(grad, unit.reduce_spec))
 
 
 def _copy_padded_columns(dst: torch.Tensor, grad: torch.Tensor) -> None:

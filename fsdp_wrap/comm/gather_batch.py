@@ -28,7 +28,7 @@ unit at the end of backward, or, with no backward, at the next root forward
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable, Protocol, TypeVar
 
 import torch
 from torch.distributed import ProcessGroup
@@ -37,11 +37,12 @@ import fsdp_wrap.comm.collectives as C
 from fsdp_wrap.comm.bucket import resolve_mb
 
 
-class FlatParamHandle(Protocol):
+class GatherUnit(Protocol):
     """What a batched gather reads and calls on a unit's handle
     (``fsdp_wrap.handle.flat_param.FlatParamHandle``; the layer above)."""
 
     flat_param: torch.nn.Parameter
+    world_size: int
     device: torch.device
     process_group: ProcessGroup
     compute_dtype: torch.dtype
@@ -58,6 +59,8 @@ class FlatParamHandle(Protocol):
 __all__ = ["ALL_GATHER_BATCH_ENV", "DEFAULT_ALL_GATHER_BATCH_MB", "gather_ahead",
            "resolve_all_gather_batch_mb"]
 
+H = TypeVar("H", bound=GatherUnit)
+
 DEFAULT_ALL_GATHER_BATCH_MB = 1.0
 ALL_GATHER_BATCH_ENV = "FSDP_WRAP_ALL_GATHER_BATCH_MB"
 
@@ -69,9 +72,9 @@ def resolve_all_gather_batch_mb(value: float | None) -> float:
 
 
 def gather_ahead(
-    handle: FlatParamHandle,
+    handle: H,
     cap_bytes: int,
-    next_of: Callable[[FlatParamHandle], FlatParamHandle | None],
+    next_of: Callable[[H], H | None],
 ) -> None:
     """If ``handle`` needs a gather and is small, gather it now together with
     the units ``next_of`` chains to, within ``cap_bytes``.
@@ -86,10 +89,10 @@ def gather_ahead(
 
 
 def _plan(
-    handle: FlatParamHandle,
+    handle: H,
     cap_bytes: int,
-    next_of: Callable[[FlatParamHandle], FlatParamHandle | None],
-) -> list[FlatParamHandle]:
+    next_of: Callable[[H], H | None],
+) -> list[H]:
     # A unit computing in full precision (FSDP_USE_FULL_PREC_IN_EVAL) gathers its
     # full-precision parameters, not the compute copies a batch holds.
     if (cap_bytes <= 0 or handle.async_gathers or not handle.needs_gather()
@@ -115,7 +118,7 @@ def _plan(
     return batch
 
 
-def _gather(batch: list[FlatParamHandle]) -> None:
+def _gather(batch: list[H]) -> None:
     """One all-gather for every unit in ``batch`` (compute copies)."""
     inputs = [h.gather_input() for h in batch]
     widths = [t.numel() for t in inputs]

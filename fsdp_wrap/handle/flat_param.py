@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -33,7 +33,7 @@ import fsdp_wrap.comm.reduce as R
 from fsdp_wrap.api import RESHARD_AFTER_FORWARD, SHARDED_STRATEGIES
 from fsdp_wrap.handle.config import HandleConfig
 from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME, FlatParameter, HandleState, _Gathered
-from fsdp_wrap.handle.grads import GradientsMixin
+from fsdp_wrap.handle.grads import FlatGrads
 from fsdp_wrap.handle.layout import (
     FlatLayout,
     ParamInfo,
@@ -53,7 +53,7 @@ PADDING_VALUE = 42.0
 
 
 
-class FlatParamHandle(GradientsMixin, ViewsMixin):
+class FlatParamHandle(ViewsMixin):
     """Owns one unit's flat parameter: layout, shard, unshard, reshard, reduce.
 
     Nothing outside this class mutates ``flat_param``, the local shard or the
@@ -107,7 +107,6 @@ class FlatParamHandle(GradientsMixin, ViewsMixin):
         self.orig_dtype = dtype
         self.compute_dtype = param_dtype or dtype
         self.reduce_dtype = reduce_dtype or param_dtype or dtype
-        self.keep_low_precision_grads = config.keep_low_precision_grads
         self.shard_device = torch.device("cpu") if offload_params else device
         self.layout = FlatLayout.build(
             [p.numel() for *_, p in params],
@@ -152,16 +151,17 @@ class FlatParamHandle(GradientsMixin, ViewsMixin):
         self._gathered = {False: _Gathered(), True: _Gathered()}
         self._current: _Gathered | None = None
         self.state = HandleState.SHARDED
-        # Gradient bookkeeping: a sharded gradient parked while a new unsharded
-        # one accumulates, and whether .grad holds an unreduced (no_sync) grad.
-        self._saved_grad_shard: torch.Tensor | None = None
-        self.has_unreduced_grad = False
+        self.grads = FlatGrads(
+            self.flat_param, self.infos, self.layout, self.layout.shard_slices(rank),
+            self._reduce_spec, use_orig_params=use_orig_params, device=device,
+            to_shard_device=self._to_shard_device, shard_device=self.shard_device,
+            dtypes=(self.orig_dtype, self.compute_dtype, self.reduce_dtype),
+            keep_low_precision_grads=config.keep_low_precision_grads,
+        )
         # Forward graphs whose parameter-view gradients are still to come, and
         # what to do once the last arrives (set by the runtime).
         self._open_graphs = 0
         self.on_view_grads_ready: Callable[[], None] | None = None
-        # ``(state, hook)`` from register_comm_hook: replaces the reduction.
-        self.comm_hook: tuple[object, Callable[..., Any]] | None = None
         self._shard_slices = self.layout.shard_slices(rank)
         self._params_registered = False
         # The forward's views of the original parameters (checked before backward).
@@ -218,6 +218,8 @@ class FlatParamHandle(GradientsMixin, ViewsMixin):
             self.reduce_dtype = reduce_dtype or param_dtype or data.dtype
             self._reduce_spec = dataclasses.replace(self._reduce_spec,
                                                     reduce_dtype=self.reduce_dtype)
+            self.grads.retype((self.orig_dtype, self.compute_dtype, self.reduce_dtype),
+                              self._reduce_spec)
             self._gathered = {False: _Gathered(), True: _Gathered()}
             if not self.use_orig_params:
                 # The modules' between-steps views take the new dtype: views of
@@ -484,7 +486,7 @@ class FlatParamHandle(GradientsMixin, ViewsMixin):
         slot.free()
 
     # -------------------------------------------------------------- utilities
-    # (gradients: :class:`~fsdp_wrap.handle.grads.GradientsMixin`)
+    # (gradients: ``self.grads``, :class:`~fsdp_wrap.handle.grads.FlatGrads`)
 
     def flat_grad_for_norm(self) -> list[torch.Tensor]:
         """The gradients ``clip_grad_norm_`` must see for this handle."""

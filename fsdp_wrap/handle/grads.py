@@ -1,51 +1,67 @@
-"""The gradient half of :class:`~fsdp_wrap.handle.flat_param.FlatParamHandle`.
+"""The gradient part of a :class:`~fsdp_wrap.handle.flat_param.FlatParamHandle`.
 
-A mixin the handle inherits, kept in its own file so the handle's file stays
-readable: parking a reduced gradient while a new one accumulates, taking the
-local gradient for reduction, installing the reduced one, and the original
-parameters' ``.grad`` views.  *How* a gradient is reduced lives in
-:mod:`fsdp_wrap.comm.reduce` (one unit) and :mod:`fsdp_wrap.comm.bucket` (several units
-in one collective); this file says what the handle holds before and after.
+Owned by the handle (``handle.grads``): parking a reduced gradient while a new
+one accumulates, taking the local gradient for reduction, installing the
+reduced one, and the original parameters' ``.grad`` views.  *How* a gradient
+is reduced lives in :mod:`fsdp_wrap.comm.reduce` (one unit) and
+:mod:`fsdp_wrap.comm.bucket` (several units in one collective); this part says
+what the unit holds before and after.  Its inputs are explicit: the flat
+parameter (one object for the handle's life), the layout, and the dtypes and
+devices the handle resolved (:meth:`FlatGrads.retype` when they change).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
 import fsdp_wrap.comm.reduce as R
-
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
-
-    from fsdp_wrap.handle.layout import FlatLayout, ParamInfo
+from fsdp_wrap.handle.layout import FlatLayout, ParamInfo
 
 
-class GradientsMixin:
-    """Gradient bookkeeping of one flat parameter (see the handle for the tensors)."""
+class FlatGrads:
+    """Gradient bookkeeping of one flat parameter."""
 
-    if TYPE_CHECKING:
-        flat_param: torch.nn.Parameter
-        infos: list[ParamInfo]
-        layout: FlatLayout
-        use_orig_params: bool
-        uses_sharded_strategy: bool
-        device: torch.device
-        shard_device: torch.device
-        orig_dtype: torch.dtype
-        compute_dtype: torch.dtype
-        reduce_dtype: torch.dtype
-        keep_low_precision_grads: bool
-        world_size: int
-        replicate_group: ProcessGroup | None
-        comm_hook: tuple[object, Callable[..., Any]] | None
-        has_unreduced_grad: bool
-        _saved_grad_shard: torch.Tensor | None
-        _reduce_spec: R.ReduceSpec
-        _shard_slices: list[tuple[int, int] | None]
+    def __init__(
+        self,
+        flat_param: torch.nn.Parameter,
+        infos: list[ParamInfo],
+        layout: FlatLayout,
+        shard_slices: list[tuple[int, int] | None],
+        reduce_spec: R.ReduceSpec,
+        *,
+        use_orig_params: bool,
+        device: torch.device,
+        to_shard_device: Callable[[torch.Tensor], torch.Tensor],
+        shard_device: torch.device,
+        dtypes: tuple[torch.dtype, torch.dtype, torch.dtype],
+        keep_low_precision_grads: bool,
+    ) -> None:
+        self.flat_param = flat_param
+        self.infos = infos
+        self.layout = layout
+        self._shard_slices = shard_slices
+        self.reduce_spec = reduce_spec
+        self.use_orig_params = use_orig_params
+        self.uses_sharded_strategy = reduce_spec.sharded
+        self.device = device
+        self.shard_device = shard_device
+        self._to_shard_device = to_shard_device
+        self.orig_dtype, self.compute_dtype, self.reduce_dtype = dtypes
+        self.keep_low_precision_grads = keep_low_precision_grads
+        # ``(state, hook)`` from register_comm_hook: replaces the reduction.
+        self.comm_hook: tuple[object, Callable[..., Any]] | None = None
+        # A sharded gradient parked while a new unsharded one accumulates, and
+        # whether .grad holds an unreduced (no_sync) gradient.
+        self._saved_grad_shard: torch.Tensor | None = None
+        self.has_unreduced_grad = False
 
-        def _to_shard_device(self, tensor: torch.Tensor, pin: bool = False) -> torch.Tensor: ...
+    def retype(self, dtypes: tuple[torch.dtype, torch.dtype, torch.dtype],
+               reduce_spec: R.ReduceSpec) -> None:
+        """The handle's (original, compute, reduce) dtypes changed (adopted data)."""
+        self.orig_dtype, self.compute_dtype, self.reduce_dtype = dtypes
+        self.reduce_spec = reduce_spec
 
     def prepare_gradient_for_backward(self) -> None:
         """Park an existing reduced gradient so a fresh local one can accumulate.
@@ -81,7 +97,7 @@ class GradientsMixin:
             _assign_grad(self.flat_param, self._saved_grad_shard)
             self._saved_grad_shard = None
             if self.use_orig_params:
-                self._set_grad_views()
+                self.set_grad_views()
 
     def sync_flat_grad_from_orig(self) -> None:
         """Honour ``zero_grad(set_to_none=True)`` done on the original params.
@@ -109,14 +125,10 @@ class GradientsMixin:
         if grad is None:
             return
         if self.comm_hook is not None:
-            reduced = R.reduce_with_hook(grad, self._reduce_spec, *self.comm_hook)
+            reduced = R.reduce_with_hook(grad, self.reduce_spec, *self.comm_hook)
         else:
-            reduced = R.reduce_default(grad, self._reduce_spec)
+            reduced = R.reduce_default(grad, self.reduce_spec)
         self.install_reduced_grad(reduced)
-
-    @property
-    def reduce_spec(self) -> R.ReduceSpec:
-        return self._reduce_spec
 
     @property
     def can_bucket_reduction(self) -> bool:
@@ -127,7 +139,8 @@ class GradientsMixin:
         replicate-group all-reduce follows each unit's reduce-scatter), and
         not at world size 1 (there is no collective to save).
         """
-        return self.comm_hook is None and self.replicate_group is None and self.world_size > 1
+        spec = self.reduce_spec
+        return self.comm_hook is None and spec.replicate_group is None and spec.world_size > 1
 
     def take_grad_for_reduction(self, sync: bool) -> torch.Tensor | None:
         """The local unsharded gradient to reduce now, taken off ``flat_param``.
@@ -146,7 +159,7 @@ class GradientsMixin:
         if not sync:
             self.has_unreduced_grad = True
             if self.use_orig_params:
-                self._set_unsharded_grad_views(grad)
+                self.set_unsharded_grad_views(grad)
             return None
         self.has_unreduced_grad = False
         self.flat_param.grad = None
@@ -175,9 +188,9 @@ class GradientsMixin:
                 reduced = parked.to(reduced) + reduced
         _assign_grad(self.flat_param, reduced)
         if self.use_orig_params:
-            self._set_grad_views()
+            self.set_grad_views()
 
-    def _set_unsharded_grad_views(self, grad: torch.Tensor, frozen_too: bool = False) -> None:
+    def set_unsharded_grad_views(self, grad: torch.Tensor, frozen_too: bool = False) -> None:
         """The original params' ``.grad`` become full-shape views of ``grad``, an
         unsharded flat gradient: NO_SHARD's reduced one, the local one under
         ``no_sync`` (``summon_full_params(with_grads=True)``: frozen ones too)."""
@@ -199,11 +212,11 @@ class GradientsMixin:
             else:
                 _assign_grad(param, piece)
 
-    def _set_grad_views(self) -> None:
+    def set_grad_views(self) -> None:
         """Original params' ``.grad`` become views of the sharded flat gradient."""
         grad = self.flat_param.grad
         if grad is not None and not self.uses_sharded_strategy:
-            self._set_unsharded_grad_views(grad)
+            self.set_unsharded_grad_views(grad)
             return
         for info, sl in zip(self.infos, self._shard_slices):
             if grad is None or sl is None or not info.param.requires_grad:

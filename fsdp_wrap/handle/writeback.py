@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from fsdp_wrap.api import ShardingStrategy
 from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME, HandleState
-from fsdp_wrap.handle.grads import _assign_grad
+from fsdp_wrap.handle.grads import FlatGrads, _assign_grad
 from fsdp_wrap.handle.layout import ParamInfo, SharedParamInfo
 
 
@@ -49,7 +49,7 @@ class OwningHandle(Protocol):
     state: HandleState
     use_orig_params: bool
     uses_sharded_strategy: bool
-    has_unreduced_grad: bool
+    grads: FlatGrads  # reads has_unreduced_grad
 
     def param_shard_slice(self, index: int) -> tuple[int, int] | None: ...
     def pre_unshard(self) -> bool: ...
@@ -111,7 +111,7 @@ def write_back_orig_params(handle: OwningHandle) -> bool:
         return False
     wrote = False
     shard = handle.local_shard
-    grad_full = not handle.uses_sharded_strategy or handle.has_unreduced_grad
+    grad_full = not handle.uses_sharded_strategy or handle.grads.has_unreduced_grad
     with torch.no_grad():
         for i, info in enumerate(handle.infos):
             if info.name not in info.module._parameters:

@@ -81,9 +81,9 @@ def root_pre_forward(state: UnitState, args: tuple[Any, ...], kwargs: dict[str, 
             # any collective of this forward.
             # (A flat gradient whose views were all set to None is dropped
             # first, so the write-back check has no gradient to zero.)
-            handle.sync_flat_grad_from_orig()
+            handle.grads.sync_flat_grad_from_orig()
             if handle.pre_unshard():  # (a replaced parameter may have left no views)
-                handle.sync_flat_grad_from_orig()
+                handle.grads.sync_flat_grad_from_orig()
     _buffers_for_eval(state)
     if state._forward_pending_backward:
         # The previous forward was never followed by a backward (e.g. an
@@ -200,7 +200,7 @@ def _pre_backward_hook(
                 handle.use_unsharded_views()
         if state.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
             _prefetch_backward(state, handle)
-        handle.prepare_gradient_for_backward()
+        handle.grads.prepare_gradient_for_backward()
     return None
 
 
@@ -219,10 +219,10 @@ def make_post_backward_hook(state: UnitState, handle: FlatParamHandle) -> Callab
             _prefetch_backward(state, handle)
         if sync and state._optims_in_backward:
             # The optimizers step right after this unit's own reduction: alone.
-            state._root._grad_buckets.reduce(handle, sync, alone=True)
+            state._root._grad_buckets.reduce(handle.grads, sync, alone=True)
             _step_optimizers_in_backward(handle)
         else:
-            state._root._grad_buckets.reduce(handle, sync)
+            state._root._grad_buckets.reduce(handle.grads, sync)
 
     return post_backward
 
@@ -239,7 +239,7 @@ def _step_optimizers_in_backward(handle: FlatParamHandle) -> None:
             optim.step()
         for optim in optims:
             optim.zero_grad(set_to_none=True)
-    handle.sync_flat_grad_from_orig()  # drops the flat gradient once no view is left
+    handle.grads.sync_flat_grad_from_orig()  # drops the flat gradient once no view is left
 
 
 def make_early_free_hook(state: UnitState, handle: FlatParamHandle) -> Callable[[], None]:
@@ -299,7 +299,7 @@ def finalize_units(root: UnitState, free_all: bool) -> None:
             keep = not free_all and not state._sync_gradients and not handle.reshard_after_forward
             if handle.is_unsharded or handle.holds_unsharded_storage:
                 handle.reshard(free=not keep)
-            handle.restore_parked_grad()
+            handle.grads.restore_parked_grad()
             if not free_all:
                 # End of a backward: every graph of the iteration is done.  A
                 # forward still awaiting its backward (several forwards before

@@ -71,7 +71,7 @@ def summon(
             if st._handle.use_orig_params:
                 # zero_grad(set_to_none=True) on every original parameter
                 # drops the flat gradient (as torch does here)
-                st._handle.sync_flat_grad_from_orig()
+                st._handle.grads.sync_flat_grad_from_orig()
             st._handle.pre_unshard()  # write-back checks before any collective
     entered: list[tuple[UnitState, torch.Tensor | None, bool]] = []
     try:
@@ -129,7 +129,7 @@ def _gather_full_grad(handle: FlatParamHandle) -> torch.Tensor | None:
         return None
     local = (
         torch.zeros(handle.shard_numel, dtype=handle.orig_dtype, device=handle.device)
-        if grad is None or handle.has_unreduced_grad
+        if grad is None or handle.grads.has_unreduced_grad
         else grad.detach().to(handle.device)
     )
     full = local.new_empty(handle.padded_numel)
@@ -144,12 +144,12 @@ def _show_full_grads(handle: FlatParamHandle, full_grad: torch.Tensor | None) ->
         for info in handle.infos:
             info.param.grad = None
     else:
-        handle._set_unsharded_grad_views(full_grad, frozen_too=True)
+        handle.grads.set_unsharded_grad_views(full_grad, frozen_too=True)
 
 
 def _show_sharded_grads(handle: FlatParamHandle) -> None:
     """Undo :func:`_show_full_grads`."""
-    if handle.has_unreduced_grad and handle.flat_param.grad is not None:
-        handle._set_unsharded_grad_views(handle.flat_param.grad)
+    if handle.grads.has_unreduced_grad and handle.flat_param.grad is not None:
+        handle.grads.set_unsharded_grad_views(handle.flat_param.grad)
     else:
-        handle._set_grad_views()
+        handle.grads.set_grad_views()
