@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
-from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -41,7 +40,7 @@ from fsdp_wrap.handle.layout import (
     alignment,
     check_unit_params,
 )
-from fsdp_wrap.handle.views import ViewsMixin, _overrides_setattr
+from fsdp_wrap.handle.views import ParamViews
 from fsdp_wrap.handle.writeback import write_back_orig_params
 
 __all__ = [
@@ -53,7 +52,7 @@ PADDING_VALUE = 42.0
 
 
 
-class FlatParamHandle(ViewsMixin):
+class FlatParamHandle:
     """Owns one unit's flat parameter: layout, shard, unshard, reshard, reduce.
 
     Nothing outside this class mutates ``flat_param``, the local shard or the
@@ -158,33 +157,17 @@ class FlatParamHandle(ViewsMixin):
             dtypes=(self.orig_dtype, self.compute_dtype, self.reduce_dtype),
             keep_low_precision_grads=config.keep_low_precision_grads,
         )
-        # Forward graphs whose parameter-view gradients are still to come, and
-        # what to do once the last arrives (set by the runtime).
-        self._open_graphs = 0
-        self.on_view_grads_ready: Callable[[], None] | None = None
         self._shard_slices = self.layout.shard_slices(rank)
-        self._params_registered = False
-        # The forward's views of the original parameters (checked before backward).
-        self.compute_views: list[torch.Tensor] = []
-        self._views_have_history = False
-        # NO_SHARD: the views of one forward, kept for the next (see _reusable_views).
-        self._kept_views: tuple[tuple[object, ...], list[torch.Tensor]] | None = None
+        self.views = ParamViews(
+            module, self.infos, self.shared, self.layout, self._shard_slices,
+            use_orig_params=use_orig_params, sharded=self.uses_sharded_strategy,
+        )
         self._skip_writeback_check = os.environ.get("FSDP_SKIP_WRITEBACK_CHECK", "") == "1"
         self._use_full_prec_in_eval = config.use_full_prec_in_eval  # FSDP_USE_FULL_PREC_IN_EVAL
-        # Swapping views calls a module's own __setattr__/__delattr__ override,
-        # as torch does, unless FSDP_USE_UNSAFE_SETATTR=1.
-        self._safe_setattr = os.environ.get("FSDP_USE_UNSAFE_SETATTR", "") != "1"
-        # Whether every module holding a parameter takes plain dict writes (no
-        # class overrides __setattr__/__delattr__): then the per-step view swaps
-        # skip the per-module check.
-        self._plain_modules = not self._safe_setattr or not any(
-            _overrides_setattr(m) for m in [i.module for i in self.infos]
-            + [sh.module for sh in self.shared]
-        )
         self._release_original_storage()
         if not use_orig_params:
             module._parameters[FLAT_PARAM_NAME] = self.flat_param
-            self._install_stale_views(flat)
+            self.views.install_stale(flat)
         if flat.untyped_storage().data_ptr() != self.local_shard.untyped_storage().data_ptr():
             flat.untyped_storage().resize_(0)
         self.use_sharded_views()
@@ -210,7 +193,7 @@ class FlatParamHandle(ViewsMixin):
                 "only with a same-shaped tensor (e.g. flat_param.data = flat_param.data.float())"
             )
         self.local_shard = data
-        self._kept_views = None  # (they view the old data: let it go now)
+        self.views.forget_kept()  # (they view the old data: let it go now)
         if data.dtype != self.orig_dtype:
             param_dtype, reduce_dtype = self._mp_dtypes
             self.orig_dtype = data.dtype
@@ -226,10 +209,10 @@ class FlatParamHandle(ViewsMixin):
                 # the data itself where NO_SHARD needs no copy, else shape only.
                 if self._needs_copy:
                     flat = torch.empty(self.unpadded_numel, dtype=data.dtype, device=self.device)
-                    self._install_stale_views(flat)
+                    self.views.install_stale(flat)
                     flat.untyped_storage().resize_(0)
                 else:
-                    self._install_stale_views(data[: self.unpadded_numel])
+                    self.views.install_stale(data[: self.unpadded_numel])
         if self.use_orig_params:
             self.use_sharded_views()
 
@@ -263,25 +246,33 @@ class FlatParamHandle(ViewsMixin):
             for shared in self.shared:
                 shared.module._parameters.pop(shared.name, None)
 
-    def _install_stale_views(self, flat: torch.Tensor) -> None:
-        """``module.weight`` resolves from construction on, as in torch.
+    # ------------------------------------------------------------------ views
+    # (``self.views``, :class:`~fsdp_wrap.handle.views.ParamViews`; these give it
+    # the flat parameter's current data)
 
-        With ``use_orig_params=False`` the original names are plain tensor
-        views into the unsharded flat parameter; between unshards they point at
-        freed storage (shape only), so ``repr(module)`` and attribute checks
-        work before the first forward.
-        """
-        views = flat.detach().split(self._segments)
-        self._stale_views = [
-            views[seg].view(info.shape) for info, seg in zip(self.infos, self._info_segment)
-        ]
-        self._install_views(self._stale_views)
+    def use_unsharded_views(
+        self, as_params: bool = False, source: torch.Tensor | None = None,
+        track_graph: bool = False,
+    ) -> None:
+        """The original parameters as views of the unsharded data (see
+        :meth:`ParamViews.use_unsharded_views`)."""
+        self.views.use_unsharded_views(
+            self.flat_param, self._needs_copy, as_params, source, track_graph
+        )
 
-    def _install_views(self, tensors: Sequence[torch.Tensor]) -> None:
-        for info, view in zip(self.infos, tensors):
-            info.module.__dict__[info.name] = view
-        for shared in self.shared:
-            shared.module.__dict__[shared.name] = tensors[shared.index]
+    def use_sharded_views(self) -> None:
+        """The module back in its between-steps form."""
+        self.views.use_sharded_views(self.flat_param, self.local_shard)
+
+    def register_params(self, tensors: Sequence[torch.Tensor]) -> None:
+        """The original parameters registered with ``tensors`` as their data."""
+        self.views.register_params(tensors, self.flat_param)
+
+    def forward_views_reusable(self) -> bool:
+        """Whether backward may keep the forward's views."""
+        return self.views.forward_views_reusable(
+            self._needs_copy, self.state is HandleState.UNSHARDED
+        )
 
     # Sizes come from the layout (names kept: the state-dict code reads them).
     @property
@@ -424,7 +415,7 @@ class FlatParamHandle(ViewsMixin):
         step (``use_orig_params=True``), as torch does before every unshard;
         whether any parameter was."""
         if (self.use_orig_params and self.state is HandleState.SHARDED
-                and not self._params_registered and not self._skip_writeback_check
+                and not self.views.params_registered and not self._skip_writeback_check
                 and write_back_orig_params(self)):
             for slot in self._gathered.values():
                 slot.wait()

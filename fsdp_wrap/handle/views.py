@@ -1,62 +1,101 @@
-"""The views half of :class:`~fsdp_wrap.handle.flat_param.FlatParamHandle`.
+"""The views part of a :class:`~fsdp_wrap.handle.flat_param.FlatParamHandle`.
 
-A mixin the handle inherits, kept in its own file so the handle's file stays
-readable: how the original parameters are exposed to the modules around a
-unit's compute (views of the unsharded flat parameter, with autograd history;
-kept from one forward to the next where NO_SHARD allows), how they go back to
-their between-steps form (the original ``Parameter`` objects viewing the
-local shard, or the flat parameter registered), and the forward graphs whose
-parameter gradients are still to come (the early free).  *When* the handle
-gathers and frees lives in the handle; this file says what the modules see.
+Owned by the handle (``handle.views``): how the original parameters are
+exposed to the modules around a unit's compute (views of the unsharded flat
+parameter, with autograd history; kept from one forward to the next where
+NO_SHARD allows), how they go back to their between-steps form (the original
+``Parameter`` objects viewing the local shard, or the flat parameter
+registered), and the forward graphs whose parameter gradients are still to
+come (the early free).  *When* the handle gathers and frees lives in the
+handle; this part says what the modules see.  Its fixed inputs (the unit's
+modules and parameters, the layout) are given at construction, the changing
+ones (the flat parameter's data, whether the unsharded data is a copy) with
+each call.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
-from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME, HandleState
-
-if TYPE_CHECKING:
-    from fsdp_wrap.handle.layout import ParamInfo, SharedParamInfo
+from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME
+from fsdp_wrap.handle.layout import FlatLayout, ParamInfo, SharedParamInfo
 
 
-class ViewsMixin:
-    """Original-parameter views of one flat parameter (see the handle for the tensors)."""
+class ParamViews:
+    """Original-parameter views of one flat parameter."""
 
-    if TYPE_CHECKING:
-        module: nn.Module
-        flat_param: nn.Parameter
-        local_shard: torch.Tensor
-        infos: list[ParamInfo]
-        shared: list[SharedParamInfo]
-        use_orig_params: bool
-        uses_sharded_strategy: bool
-        state: HandleState
-        compute_views: list[torch.Tensor]
-        on_view_grads_ready: Callable[[], None] | None
-        _open_graphs: int
-        _views_have_history: bool
-        _kept_views: tuple[tuple[object, ...], list[torch.Tensor]] | None
-        _params_registered: bool
-        _plain_modules: bool
-        _safe_setattr: bool
-        _stale_views: list[torch.Tensor]
-        _shard_slices: list[tuple[int, int] | None]
+    def __init__(
+        self,
+        module: nn.Module,
+        infos: list[ParamInfo],
+        shared: list[SharedParamInfo],
+        layout: FlatLayout,
+        shard_slices: list[tuple[int, int] | None],
+        *,
+        use_orig_params: bool,
+        sharded: bool,
+    ) -> None:
+        self.module = module  # the unit's wrapped module (holds the flat parameter)
+        self.infos, self.shared = infos, shared
+        self._segments, self._info_segment = layout.segments, layout.info_segment
+        self._shard_slices = shard_slices
+        self.use_orig_params = use_orig_params
+        self.uses_sharded_strategy = sharded
+        # Swapping views calls a module's own __setattr__/__delattr__ override,
+        # as torch does, unless FSDP_USE_UNSAFE_SETATTR=1.
+        self._safe_setattr = os.environ.get("FSDP_USE_UNSAFE_SETATTR", "") != "1"
+        # Whether every module holding a parameter takes plain dict writes (no
+        # class overrides __setattr__/__delattr__): then the per-step view swaps
+        # skip the per-module check.
+        self._plain_modules = not self._safe_setattr or not any(
+            _overrides_setattr(m) for m in [i.module for i in infos] + [sh.module for sh in shared]
+        )
+        # The forward's views of the original parameters (checked before backward).
+        self.compute_views: list[torch.Tensor] = []
+        self._views_have_history = False
+        # NO_SHARD: the views of one forward, kept for the next (see _reusable_views).
+        self._kept_views: tuple[tuple[object, ...], list[torch.Tensor]] | None = None
+        # use_orig_params=False: the originals are registered (summon, state dicts).
+        self.params_registered = False
+        # Forward graphs whose parameter-view gradients are still to come, and
+        # what to do once the last arrives (set by the runtime).
+        self._open_graphs = 0
+        self.on_view_grads_ready: Callable[[], None] | None = None
+        self._stale_views: list[torch.Tensor] = []
 
-        @property
-        def _needs_copy(self) -> bool: ...
-        @property
-        def _segments(self) -> tuple[int, ...]: ...
-        @property
-        def _info_segment(self) -> tuple[int, ...]: ...
-        def _install_views(self, tensors: Sequence[torch.Tensor]) -> None: ...
+    def install_stale(self, flat: torch.Tensor) -> None:
+        """``module.weight`` resolves from construction on, as in torch.
+
+        With ``use_orig_params=False`` the original names are plain tensor
+        views into the unsharded flat parameter; between unshards they point at
+        freed storage (shape only), so ``repr(module)`` and attribute checks
+        work before the first forward.
+        """
+        views = flat.detach().split(self._segments)
+        self._stale_views = [
+            views[seg].view(info.shape) for info, seg in zip(self.infos, self._info_segment)
+        ]
+        self._install_views(self._stale_views)
+
+    def _install_views(self, tensors: Sequence[torch.Tensor]) -> None:
+        for info, view in zip(self.infos, tensors):
+            info.module.__dict__[info.name] = view
+        for shared in self.shared:
+            shared.module.__dict__[shared.name] = tensors[shared.index]
+
+    def forget_kept(self) -> None:
+        """Drop kept views (they view data that is being replaced)."""
+        self._kept_views = None
 
     def use_unsharded_views(
         self,
+        flat_param: nn.Parameter,
+        needs_copy: bool,
         as_params: bool = False,
         source: torch.Tensor | None = None,
         track_graph: bool = False,
@@ -72,16 +111,17 @@ class ViewsMixin:
         flat parameter; ``reshard`` undoes that.
         """
         if as_params:
-            flat = self.flat_param.detach() if source is None else source
+            flat = flat_param.detach() if source is None else source
             views = flat.split(self._segments)
             self.register_params(
-                [views[seg].view(info.shape) for info, seg in zip(self.infos, self._info_segment)]
+                [views[seg].view(info.shape) for info, seg in zip(self.infos, self._info_segment)],
+                flat_param,
             )
             return
         orig, plain = self.use_orig_params, self._plain_modules
-        tensors = self._reusable_views()
+        tensors = self._reusable_views(flat_param, needs_copy)
         if tensors is None:
-            views = self.flat_param.split(self._segments)
+            views = flat_param.split(self._segments)
             if track_graph:
                 self._track_graph(views[0].grad_fn)
             tensors = []
@@ -90,7 +130,7 @@ class ViewsMixin:
                 if orig and not info.param.requires_grad:
                     view = view.detach()  # (without, views follow flat_param's requires_grad)
                 tensors.append(view)
-            self._keep_views(tensors)
+            self._keep_views(tensors, flat_param, needs_copy)
         for info, view in zip(self.infos, tensors):
             if not plain:
                 self._set_tensor(info.module, info.name, view)
@@ -104,19 +144,18 @@ class ViewsMixin:
         for shared in self.shared:
             self._set_tensor(shared.module, shared.name, tensors[shared.index])
 
-    def _view_key(self) -> tuple[object, ...] | None:
+    def _view_key(self, flat: nn.Parameter, needs_copy: bool) -> tuple[object, ...] | None:
         """What kept views depend on, or ``None`` where views are never kept:
         only where the unsharded data is the flat parameter itself (NO_SHARD
         with no cast or move), and only views with autograd history."""
-        if self._needs_copy or not torch.is_grad_enabled():  # (always true when sharded)
+        if needs_copy or not torch.is_grad_enabled():  # (always true when sharded)
             return None
-        flat = self.flat_param
         frozen = tuple(not i.param.requires_grad for i in self.infos) if self.use_orig_params else ()
         # (_version: autograd refuses split views whose base was written in place
         # since, e.g. by an optimizer stepping on the flat parameter itself)
         return (flat.data_ptr(), flat.dtype, flat.requires_grad, flat._version, frozen)
 
-    def _reusable_views(self) -> list[torch.Tensor] | None:
+    def _reusable_views(self, flat: nn.Parameter, needs_copy: bool) -> list[torch.Tensor] | None:
         """The views kept from an earlier forward, if still exactly right.
 
         NO_SHARD's unsharded data never moves, so one set of views (the split
@@ -131,7 +170,7 @@ class ViewsMixin:
         so per-step hooks do not pile up.
         """
         kept = self._kept_views
-        if kept is None or kept[0] != self._view_key():
+        if kept is None or kept[0] != self._view_key(flat, needs_copy):
             return None
         for view in kept[1]:
             # A hook or retain_grad() put on a view during a step would carry
@@ -141,12 +180,12 @@ class ViewsMixin:
                 return None
         return kept[1]
 
-    def _keep_views(self, tensors: list[torch.Tensor]) -> None:
-        key = self._view_key()
+    def _keep_views(self, tensors: list[torch.Tensor], flat: nn.Parameter, needs_copy: bool) -> None:
+        key = self._view_key(flat, needs_copy)
         if key is not None:  # (views of a no-grad forward leave the kept ones alone)
             self._kept_views = (key, tensors)
 
-    def forward_views_reusable(self) -> bool:
+    def forward_views_reusable(self, needs_copy: bool, unsharded: bool) -> bool:
         """Whether backward may keep the forward's views instead of making new ones.
 
         Only where the unsharded data *is* the flat parameter (NO_SHARD with no
@@ -155,8 +194,8 @@ class ViewsMixin:
         recompute inside backward then routes its gradients through them), and
         every module still holds them.
         """
-        if (self._needs_copy or not self._views_have_history  # (_needs_copy: always when sharded)
-                or not self.compute_views or self.state is not HandleState.UNSHARDED):
+        if (needs_copy or not self._views_have_history  # (needs_copy: always when sharded)
+                or not self.compute_views or not unsharded):
             return False
         orig = self.use_orig_params
         for info, view in zip(self.infos, self.compute_views):
@@ -217,7 +256,7 @@ class ViewsMixin:
             delattr(module, name)
         setattr(module, name, value)
 
-    def use_sharded_views(self) -> None:
+    def use_sharded_views(self, flat_param: nn.Parameter, local_shard: torch.Tensor) -> None:
         """Return the module to its between-steps form.
 
         ``use_orig_params=True``: the original parameters are registered and
@@ -226,18 +265,18 @@ class ViewsMixin:
         original names keep their last unsharded views (stale, as in torch).
         """
         if not self.use_orig_params:
-            if self._params_registered:
+            if self.params_registered:
                 for info in self.infos:
                     info.module._parameters.pop(info.name, None)
                     info.param.data = info.param.data.new_empty(0)
                 for shared in self.shared:
                     shared.module._parameters.pop(shared.name, None)
-                self.module._parameters[FLAT_PARAM_NAME] = self.flat_param
+                self.module._parameters[FLAT_PARAM_NAME] = flat_param
                 self._install_views(self._stale_views)
-                self._params_registered = False
+                self.params_registered = False
             return
-        self._params_registered = False
-        shard = self.local_shard
+        self.params_registered = False
+        shard = local_shard
         base, itemsize = shard.data_ptr(), shard.element_size()
         plain = self._plain_modules
         for info, sl in zip(self.infos, self._shard_slices):
@@ -261,7 +300,7 @@ class ViewsMixin:
         for shared in self.shared:
             self._set_param(shared.module, shared.name, self.infos[shared.index].param)
 
-    def register_params(self, tensors: Sequence[torch.Tensor]) -> None:
+    def register_params(self, tensors: Sequence[torch.Tensor], flat_param: nn.Parameter) -> None:
         """Register the original parameters with ``tensors`` as their data.
 
         Undone by :meth:`use_sharded_views`.  With ``use_orig_params=False``
@@ -271,12 +310,12 @@ class ViewsMixin:
         for info, t in zip(self.infos, tensors):
             info.param.data = t
             if not self.use_orig_params:
-                info.param.requires_grad_(self.flat_param.requires_grad)
+                info.param.requires_grad_(flat_param.requires_grad)
             self._set_param(info.module, info.name, info.param)
         for shared in self.shared:
             self._set_param(shared.module, shared.name, self.infos[shared.index].param)
         self.module._parameters.pop(FLAT_PARAM_NAME, None)
-        self._params_registered = True
+        self.params_registered = True
 
 
 def _overrides_setattr(module: nn.Module) -> bool:

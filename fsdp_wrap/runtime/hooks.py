@@ -53,7 +53,7 @@ def register_handle_hooks(state: UnitState) -> None:
     handle.flat_param.register_post_accumulate_grad_hook(make_post_backward_hook(state, handle))
     if handle.uses_sharded_strategy:
         # (NO_SHARD's unsharded data is the parameter: nothing to free early)
-        handle.on_view_grads_ready = make_early_free_hook(state, handle)
+        handle.views.on_view_grads_ready = make_early_free_hook(state, handle)
 
 
 # ----------------------------------------------------------------- forward
@@ -186,7 +186,7 @@ def _pre_backward_hook(
         if (handle.use_orig_params and handle.is_unsharded and handle.uses_sharded_strategy
                 and not handle.reshard_after_forward):
             # Kept unsharded since forward: the views must be the forward's.
-            check_unchanged_since_forward(handle, handle.compute_views)
+            check_unchanged_since_forward(handle, handle.views.compute_views)
         root = state._root
         gather_ahead(handle, root._all_gather_batch_bytes,
                      functools.partial(_next_backward_pending, root))
@@ -304,7 +304,7 @@ def finalize_units(root: UnitState, free_all: bool) -> None:
                 # End of a backward: every graph of the iteration is done.  A
                 # forward still awaiting its backward (several forwards before
                 # one backward) keeps its count, so nothing is freed early.
-                handle.forget_graphs()
+                handle.views.forget_graphs()
         state._ran_pre_backward = False
         state.training_state = TrainingState.IDLE
     root._final_callback_queued = False
