@@ -68,49 +68,55 @@ class FlatParamHandle:
         unit_fqn: str = "",
     ) -> None:
         self.config = config
-        device, strategy, rank, world_size = (
-            config.device, config.strategy, config.rank, config.world_size
-        )
-        use_orig_params, param_dtype, reduce_dtype = (
-            config.use_orig_params, config.param_dtype, config.reduce_dtype
-        )
-        process_group, replicate_group = config.process_group, config.replicate_group
-        offload_params = config.offload_params
         self.module = module  # the unit's wrapped module
         self.unit_fqn = unit_fqn
-        self.device = device
-        self.strategy = strategy
-        self.process_group = process_group
-        self.rank = rank
-        self.world_size = world_size
-        self.use_orig_params = use_orig_params
-        self.uses_sharded_strategy = strategy in SHARDED_STRATEGIES
-        self.reshard_after_forward = strategy in RESHARD_AFTER_FORWARD
-        self.replicate_group = replicate_group
-        self.offload_params = offload_params
+        self.device, self.strategy = config.device, config.strategy
+        self.process_group, self.replicate_group = config.process_group, config.replicate_group
+        self.rank, self.world_size = config.rank, config.world_size
+        self.use_orig_params = config.use_orig_params
+        self.uses_sharded_strategy = config.strategy in SHARDED_STRATEGIES
+        self.reshard_after_forward = config.strategy in RESHARD_AFTER_FORWARD
+        self.offload_params = config.offload_params
         # Accelerators gather asynchronously (overlapping compute on the
         # communication stream).  On CPU an asynchronous prefetch competes with
         # compute for the cores, and gloo's all-gather (used under 1 MiB; larger
-        # gathers are broadcasts, see _collectives) stages a full-unit buffer
+        # gathers are broadcasts, see comm/collectives) stages a full-unit buffer
         # until wait(): ``limit_all_gathers`` (torch's memory-vs-overlap switch)
         # keeps CPU gathers synchronous.
-        self.async_gathers = device.type != "cpu" or not config.limit_all_gathers
+        self.async_gathers = config.device.type != "cpu" or not config.limit_all_gathers
+        self._skip_writeback_check = os.environ.get("FSDP_SKIP_WRITEBACK_CHECK", "") == "1"
+        self._use_full_prec_in_eval = config.use_full_prec_in_eval  # FSDP_USE_FULL_PREC_IN_EVAL
+        check_unit_params(params, f"(rank {self.rank}, FSDP unit '{unit_fqn or '<root>'}')",
+                          self.use_orig_params)
+        self._init_layout(params, shared)
+        flat = self._init_flat_param(params)
+        self._init_parts()
+        self._release_original_storage()
+        if not self.use_orig_params:
+            module._parameters[FLAT_PARAM_NAME] = self.flat_param
+            self.views.install_stale(flat)
+        if flat.untyped_storage().data_ptr() != self.local_shard.untyped_storage().data_ptr():
+            flat.untyped_storage().resize_(0)
+        self.use_sharded_views()
 
-        check_unit_params(params, f"(rank {rank}, FSDP unit '{unit_fqn or '<root>'}')",
-                          use_orig_params)
-        dtype = params[0][3].dtype
+    def _init_layout(
+        self, params: Sequence[tuple[str, nn.Module, str, nn.Parameter]],
+        shared: Sequence[tuple[str, nn.Module, str, int]],
+    ) -> None:
+        """Dtypes, the flat layout, the parameters' places in it, the reduction."""
+        config, dtype = self.config, params[0][3].dtype
         # Mixed precision: compute in ``compute_dtype``, reduce in
         # ``reduce_dtype`` (defaulting to the compute dtype, as torch does),
         # keep the sharded master copy in the original dtype.
-        self._mp_dtypes = (param_dtype, reduce_dtype)
+        self._mp_dtypes = (config.param_dtype, config.reduce_dtype)
         self.orig_dtype = dtype
-        self.compute_dtype = param_dtype or dtype
-        self.reduce_dtype = reduce_dtype or param_dtype or dtype
-        self.shard_device = torch.device("cpu") if offload_params else device
+        self.compute_dtype = config.param_dtype or dtype
+        self.reduce_dtype = config.reduce_dtype or config.param_dtype or dtype
+        self.shard_device = torch.device("cpu") if config.offload_params else config.device
         self.layout = FlatLayout.build(
             [p.numel() for *_, p in params],
-            align=alignment(param_dtype or dtype, use_orig_params),
-            world_size=world_size,
+            align=alignment(config.param_dtype or dtype, self.use_orig_params),
+            world_size=self.world_size,
             sharded=self.uses_sharded_strategy,
         )
         self.infos = [
@@ -122,22 +128,27 @@ class FlatParamHandle:
             sharded=self.uses_sharded_strategy,
             padded_numel=self.layout.padded_numel,
             shard_numel=self.layout.shard_numel,
-            world_size=world_size,
+            world_size=self.world_size,
             divide=config.divide,
             reduce_dtype=self.reduce_dtype,
-            group=process_group,
-            replicate_group=replicate_group,
+            group=self.process_group,
+            replicate_group=self.replicate_group,
         )
         # Where the local shard starts, and how many of its elements hold data
-        # (the rest is right padding).
-        self.shard_offset = self.layout.shard_offset(rank)
-        self.shard_valid_numel = self.layout.shard_valid_numel(rank)
+        # (the rest is right padding); each parameter's slice of it.
+        self.shard_offset = self.layout.shard_offset(self.rank)
+        self.shard_valid_numel = self.layout.shard_valid_numel(self.rank)
+        self._shard_slices = self.layout.shard_slices(self.rank)
 
+    def _init_flat_param(self, params: Sequence[tuple[str, nn.Module, str, nn.Parameter]]
+                         ) -> torch.Tensor:
+        """Flatten, shard, make the ``FlatParameter``; returns the unsharded flat
+        tensor (its storage is freed by the caller once views are installed)."""
         requires_grad = any(p.requires_grad for *_, p in params)
         with torch.no_grad():
-            flat = self._flatten(dtype)
+            flat = self._flatten(self.orig_dtype)
             self.local_shard = self._shard(flat)
-            if offload_params:
+            if self.offload_params:
                 self.local_shard = self._to_shard_device(self.local_shard, pin=True)
         self.flat_param = FlatParameter.make(self.local_shard, requires_grad, self.infos)
         # The shard as ``.data`` (torch's ``_local_shard``): same memory, its own
@@ -150,27 +161,21 @@ class FlatParamHandle:
         self._gathered = {False: _Gathered(), True: _Gathered()}
         self._current: _Gathered | None = None
         self.state = HandleState.SHARDED
+        return flat
+
+    def _init_parts(self) -> None:
+        """The gradient and view parts, given what they need explicitly."""
         self.grads = FlatGrads(
-            self.flat_param, self.infos, self.layout, self.layout.shard_slices(rank),
-            self._reduce_spec, use_orig_params=use_orig_params, device=device,
+            self.flat_param, self.infos, self.layout, self._shard_slices,
+            self._reduce_spec, use_orig_params=self.use_orig_params, device=self.device,
             to_shard_device=self._to_shard_device, shard_device=self.shard_device,
             dtypes=(self.orig_dtype, self.compute_dtype, self.reduce_dtype),
-            keep_low_precision_grads=config.keep_low_precision_grads,
+            keep_low_precision_grads=self.config.keep_low_precision_grads,
         )
-        self._shard_slices = self.layout.shard_slices(rank)
         self.views = ParamViews(
-            module, self.infos, self.shared, self.layout, self._shard_slices,
-            use_orig_params=use_orig_params, sharded=self.uses_sharded_strategy,
+            self.module, self.infos, self.shared, self.layout, self._shard_slices,
+            use_orig_params=self.use_orig_params, sharded=self.uses_sharded_strategy,
         )
-        self._skip_writeback_check = os.environ.get("FSDP_SKIP_WRITEBACK_CHECK", "") == "1"
-        self._use_full_prec_in_eval = config.use_full_prec_in_eval  # FSDP_USE_FULL_PREC_IN_EVAL
-        self._release_original_storage()
-        if not use_orig_params:
-            module._parameters[FLAT_PARAM_NAME] = self.flat_param
-            self.views.install_stale(flat)
-        if flat.untyped_storage().data_ptr() != self.local_shard.untyped_storage().data_ptr():
-            flat.untyped_storage().resize_(0)
-        self.use_sharded_views()
 
     def adopt_flat_param_data(self) -> None:
         """Take up a ``flat_param.data`` replaced since construction.
