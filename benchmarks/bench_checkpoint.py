@@ -52,7 +52,7 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _bench_measure import CollectiveCounter, PeakMemory, malloc_trim  # noqa: E402
 
-from fsdp_wrap._teardown import exit_now  # noqa: E402
+from fsdp_wrap.comm.teardown import exit_now  # noqa: E402
 
 MiB = 2**20
 CPU = torch.device("cpu")
@@ -230,7 +230,7 @@ def _worker(rank: int, job: str, cfg: dict[str, Any], port: int, out: str) -> No
     finally:
         dist.barrier()
         dist.destroy_process_group()
-    exit_now()  # see fsdp_wrap/_teardown.py: gloo's threads vs interpreter shutdown
+    exit_now()  # see fsdp_wrap/comm/teardown.py: gloo's threads vs interpreter shutdown
 
 
 def launch(job: str, cfg: dict[str, Any]) -> list[dict[str, Any]]:

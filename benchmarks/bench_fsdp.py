@@ -73,7 +73,7 @@ from _bench_models import (  # noqa: E402
     variants_for,
 )
 
-from fsdp_wrap._teardown import exit_now  # noqa: E402
+from fsdp_wrap.comm.teardown import exit_now  # noqa: E402
 
 N_BATCHES = 4
 
@@ -123,7 +123,7 @@ def _worker(rank: int, job: str, cfg: dict[str, Any], port: int, out: str) -> No
     finally:
         dist.barrier()
         dist.destroy_process_group()
-    exit_now()  # see fsdp_wrap/_teardown.py: gloo's threads vs interpreter shutdown
+    exit_now()  # see fsdp_wrap/comm/teardown.py: gloo's threads vs interpreter shutdown
 
 
 def _gather(obj: Any) -> list[Any]:

@@ -36,7 +36,7 @@ from _bench_models import (  # noqa: E402
 )
 from _live_bytes import live_bytes  # noqa: E402
 
-from fsdp_wrap._teardown import exit_now  # noqa: E402
+from fsdp_wrap.comm.teardown import exit_now  # noqa: E402
 
 
 class _Sampler(TorchDispatchMode):
@@ -71,7 +71,7 @@ def _worker(rank: int, port: int, framework: str, strategy: str, orig: bool) -> 
         print(f"{framework} {strategy} orig={orig}: peak {(sampler.peak - base) / unit:.2f} units")
     dist.barrier()
     dist.destroy_process_group()
-    exit_now()  # see fsdp_wrap/_teardown.py: gloo's threads vs interpreter shutdown
+    exit_now()  # see fsdp_wrap/comm/teardown.py: gloo's threads vs interpreter shutdown
 
 
 def main() -> None:

@@ -48,7 +48,7 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _bench_models import WORKLOADS, Block, make_model  # noqa: E402
 from _live_bytes import LivePeak, live_bytes  # noqa: E402
 
-from fsdp_wrap._teardown import exit_now  # noqa: E402
+from fsdp_wrap.comm.teardown import exit_now  # noqa: E402
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 
@@ -184,7 +184,7 @@ def _worker(rank: int, port: int, cfgs: list[dict[str, Any]], out: str, device: 
         # (gloo aborts the process at exit otherwise).
         dist.barrier()
         dist.destroy_process_group()
-    exit_now()  # see fsdp_wrap/_teardown.py: gloo's threads vs interpreter shutdown
+    exit_now()  # see fsdp_wrap/comm/teardown.py: gloo's threads vs interpreter shutdown
 
 
 def run(cfgs: list[dict[str, Any]], device: str = "cpu",

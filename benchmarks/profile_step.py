@@ -30,7 +30,7 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _bench_models import WORKLOADS, Variant, build, loss_fn, make_batches, make_model  # noqa: E402
 
-from fsdp_wrap._teardown import exit_now  # noqa: E402
+from fsdp_wrap.comm.teardown import exit_now  # noqa: E402
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
@@ -77,7 +77,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
             print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
     dist.barrier()
     dist.destroy_process_group()
-    exit_now()  # see fsdp_wrap/_teardown.py: gloo's threads vs interpreter shutdown
+    exit_now()  # see fsdp_wrap/comm/teardown.py: gloo's threads vs interpreter shutdown
 
 
 def main(argv: list[str] | None = None) -> None:

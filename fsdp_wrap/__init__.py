@@ -4,8 +4,8 @@ Change the import of torch's FSDP package to ``import fsdp_wrap as fsdp``;
 every public FSDP1 name below keeps torch's meaning and defaults.
 """
 
-from ._flat_param import FlatParameter
-from .api import (
+from fsdp_wrap._compat import __version__ as __version__
+from fsdp_wrap.api import (
     BackwardPrefetch,
     CPUOffload,
     FullOptimStateDictConfig,
@@ -21,11 +21,10 @@ from .api import (
     StateDictSettings,
     StateDictType,
 )
-from .fully_sharded_data_parallel import FullyShardedDataParallel, OptimStateKeyType
-from .installer import install, installed, uninstall
-from .planning import Plan, plan
-
-__version__ = "0.1.0"
+from fsdp_wrap.fully_sharded_data_parallel import FullyShardedDataParallel, OptimStateKeyType
+from fsdp_wrap.handle.flat_tensor import FlatParameter
+from fsdp_wrap.installer import install, installed, uninstall
+from fsdp_wrap.planning import Plan, plan
 
 __all__ = [
     "BackwardPrefetch",

@@ -18,6 +18,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from packaging.version import Version
 
+#: fsdp_wrap's own version (``fsdp_wrap.__version__``; setup.py says the same).
+__version__ = "0.1.0"
+
 TORCH_VERSION = Version(torch.__version__.split("+")[0])
 
 #: ``nn.Module.register_state_dict_post_hook`` (public) appeared in torch 2.5;

@@ -64,6 +64,20 @@ class ShardingStrategy(Enum):
     _HYBRID_SHARD_ZERO2 = auto()
 
 
+
+# Which strategies shard parameters, free them after forward, and replicate
+# over a second group (fsdp_wrap's own groupings, not torch API).
+SHARDED_STRATEGIES = frozenset(
+    {
+        ShardingStrategy.FULL_SHARD,
+        ShardingStrategy.SHARD_GRAD_OP,
+        ShardingStrategy.HYBRID_SHARD,
+        ShardingStrategy._HYBRID_SHARD_ZERO2,
+    }
+)
+RESHARD_AFTER_FORWARD = frozenset({ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD})
+HYBRID_STRATEGIES = frozenset({ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2})
+
 class BackwardPrefetch(Enum):
     """When backward issues the next unit's all-gather.
 

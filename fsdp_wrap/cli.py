@@ -15,8 +15,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .checkpoint import cli as ckpt_cli
-from .planning import cli as plan_cli
+import fsdp_wrap.checkpoint.cli as ckpt_cli
+import fsdp_wrap.planning.cli as plan_cli
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from . import installer
+    import fsdp_wrap.installer as installer
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:

@@ -1,16 +1,17 @@
-"""``FullyShardedDataParallel``: the public façade tying the package together.
+"""``FullyShardedDataParallel``: the public façade tying the layers together.
 
-Construction resolves the arguments (:mod:`._init`), auto-wraps children
-(:mod:`.wrap`), builds this unit's :class:`FlatParamHandle` and registers the
-state-dict hooks.  Forward and backward delegate to :mod:`._runtime`; state
-dicts to :mod:`._state_dict`.
+Construction runs the steps of :mod:`fsdp_wrap.runtime.setup` (arguments
+resolved and checked first, then process groups, auto-wrapping of children
+through :mod:`fsdp_wrap.wrap`, this unit's handle, the hooks).  The instance
+*is* its unit state (:class:`~fsdp_wrap.runtime.state.UnitState`); forward and
+backward delegate to :mod:`fsdp_wrap.runtime.hooks`, lazy init to
+:mod:`fsdp_wrap.runtime.tree`, state dicts to :mod:`fsdp_wrap.state_dict`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 import warnings
 from collections.abc import Generator, Iterable, Iterator
 from enum import Enum, auto
@@ -20,21 +21,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _collectives as C
-from . import _init, _runtime, _state_dict, _summon
-from . import _optim_state_dict as _osd
-from ._bucket import GradBuckets, resolve_bucket_cap_mb
-from ._collectives import global_rank
-from ._compat import coerce_dataclass, coerce_enum, run_eagerly_under_dynamo
-from ._exec_order import ExecOrder, ForwardOrderCheck
-from ._flat_param import FlatParamHandle, collect_unit_params
-from ._gather_batch import resolve_all_gather_batch_mb
-from ._runtime import TrainingState
-from .api import (
+import fsdp_wrap.comm.collectives as C
+import fsdp_wrap.runtime.construct as _init
+import fsdp_wrap.runtime.hooks as _runtime
+import fsdp_wrap.runtime.setup as setup
+import fsdp_wrap.runtime.summon as _summon
+import fsdp_wrap.runtime.tree as tree
+import fsdp_wrap.state_dict.model as _state_dict
+import fsdp_wrap.state_dict.optim as _osd
+from fsdp_wrap._compat import coerce_dataclass, coerce_enum, run_eagerly_under_dynamo
+from fsdp_wrap.api import (
+    HYBRID_STRATEGIES,
     BackwardPrefetch,
     CPUOffload,
-    FullOptimStateDictConfig,
-    FullStateDictConfig,
     MixedPrecision,
     OptimStateDictConfig,
     ShardingStrategy,
@@ -42,11 +41,13 @@ from .api import (
     StateDictSettings,
     StateDictType,
 )
+from fsdp_wrap.comm.bucket import resolve_bucket_cap_mb
+from fsdp_wrap.comm.collectives import global_rank
+from fsdp_wrap.comm.gather_batch import resolve_all_gather_batch_mb
+from fsdp_wrap.runtime.names import clean_fqn
+from fsdp_wrap.runtime.state import TrainingState, UnitState
 
 __all__ = ["FullyShardedDataParallel", "OptimStateKeyType"]
-
-FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
-
 
 class OptimStateKeyType(Enum):
     """Key type of an optimizer state dict's ``"state"``: FQN strings or ids."""
@@ -55,7 +56,7 @@ class OptimStateKeyType(Enum):
     PARAM_ID = auto()
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(UnitState):
     """Shard a module's parameters across data-parallel ranks (FSDP1 semantics).
 
     The wrapped module's parameters (except those of nested FSDP units and
@@ -105,139 +106,47 @@ class FullyShardedDataParallel(nn.Module):
                 "FSDP was given a module that is already wrapped by FullyShardedDataParallel; "
                 "wrap the inner module once (nest FSDP around submodules instead)."
             )
+        # 1. Arguments, checked before any collective.
         strategy = coerce_enum(sharding_strategy, ShardingStrategy, "sharding_strategy")
         backward_prefetch = coerce_enum(backward_prefetch, BackwardPrefetch, "backward_prefetch")
         cpu_offload = coerce_dataclass(cpu_offload, CPUOffload, "cpu_offload")
         mixed_precision = coerce_dataclass(mixed_precision, MixedPrecision, "mixed_precision")
         strategy = strategy or ShardingStrategy.FULL_SHARD
-        # Checked before any collective.
         cap_mb = resolve_bucket_cap_mb(bucket_cap_mb)
         batch_mb = resolve_all_gather_batch_mb(all_gather_batch_mb)
-
         ignored_mods, ignored_params = _init.resolve_ignored(module, ignored_modules, ignored_states)
-        self._ignored_modules = ignored_mods
-        self._ignored_params = ignored_params
-        pg_state = _init.resolve_process_group(
-            process_group, device_mesh, strategy, auto_wrap_policy is not None
+        self._ignored_modules, self._ignored_params = ignored_mods, ignored_params
+        # 2. Process groups.
+        pg_state, child_group = setup.init_process_groups(
+            self, process_group, device_mesh, strategy, auto_wrap_policy is not None
         )
-        self.process_group = pg_state.group
-        self.rank = pg_state.rank
-        self.world_size = pg_state.world_size
-        self._device_mesh = device_mesh
-        self._inter_node_pg = pg_state.replicate_group
-        divide = C.divide_factors(self.world_size * pg_state.replicate_size)
-        self._gradient_predivide_factor, self._gradient_postdivide_factor = divide
-        if pg_state.replicate_group is not None and device_mesh is None:
-            # Children share this unit's groups instead of building their own.
-            process_group = (pg_state.group, pg_state.replicate_group)
-
+        # 3. Children the policy picks become units of their own, with the
+        # root's arguments (the ignored set resolved to parameters, as torch
+        # passes it, so one-shot iterables are safe).
         if auto_wrap_policy is not None:
-            from .wrap import _auto_wrap
+            from fsdp_wrap.wrap import _auto_wrap
 
-            # Children get the root's arguments, with the ignored set resolved to
-            # parameters (as torch passes it), so one-shot iterables are safe.
             root_kwargs = dict(
-                process_group=process_group,
-                sharding_strategy=sharding_strategy,
-                cpu_offload=cpu_offload,
-                auto_wrap_policy=auto_wrap_policy,
-                backward_prefetch=backward_prefetch,
-                mixed_precision=mixed_precision,
-                ignored_modules=None,
-                param_init_fn=param_init_fn,
-                device_id=device_id,
-                sync_module_states=sync_module_states,
-                forward_prefetch=forward_prefetch,
-                limit_all_gathers=limit_all_gathers,
-                use_orig_params=use_orig_params,
+                process_group=child_group, sharding_strategy=sharding_strategy,
+                cpu_offload=cpu_offload, auto_wrap_policy=auto_wrap_policy,
+                backward_prefetch=backward_prefetch, mixed_precision=mixed_precision,
+                ignored_modules=None, param_init_fn=param_init_fn, device_id=device_id,
+                sync_module_states=sync_module_states, forward_prefetch=forward_prefetch,
+                limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params,
                 ignored_states=list(ignored_params) if ignored_params else None,
                 device_mesh=device_mesh,
             )
-            _auto_wrap(
-                module, auto_wrap_policy, ignored_mods, ignored_params, root_kwargs,
-                FullyShardedDataParallel,
-            )
-
-        self.sharding_strategy = _init.clamp_strategy(strategy, self.world_size)
-        self.cpu_offload = cpu_offload or CPUOffload()
-        self.mixed_precision = mixed_precision or MixedPrecision()
-        self.backward_prefetch = backward_prefetch
-        self.forward_prefetch = forward_prefetch
-        self.limit_all_gathers = limit_all_gathers
-        self._use_orig_params = use_orig_params
-        self._use_full_prec_in_eval = os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL", "") == "1"
-        self._buffers_in_full_precision = False  # (root) see _runtime._buffers_for_eval
-        self._optims_in_backward = False  # set at lazy init (_apply_optimizer_in_backward)
-        self._sync_module_states = sync_module_states
-        self.training_state = TrainingState.IDLE
-        self._is_root: bool | None = None
-        # Plain attribute, not a submodule: the root is not a child of its units.
-        object.__setattr__(self, "_root", self)
-        self._sync_gradients = True
-        self._comm_hook: Callable[..., Any] | None = None
-        self._comm_hook_state: object = None
-        self._ran_pre_backward = False
-        self._final_callback_queued = False
-        self._forward_pending_backward = False
-        self._exec_order = ExecOrder()
-        # Used at the root only (the root's value counts for the whole tree).
-        self._grad_buckets = GradBuckets(int(cap_mb * 1024 * 1024))
-        self._all_gather_batch_bytes = int(batch_mb * 1024 * 1024)
-        self._all_fsdp_states: list[FullyShardedDataParallel] = []
-        self._all_handles: list[FlatParamHandle] = []
-        self._state_of: dict[FlatParamHandle, FullyShardedDataParallel] = {}
-        # Original dtypes of buffers cast to ``buffer_dtype`` (clean FQN under
-        # the wrapped module -> dtype); state dicts save them in these dtypes.
-        self._buffer_orig_dtypes: dict[str, torch.dtype] = {}
-
-        def stop(m: nn.Module) -> bool:
-            return isinstance(m, FullyShardedDataParallel) or m in ignored_mods
-
-        self.compute_device = _init.resolve_device(module, device_id, stop, ignored_params)
-        _init.materialize_meta(
-            module, stop, ignored_params, param_init_fn, self.compute_device, self.rank
+            _auto_wrap(module, auto_wrap_policy, ignored_mods, ignored_params, root_kwargs,
+                       FullyShardedDataParallel)
+        # 4. This unit: options, runtime state, its module placed, its handle.
+        setup.init_settings(
+            self, strategy, cpu_offload, mixed_precision, backward_prefetch, forward_prefetch,
+            limit_all_gathers, use_orig_params, sync_module_states,
         )
-        _init.move_to_device(module, self.compute_device, stop, ignored_params)
-        if sync_module_states:
-            groups = [g for g in (self._inter_node_pg, self.process_group) if g is not None]
-            _init.sync_module_states(module, stop, ignored_params, groups)
-
-        params, shared = collect_unit_params(module, stop, ignored_params)
-        _init.check_no_cross_unit_sharing(module, params, self.rank)
-        self._handle: FlatParamHandle | None = None
-        if params:
-            self._handle = FlatParamHandle(
-                module,
-                params,
-                shared,
-                unit_fqn="",  # set to the real FQN at lazy init
-                device=self.compute_device,
-                strategy=self.sharding_strategy,
-                process_group=self.process_group,
-                rank=self.rank,
-                world_size=self.world_size,
-                use_orig_params=use_orig_params,
-                divide=divide,
-                param_dtype=self.mixed_precision.param_dtype,
-                reduce_dtype=self.mixed_precision.reduce_dtype,
-                keep_low_precision_grads=self.mixed_precision.keep_low_precision_grads,
-                offload_params=self.cpu_offload.offload_params,
-                replicate_group=self._inter_node_pg if pg_state.replicate_size > 1 else None,
-                limit_all_gathers=limit_all_gathers,
-                use_full_prec_in_eval=self._use_full_prec_in_eval,
-            )
-            if self._handle.flat_param.requires_grad:
-                # A fully frozen unit gets no gradient; the end-of-backward
-                # callback reshards it.
-                self._handle.flat_param.register_post_accumulate_grad_hook(
-                    _runtime.make_post_backward_hook(self, self._handle)
-                )
-                if self._handle.uses_sharded_strategy:
-                    # (NO_SHARD's unsharded data is the parameter: nothing to free early)
-                    self._handle.on_view_grads_ready = _runtime.make_early_free_hook(
-                        self, self._handle
-                    )
-        self.params = [self._handle.flat_param] if self._handle is not None else []
+        setup.init_runtime_state(self, cap_mb, batch_mb)
+        setup.place_module(self, module, device_id, param_init_fn, sync_module_states)
+        setup.build_handle(self, module, pg_state)
+        _runtime.register_handle_hooks(self)
         self._fsdp_wrapped_module = module
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
             # Names, not the repr: a child unit's repr spells out FSDP's internals.
@@ -248,11 +157,8 @@ class FullyShardedDataParallel(nn.Module):
                 "children, or a module whose forward uses them, instead",
                 stacklevel=2,
             )
-        self._state_dict_type = StateDictType.FULL_STATE_DICT
-        self._state_dict_config: StateDictConfig = FullStateDictConfig()
-        self._optim_state_dict_config: OptimStateDictConfig = FullOptimStateDictConfig()
+        # 5. State-dict hooks; torch.compile breaks the graph at unit boundaries.
         _state_dict.register_hooks(self)
-        # torch.compile: graph breaks at unit boundaries, as for torch's FSDP1.
         run_eagerly_under_dynamo()
         _init.annotate_for_dynamo(module, ignored_mods, use_orig_params)
 
@@ -314,12 +220,7 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
         """Every FSDP instance in ``module``'s tree (pre-order), ``module`` included."""
-        found = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
-        if root_only:
-            for m in found:
-                m._lazy_init()
-            found = [m for m in found if m._is_root]
-        return found
+        return tree.units_under(module, root_only)  # type: ignore[return-value]
 
     def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:  # type: ignore[override]
         """``nn.Module.apply`` with this unit's parameters gathered and written back."""
@@ -339,78 +240,17 @@ class FullyShardedDataParallel(nn.Module):
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         """``.half()``/``.to(dtype)``: with ``use_orig_params=True`` the flat
         parameter is what gets converted, as in torch."""
-        from ._writeback import flat_param_exposed
+        from fsdp_wrap.handle.writeback import flat_param_exposed
 
         with flat_param_exposed(self.__dict__.get("_handle")):
             return super()._apply(*args, **kwargs)
 
     def _lazy_init(self) -> None:
-        """Make the first FSDP instance reached the root of its tree.
-
-        Runs once per tree (at the first forward, state_dict, clip_grad_norm_,
-        ...).  Postcondition: every instance knows the root, the root knows
-        every instance and handle, and every rank was checked to hold the same
-        units.
-        """
-        if self._is_root is not None:
-            return
-        states = FullyShardedDataParallel.fsdp_modules(self)
-        fqn_of = {id(m): clean_fqn(n) for n, m in self.named_modules() if m in states}
-        # Local checks first, so a refused tree stays uninitialised (no root set).
-        _check_homogeneous(self, states, fqn_of)
-        _check_optim_in_backward(self, states, fqn_of)
-        self._is_root = True
-        for st in states:
-            if st is not self:
-                st._is_root = False
-                object.__setattr__(st, "_root", self)
-                st._all_fsdp_states = []
-            if st._handle is not None:
-                st._handle.unit_fqn = fqn_of.get(id(st), "")
-        self._all_fsdp_states = states
-        self._all_handles = [st._handle for st in states if st._handle is not None]
-        self._state_of = {st._handle: st for st in states if st._handle is not None}
-        for st in states:
-            st._optims_in_backward = st._handle is not None and any(
-                hasattr(p, "_in_backward_optimizers") for p in st._handle.params
-            )
-        if self.world_size > 1:
-            # Compares the flat parameters' dtype and shape too: data replaced on
-            # some ranks only is reported on every rank, before any gather.
-            _runtime.all_gather_unit_signatures(self)
-            if dist.get_debug_level() == dist.DebugLevel.DETAIL:
-                self._exec_order.order_check = ForwardOrderCheck(
-                    self._all_handles, self.process_group, self.rank, self.world_size
-                )
-        for h in self._all_handles:
-            h.adopt_flat_param_data()
-        for st in states:
-            st._buffer_orig_dtypes = _init.cast_buffers(st)
+        """Link every unit of this tree to its root (once; see :func:`~fsdp_wrap.runtime.tree.lazy_init`)."""
+        tree.lazy_init(self)
 
     def _reset_lazy_init(self) -> None:
         self._is_root = None
-
-    def _unit_signature(self) -> tuple[Any, ...]:
-        """What every rank's unit must agree on for the collectives to line up:
-        shapes, dtype and strategy, not names (as torch, ranks may ignore
-        different modules when what remains has the same shapes)."""
-        h = self._handle
-        if h is None:
-            return (h,)
-        return (
-            tuple(tuple(i.shape) for i in h.infos),
-            str(h.flat_param.dtype),
-            tuple(h.flat_param.shape),
-            self.sharding_strategy.name,
-            self._use_orig_params,
-        )
-
-    def _unit_names(self) -> tuple[str, tuple[str, ...]]:
-        """The unit's and its parameters' names, for messages."""
-        h = self._handle
-        if h is None:
-            return ("<no parameters>", ())
-        return (h.unit_fqn or "<root>", tuple(i.fqn for i in h.infos))
 
     # ------------------------------------------------------------- no_sync
 
@@ -680,7 +520,7 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError(f"The communication hook must be callable but got {hook}")
         states = FullyShardedDataParallel.fsdp_modules(self)
         for st in states:
-            if st.sharding_strategy in _init.HYBRID_STRATEGIES:
+            if st.sharding_strategy in HYBRID_STRATEGIES:
                 raise AssertionError(
                     "Communication hook is not supported for hybrid strategies: "
                     f"{st.sharding_strategy}"
@@ -690,18 +530,13 @@ class FullyShardedDataParallel(nn.Module):
         for st in states:
             st._comm_hook, st._comm_hook_state = hook, state
             if st._handle is not None:
-                st._handle.comm_hook = (state, hook)
+                st._handle.grads.comm_hook = (state, hook)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         try:
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
         except RuntimeError as err:
             raise RuntimeError(clean_fqn(str(err))) from None
-
-
-def clean_fqn(name: str) -> str:
-    """Drop every ``_fsdp_wrapped_module.`` segment from a name."""
-    return name.replace(f"{FSDP_WRAPPED_MODULE}.", "").replace(FSDP_WRAPPED_MODULE, "")
 
 
 def _warn_optim_input(optim_input: Any) -> None:
@@ -724,53 +559,6 @@ def _warn_legacy_optim(curr: str, new: str) -> None:
         FutureWarning,
         stacklevel=3,
     )
-
-
-# Options every unit of one tree must share (torch's HOMOGENEOUS_ATTR_NAMES).
-_HOMOGENEOUS = (
-    ("_use_orig_params", "use_orig_params"),
-    ("limit_all_gathers", "limit_all_gathers"),
-    ("_use_full_prec_in_eval", "FSDP_USE_FULL_PREC_IN_EVAL"),
-)
-
-
-def _check_homogeneous(
-    root: FullyShardedDataParallel,
-    states: list[FullyShardedDataParallel],
-    fqn_of: dict[int, str],
-) -> None:
-    """ValueError, at lazy init before any collective, if units disagree on an option."""
-    for attr, option in _HOMOGENEOUS:
-        values = {getattr(st, attr) for st in states}
-        if len(values) > 1:
-            per_unit = ", ".join(
-                f"'{fqn_of.get(id(st), '') or '<root>'}': {getattr(st, attr)}" for st in states
-            )
-            raise ValueError(
-                f"[rank {global_rank()}] Expects one homogeneous value for {attr} but got {values} "
-                f"({option} per FSDP unit: {per_unit}); construct every nested "
-                f"FullyShardedDataParallel of this root with the same {option}"
-            )
-
-
-def _check_optim_in_backward(
-    root: FullyShardedDataParallel,
-    states: list[FullyShardedDataParallel],
-    fqn_of: dict[int, str],
-) -> None:
-    """``_apply_optimizer_in_backward`` on flat parameters is refused, as in torch."""
-    flat = [
-        f"'{fqn_of.get(id(st), '') or '<root>'}'"
-        for st in states
-        if st._handle is not None and hasattr(st._handle.flat_param, "_in_backward_optimizers")
-    ]
-    if flat:
-        raise RuntimeError(
-            f"[rank {global_rank()}] FSDP optimizer in backward only supported with "
-            f"use_orig_params=True! _apply_optimizer_in_backward was given the flat parameters "
-            f"of FSDP units {', '.join(flat)}; wrap with use_orig_params=True and pass the "
-            "model's parameters, or step a regular optimizer after backward"
-        )
 
 
 def _grad_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:

@@ -45,10 +45,12 @@ from typing import Any
 
 import torch.nn as nn
 
-from . import api, wrap
-from ._init import HYBRID_STRATEGIES
-from .fully_sharded_data_parallel import FullyShardedDataParallel, OptimStateKeyType
-from .sharded_grad_scaler import ShardedGradScaler
+import fsdp_wrap.api as api
+import fsdp_wrap.wrap as wrap
+from fsdp_wrap._compat import __version__
+from fsdp_wrap.api import HYBRID_STRATEGIES
+from fsdp_wrap.fully_sharded_data_parallel import FullyShardedDataParallel, OptimStateKeyType
+from fsdp_wrap.sharded_grad_scaler import ShardedGradScaler
 
 __all__ = ["ENV_VAR", "PTH_NAME", "install", "installed", "startup_hook_path", "uninstall"]
 
@@ -256,8 +258,6 @@ def uninstall(verbose: bool = False) -> None:
 
 
 def _version() -> str:
-    from . import __version__
-
     return __version__
 
 

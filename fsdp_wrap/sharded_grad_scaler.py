@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch.amp.grad_scaler import GradScaler, OptState
 from torch.distributed import ProcessGroup
 
-from . import _collectives
+import fsdp_wrap.comm.collectives as _collectives
 
 __all__ = ["ShardedGradScaler"]
 

@@ -5,7 +5,7 @@ data per rank: one with ``bucket_cap_mb=0`` (one collective per unit) and one
 with a cap that puts several units in a bucket.  Gradients and parameters
 must be *bit-identical* every step (the same elements go through the same
 casts, divisions and sums).  The reduction collectives are counted and their
-sizes recorded by wrapping :mod:`fsdp_wrap._collectives`, so the bucket
+sizes recorded by wrapping :mod:`fsdp_wrap.comm.collectives`, so the bucket
 boundaries are checked exactly.  One configuration per strategy is also
 compared with torch's FSDP1, bit for bit (at 2 ranks the order of a two-term
 sum does not matter).  Cases: several units per bucket, a unit
@@ -29,9 +29,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-import fsdp_wrap._collectives as C
+import fsdp_wrap.comm.collectives as C
 from fsdp_wrap import CPUOffload, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
-from fsdp_wrap._bucket import BUCKET_CAP_ENV, DEFAULT_BUCKET_CAP_MB, resolve_bucket_cap_mb
+from fsdp_wrap.comm.bucket import BUCKET_CAP_ENV, DEFAULT_BUCKET_CAP_MB, resolve_bucket_cap_mb
 from tests._options_common import fp32_bound, rank_tag, run_configs
 from tests._sweep import Injection, injected
 

@@ -121,7 +121,7 @@ def test_later_iteration_order_change_warns_in_first_deviating_iteration(pool2: 
 def _not_detail() -> tuple[Any, list[str]]:
     calls: list[str] = []
     model = _build("ours")
-    from fsdp_wrap import _collectives as C
+    import fsdp_wrap.comm.collectives as C
 
     real = C.all_gather_into
 

@@ -1,4 +1,4 @@
-"""Flat-parameter arithmetic of ``fsdp_wrap._flat_param``: layout, padding, shards.
+"""Flat-parameter arithmetic of ``fsdp_wrap.handle.flat_param``: layout, padding, shards.
 
 Single process: a handle's layout and shard need the group's rank and size,
 not the group itself, so both our ``FlatParamHandle`` and torch's are built
@@ -22,8 +22,10 @@ from torch.distributed.fsdp._flat_param import FlatParamHandle as TorchHandle
 from torch.distributed.fsdp._flat_param import HandleShardingStrategy
 
 from fsdp_wrap import FlatParameter, ShardingStrategy
-from fsdp_wrap._collectives import divide_factors
-from fsdp_wrap._flat_param import PADDING_VALUE, FlatParamHandle, collect_unit_params
+from fsdp_wrap.comm.collectives import divide_factors
+from fsdp_wrap.handle.config import HandleConfig
+from fsdp_wrap.handle.flat_param import PADDING_VALUE, FlatParamHandle
+from fsdp_wrap.handle.layout import collect_unit_params
 from tests.models import Block, TinyTransformer
 
 CPU = torch.device("cpu")
@@ -73,11 +75,7 @@ def units() -> dict[str, nn.Module]:
 
 def ours_handle(module: nn.Module, rank: int, ws: int, strategy: str, uop: bool) -> FlatParamHandle:
     params, shared = collect_unit_params(module, lambda m: False, set())
-    return FlatParamHandle(
-        module,
-        params,
-        shared,
-        unit_fqn="",
+    config = HandleConfig(
         device=CPU,
         strategy=ShardingStrategy[strategy],
         process_group=FakeGroup(rank, ws),  # type: ignore[arg-type]
@@ -86,6 +84,7 @@ def ours_handle(module: nn.Module, rank: int, ws: int, strategy: str, uop: bool)
         use_orig_params=uop,
         divide=divide_factors(ws),
     )
+    return FlatParamHandle(module, params, shared, config)
 
 
 def torch_handle(module: nn.Module, rank: int, ws: int, strategy: str, uop: bool) -> TorchHandle:

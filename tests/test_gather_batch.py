@@ -4,7 +4,7 @@ Two copies of one model train in lockstep on different data per rank, one
 gathering every unit on its own (``all_gather_batch_mb=0``) and one batching
 small units; gradients and parameters must be bit-identical every step (a
 gather moves data, it adds nothing).  The all-gathers are counted by
-wrapping :mod:`fsdp_wrap._collectives`, and the bytes held unsharded are
+wrapping :mod:`fsdp_wrap.comm.collectives`, and the bytes held unsharded are
 checked against the cap.  Cases: FULL_SHARD and SHARD_GRAD_OP, both
 ``use_orig_params``, backward prefetch kinds, forward prefetch, mixed
 precision, CPU offload, ``no_sync``, several forwards, units unused in a
@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import fsdp_wrap._collectives as C
+import fsdp_wrap.comm.collectives as C
 from fsdp_wrap import BackwardPrefetch, FullyShardedDataParallel
-from fsdp_wrap._gather_batch import (
+from fsdp_wrap.comm.gather_batch import (
     ALL_GATHER_BATCH_ENV,
     DEFAULT_ALL_GATHER_BATCH_MB,
     resolve_all_gather_batch_mb,

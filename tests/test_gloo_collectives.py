@@ -1,4 +1,4 @@
-"""The gloo forms of fsdp_wrap's collectives (``fsdp_wrap/_collectives.py``).
+"""The gloo forms of fsdp_wrap's collectives (``fsdp_wrap/comm/collectives.py``).
 
 On gloo with CPU tensors a large all-gather runs as one broadcast per rank and
 a reduce-scatter of a scratch input as an in-place all-reduce.  Checked here:
@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp_wrap import _collectives as C
+import fsdp_wrap.comm.collectives as C
 from tests._options_common import compare_step, loss_of, rank_tag, run_configs, train_step
 from tests._sweep import Injection, injected
 from tests.models import fsdp_api, fsdp_kwargs, wrap_api

@@ -20,7 +20,8 @@ import torch
 import torch.nn as nn
 
 import fsdp_wrap as fw
-from fsdp_wrap._flat_param import FlatParamHandle
+from fsdp_wrap.handle.flat_param import FlatParamHandle
+from fsdp_wrap.handle.grads import FlatGrads
 from fsdp_wrap.wrap import ModuleWrapPolicy
 
 
@@ -56,6 +57,7 @@ def _trace_one_backward(strategy: str, no_sync: bool, forwards: int) -> list[tup
     )
     handles = [m._handle for m in fw.FullyShardedDataParallel.fsdp_modules(model)]
     index = {id(h): i for i, h in enumerate(handles)}
+    owner = {id(h.grads): h for h in handles}
     events: list[tuple[str, int, int]] = []
 
     def storage_bytes(h: FlatParamHandle) -> int:
@@ -64,19 +66,20 @@ def _trace_one_backward(strategy: str, no_sync: bool, forwards: int) -> list[tup
 
     real_free = FlatParamHandle.free_unsharded_storage
     # Every reduction (one unit's or a bucket's) starts by taking the gradient.
-    real_reduce = FlatParamHandle.take_grad_for_reduction
+    real_reduce = FlatGrads.take_grad_for_reduction
 
     def free(self: FlatParamHandle) -> None:
         events.append(("free_early", index[id(self)], storage_bytes(self)))
         real_free(self)
 
-    def reduce(self: FlatParamHandle, sync: bool) -> torch.Tensor | None:
-        events.append(("reduce", index[id(self)], storage_bytes(self)))
+    def reduce(self: FlatGrads, sync: bool) -> torch.Tensor | None:
+        handle = owner[id(self)]
+        events.append(("reduce", index[id(handle)], storage_bytes(handle)))
         return real_reduce(self, sync)
 
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
     FlatParamHandle.free_unsharded_storage = free  # type: ignore[method-assign]
-    FlatParamHandle.take_grad_for_reduction = reduce  # type: ignore[method-assign]
+    FlatGrads.take_grad_for_reduction = reduce  # type: ignore[method-assign]
     try:
         ctx = model.no_sync() if no_sync else torch.enable_grad()
         with ctx:
@@ -84,7 +87,7 @@ def _trace_one_backward(strategy: str, no_sync: bool, forwards: int) -> list[tup
             loss.backward()
     finally:
         FlatParamHandle.free_unsharded_storage = real_free  # type: ignore[method-assign]
-        FlatParamHandle.take_grad_for_reduction = real_reduce  # type: ignore[method-assign]
+        FlatGrads.take_grad_for_reduction = real_reduce  # type: ignore[method-assign]
     return events
 
 

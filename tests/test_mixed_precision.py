@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp_wrap import _collectives as C
+import fsdp_wrap.comm.collectives as C
 from tests._options_common import loss_of, maxdiff, rank_tag, run_configs, shape_of
 from tests._sweep import Injection, any_rank, injected
 from tests.models import build, fsdp_api, make_input, new_model, wrap_api

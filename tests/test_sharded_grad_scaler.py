@@ -34,7 +34,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as Torc
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
 
 import fsdp_wrap
-from fsdp_wrap import _collectives
+import fsdp_wrap.comm.collectives as _collectives
 from fsdp_wrap.sharded_grad_scaler import ShardedGradScaler, _reduction_device
 from fsdp_wrap.wrap import ModuleWrapPolicy
 from tests.conftest import requires_cuda

@@ -23,8 +23,8 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
 import fsdp_wrap
-from fsdp_wrap import _collectives
-from fsdp_wrap._chunks import ChunkLayout, chunk_tensor
+import fsdp_wrap.comm.collectives as _collectives
+from fsdp_wrap.state_dict.chunks import ChunkLayout, chunk_tensor
 from tests import _ckpt_common as C
 from tests._sweep import Injection, run_sweep
 from tests.test_full_checkpoint import build, train

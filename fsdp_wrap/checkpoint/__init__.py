@@ -7,8 +7,12 @@
   checkpoints without a process group (the ``fsdp-wrap ckpt`` command).
 """
 
-from .full import load_full_checkpoint, save_full_checkpoint, verify_full_checkpoint
-from .offline import consolidate, convert, inspect
+from fsdp_wrap.checkpoint.full import (
+    load_full_checkpoint,
+    save_full_checkpoint,
+    verify_full_checkpoint,
+)
+from fsdp_wrap.checkpoint.offline import consolidate, convert, inspect
 
 __all__ = [
     "consolidate",

@@ -12,7 +12,6 @@ import os
 import pickle
 import re
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +24,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .. import _compat
+import fsdp_wrap._compat as _compat
 
 METADATA_FILE = ".metadata"
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
@@ -116,11 +115,6 @@ class DcpCheckpoint:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
             dcp.load(template, storage_reader=self._reader, no_dist=True)
-
-    def iter_tensors(self) -> Iterator[tuple[DcpTensor, torch.Tensor]]:
-        for t in self.tensors:
-            yield t, self.load_tensor(t)
-
 
 def read_metadata(directory: str) -> Metadata:
     path = os.path.join(directory, METADATA_FILE)

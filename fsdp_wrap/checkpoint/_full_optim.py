@@ -25,19 +25,19 @@ import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
-from .. import _chunks as CH
-from ..api import StateDictType
-from . import _safetensors
-from ._safetensors import Entry
+import fsdp_wrap.checkpoint._safetensors as _safetensors
+import fsdp_wrap.state_dict.chunks as CH
+from fsdp_wrap.api import StateDictType
+from fsdp_wrap.checkpoint._safetensors import Entry
 
 if TYPE_CHECKING:
-    from ..fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+    from fsdp_wrap.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
 
 PREFIX = "optimizer"
 
 
 def _fsdp_cls() -> type[FSDP]:
-    from ..fully_sharded_data_parallel import FullyShardedDataParallel
+    from fsdp_wrap.fully_sharded_data_parallel import FullyShardedDataParallel
 
     return FullyShardedDataParallel
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .. import _compat
+import fsdp_wrap._compat as _compat
 
 
 def _placeholder(shape: Sequence[int], dtype: torch.dtype, mode: Any) -> torch.Tensor:

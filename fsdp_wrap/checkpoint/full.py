@@ -30,14 +30,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .._collectives import global_rank
-from .._layout import walk_unit_modules
-from .._state_dict import FLAT_PARAM_KEY, clean_key
-from . import _atomic, _full_optim, _safetensors
-from ._safetensors import Entry, ShardedWriter
+import fsdp_wrap.checkpoint._atomic as _atomic
+import fsdp_wrap.checkpoint._full_optim as _full_optim
+import fsdp_wrap.checkpoint._safetensors as _safetensors
+from fsdp_wrap.checkpoint._safetensors import Entry, ShardedWriter
+from fsdp_wrap.comm.collectives import global_rank
+from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME
+from fsdp_wrap.handle.layout import walk_unit_modules
+from fsdp_wrap.runtime.names import clean_fqn
 
 if TYPE_CHECKING:
-    from ..fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+    from fsdp_wrap.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 2**30
 DEFAULT_WINDOW_BYTES = 64 * 2**20  # what rank 0 receives and writes at a time
@@ -52,7 +55,7 @@ __all__ = [
 
 
 def _fsdp_cls() -> type[FSDP]:
-    from ..fully_sharded_data_parallel import FullyShardedDataParallel
+    from fsdp_wrap.fully_sharded_data_parallel import FullyShardedDataParallel
 
     return FullyShardedDataParallel
 
@@ -75,7 +78,7 @@ def _root(model: nn.Module, what: str) -> FSDP:
 
 def _units(model: FSDP) -> list[tuple[str, FSDP]]:
     cls = _fsdp_cls()
-    return [(clean_key(n), m) for n, m in model.named_modules() if isinstance(m, cls)]
+    return [(clean_fqn(n), m) for n, m in model.named_modules() if isinstance(m, cls)]
 
 
 def _join(prefix: str, name: str) -> str:
@@ -288,8 +291,8 @@ def _stream_handle(h: Any, unit_name: str, sink: _Sink, window_bytes: int) -> No
 
 def _names(h: Any, unit_name: str, index: int) -> list[str]:
     """The clean keys of parameter ``index`` of ``h``: itself and its tied aliases."""
-    names = [_join(unit_name, clean_key(h.infos[index].fqn))]
-    names += [_join(unit_name, clean_key(s.fqn)) for s in h.shared if s.index == index]
+    names = [_join(unit_name, clean_fqn(h.infos[index].fqn))]
+    names += [_join(unit_name, clean_fqn(s.fqn)) for s in h.shared if s.index == index]
     return names
 
 
@@ -301,9 +304,9 @@ def _unmanaged_tensors(unit_name: str, st: FSDP) -> list[tuple[str, torch.Tensor
     managed = set() if h is None else {id(i.param) for i in h.infos} | {id(h.flat_param)}
     out: list[tuple[str, torch.Tensor, torch.dtype]] = []
     for mod_fqn, mod in walk_unit_modules(st._fsdp_wrapped_module, lambda m: isinstance(m, cls)):
-        rel_mod = clean_key(mod_fqn + "." if mod_fqn else "").rstrip(".")
+        rel_mod = clean_fqn(mod_fqn + "." if mod_fqn else "").rstrip(".")
         for n, p in mod._parameters.items():
-            if p is not None and id(p) not in managed and n != FLAT_PARAM_KEY:
+            if p is not None and id(p) not in managed and n != FLAT_PARAM_NAME:
                 out.append((_join(unit_name, _join(rel_mod, n)), p, p.dtype))
         for n, b in mod._buffers.items():
             if b is not None and n not in mod._non_persistent_buffers_set:
@@ -442,7 +445,7 @@ def load_full_checkpoint(
                         if sl is None:
                             continue
                         start = sl[0] + h.shard_offset - info.offset
-                        s = stored[_join(unit_name, clean_key(info.fqn))]
+                        s = stored[_join(unit_name, clean_fqn(info.fqn))]
                         piece = _safetensors.read_flat_range(s, start, sl[1] - sl[0], fh(s.file))
                         h.local_shard[sl[0] : sl[1]].copy_(piece)
                 for key, t, _ in _unmanaged_tensors(unit_name, st):

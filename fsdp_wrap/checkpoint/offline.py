@@ -32,10 +32,12 @@ from typing import Any, Callable
 
 import torch
 
-from .. import _compat
-from . import _atomic, _dcp, _safetensors
-from ._safetensors import Entry, ShardedWriter
-from ._torch_save import StreamingTorchSave
+import fsdp_wrap._compat as _compat
+import fsdp_wrap.checkpoint._atomic as _atomic
+import fsdp_wrap.checkpoint._dcp as _dcp
+import fsdp_wrap.checkpoint._safetensors as _safetensors
+from fsdp_wrap.checkpoint._safetensors import Entry, ShardedWriter
+from fsdp_wrap.checkpoint._torch_save import StreamingTorchSave
 
 MARKER = _atomic.MARKER  # written by fsdp_wrap's own savers
 _MODEL_KEYS = ("model",)

@@ -21,81 +21,23 @@ close it is to what training holds.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
 import torch.nn as nn
 
-from .._compat import coerce_dataclass, coerce_enum
-from .._init import HYBRID_STRATEGIES
-from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from ._memory import NCCL, OPTIMIZERS, RankMemory, estimate, gloo
-from ._report import find_warnings, render
-from ._units import ParamEntry, UnitPlan, discover_units
+from fsdp_wrap.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_wrap.planning._memory import OPTIMIZERS, RankMemory, estimate
+from fsdp_wrap.planning._options import (
+    checked_backend,
+    coerce_options,
+    settings_row,
+    shard_group,
+)
+from fsdp_wrap.planning._report import Plan, find_warnings
+from fsdp_wrap.planning._units import ParamEntry, UnitPlan, discover_units
 
 __all__ = ["OPTIMIZERS", "ParamEntry", "Plan", "RankMemory", "UnitPlan", "plan"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """What ``FullyShardedDataParallel(model, ...)`` would build, and the memory it needs."""
-
-    units: tuple[UnitPlan, ...]  # root first, then in module order
-    world_size: int
-    shard_size: int  # ranks one flat parameter is sharded over
-    replicate_size: int  # hybrid strategies: shard groups holding replicas
-    optimizer: str
-    settings: dict[str, Any]
-    memory: RankMemory  # the rank needing the most device memory
-    per_rank: tuple[RankMemory, ...]  # every rank of one shard group (they differ only
-    # in optimizer state with use_orig_params=True); rank 0 alone otherwise
-    warnings: tuple[str, ...]
-
-    @property
-    def total_params(self) -> int:
-        return sum(u.numel for u in self.units)
-
-    def table(self) -> str:
-        return render(self)
-
-    def __str__(self) -> str:
-        return render(self)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data (for ``json.dumps``): settings, units, per-rank bytes, warnings."""
-        m = self.memory
-        return {
-            "world_size": self.world_size,
-            "shard_size": self.shard_size,
-            "replicate_size": self.replicate_size,
-            "optimizer": self.optimizer,
-            "settings": self.settings,
-            "total_params": self.total_params,
-            "units": [
-                {
-                    "fqn": u.fqn,
-                    "module": u.module_type,
-                    "params": u.numel,
-                    "strategy": u.strategy.name,
-                    "dtype": str(u.dtype).replace("torch.", ""),
-                    "flat_numel": u.layout.unpadded_numel,
-                    "padded_numel": u.layout.padded_numel,
-                    "shard_numel": u.layout.shard_numel,
-                    "unsharded_bytes": u.layout.padded_numel * u.dtype.itemsize,
-                    "shard_bytes": u.layout.shard_numel * u.dtype.itemsize,
-                }
-                for u in self.units
-            ],
-            "memory": {
-                **{f.name: getattr(m, f.name) for f in dataclasses.fields(m)},
-                "persistent_device": m.persistent_device,
-                "persistent_cpu": m.persistent_cpu,
-                "unsharded_peak": m.unsharded_peak,
-                "peak_device": m.peak_device,
-            },
-            "warnings": list(self.warnings),
-        }
 
 
 def plan(
@@ -141,31 +83,11 @@ def plan(
             constructor's own checks: e.g. a unit mixing dtypes, or frozen and
             trainable parameters with ``use_orig_params=False``).
     """
-    strategy = coerce_enum(sharding_strategy, ShardingStrategy, "sharding_strategy")
-    strategy = strategy or ShardingStrategy.FULL_SHARD
-    backward_prefetch = coerce_enum(backward_prefetch, BackwardPrefetch, "backward_prefetch")
-    offload = coerce_dataclass(cpu_offload, CPUOffload, "cpu_offload") or CPUOffload()
-    mp = coerce_dataclass(mixed_precision, MixedPrecision, "mixed_precision") or MixedPrecision()
-    if device not in ("cuda", "cpu"):
-        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
-    backend = NCCL if device == "cuda" else gloo(limit_all_gathers)
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}")
-    if strategy in HYBRID_STRATEGIES:
-        shard = shard_group_size or min(8, world_size)
-    else:
-        if shard_group_size not in (None, world_size):
-            raise ValueError(
-                f"shard_group_size={shard_group_size} only applies to hybrid strategies; "
-                f"{strategy.name} shards over all {world_size} ranks"
-            )
-        shard = world_size
-    if shard < 1 or world_size % shard:
-        raise ValueError(
-            f"world_size {world_size} is not a multiple of the shard group size {shard}"
-        )
+    strategy, backward_prefetch, offload, mp = coerce_options(
+        sharding_strategy, backward_prefetch, cpu_offload, mixed_precision
+    )
+    backend = checked_backend(device, limit_all_gathers, optimizer, world_size)
+    shard = shard_group(strategy, world_size, shard_group_size)
     units, ignored = discover_units(
         module,
         shard_size=shard,
@@ -180,33 +102,18 @@ def plan(
     ranks = range(shard) if any(u.use_orig_params for u in units) else range(1)
     per_rank = estimate(units, ranks, optimizer=optimizer, backward_prefetch=backward_prefetch,
                         forward_prefetch=forward_prefetch, ignored=ignored, backend=backend)
-    worst = max(per_rank, key=lambda m: (m.peak_device, m.persistent_cpu))
-    settings = {
-        "sharding_strategy": strategy.name,
-        "use_orig_params": use_orig_params,
-        "offload_params": offload.offload_params,
-        "param_dtype": _dtype_name(mp.param_dtype),
-        "reduce_dtype": _dtype_name(mp.reduce_dtype or mp.param_dtype),
-        "backward_prefetch": backward_prefetch.name if backward_prefetch else None,
-        "forward_prefetch": forward_prefetch,
-        "limit_all_gathers": limit_all_gathers,
-        "device": device,
-    }
     result = Plan(
         units=tuple(units),
         world_size=world_size,
         shard_size=shard,
         replicate_size=world_size // shard,
         optimizer=optimizer,
-        settings=settings,
-        memory=worst,
+        settings=settings_row(strategy, use_orig_params, offload, mp, backward_prefetch,
+                              forward_prefetch, limit_all_gathers, device),
+        memory=max(per_rank, key=lambda m: (m.peak_device, m.persistent_cpu)),
         per_rank=per_rank,
         warnings=tuple(find_warnings(units, shard)),
     )
     if verbose:
         print(result)
     return result
-
-
-def _dtype_name(dtype: Any) -> str:
-    return "param" if dtype is None else str(dtype).replace("torch.", "")

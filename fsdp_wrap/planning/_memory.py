@@ -1,6 +1,6 @@
 """Per-rank memory of a plan: what is held between steps and what one step adds.
 
-The model follows the runtime schedule (``fsdp_wrap/_runtime.py``) unit by
+The model follows the runtime schedule (``fsdp_wrap/runtime/hooks.py``) unit by
 unit; everything is in bytes.
 
 Held between steps (exact, given the layout):
@@ -34,9 +34,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .._collectives import GLOO_BROADCAST_MIN_BYTES
-from ..api import BackwardPrefetch
-from ._units import UnitPlan
+from fsdp_wrap.api import BackwardPrefetch
+from fsdp_wrap.comm.collectives import GLOO_BROADCAST_MIN_BYTES
+from fsdp_wrap.planning._units import UnitPlan
 
 #: Optimizer kinds: (state tensors per parameter, ``step`` counter per parameter,
 #: the dtype the states take: the parameter's (Adam's ``zeros_like(param)``) or the
@@ -170,7 +170,7 @@ NCCL = Backend("nccl", True, 0.0, {}, {})
 def gloo(limit_all_gathers: bool) -> Backend:
     """gloo on CPU, as measured inside training steps with torch 2.13 (``docs/plan.rst``).
 
-    fsdp_wrap's gloo forms (``fsdp_wrap/_collectives.py``): a reduce-scatter is
+    fsdp_wrap's gloo forms (``fsdp_wrap/comm/collectives.py``): a reduce-scatter is
     an in-place all-reduce of the gradient, which stages nothing in fp32 and
     0.5x in 16-bit types; an all-gather of 1 MiB or more is broadcasts into the
     output (no staging); a smaller asynchronous all-gather

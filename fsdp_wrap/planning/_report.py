@@ -2,18 +2,79 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
-from ._units import UnitPlan
-
-if TYPE_CHECKING:
-    from . import Plan
+from fsdp_wrap.planning._memory import RankMemory
+from fsdp_wrap.planning._units import UnitPlan
 
 #: A unit whose unsharded parameters are smaller than this is mostly collective latency.
 SMALL_UNIT_BYTES = 1 << 20
 #: The root holding more than this share of the parameters means the policy wraps too little.
 ROOT_SHARE = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What ``FullyShardedDataParallel(model, ...)`` would build, and the memory it needs."""
+
+    units: tuple[UnitPlan, ...]  # root first, then in module order
+    world_size: int
+    shard_size: int  # ranks one flat parameter is sharded over
+    replicate_size: int  # hybrid strategies: shard groups holding replicas
+    optimizer: str
+    settings: dict[str, Any]
+    memory: RankMemory  # the rank needing the most device memory
+    per_rank: tuple[RankMemory, ...]  # every rank of one shard group (they differ only
+    # in optimizer state with use_orig_params=True); rank 0 alone otherwise
+    warnings: tuple[str, ...]
+
+    @property
+    def total_params(self) -> int:
+        return sum(u.numel for u in self.units)
+
+    def table(self) -> str:
+        return render(self)
+
+    def __str__(self) -> str:
+        return render(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (for ``json.dumps``): settings, units, per-rank bytes, warnings."""
+        m = self.memory
+        return {
+            "world_size": self.world_size,
+            "shard_size": self.shard_size,
+            "replicate_size": self.replicate_size,
+            "optimizer": self.optimizer,
+            "settings": self.settings,
+            "total_params": self.total_params,
+            "units": [
+                {
+                    "fqn": u.fqn,
+                    "module": u.module_type,
+                    "params": u.numel,
+                    "strategy": u.strategy.name,
+                    "dtype": str(u.dtype).replace("torch.", ""),
+                    "flat_numel": u.layout.unpadded_numel,
+                    "padded_numel": u.layout.padded_numel,
+                    "shard_numel": u.layout.shard_numel,
+                    "unsharded_bytes": u.layout.padded_numel * u.dtype.itemsize,
+                    "shard_bytes": u.layout.shard_numel * u.dtype.itemsize,
+                }
+                for u in self.units
+            ],
+            "memory": {
+                **{f.name: getattr(m, f.name) for f in dataclasses.fields(m)},
+                "persistent_device": m.persistent_device,
+                "persistent_cpu": m.persistent_cpu,
+                "unsharded_peak": m.unsharded_peak,
+                "peak_device": m.peak_device,
+            },
+            "warnings": list(self.warnings),
+        }
+
 
 
 def find_warnings(units: Sequence[UnitPlan], world_size: int) -> list[str]:

@@ -5,7 +5,7 @@ every parameter and buffer on the meta device (a model already on meta costs
 nothing to copy), the copy is auto-wrapped by :func:`fsdp_wrap.wrap._auto_wrap`
 with a stand-in for the FSDP class that only records its arguments, and each
 unit's parameters are collected and laid out by the same functions the
-:class:`~fsdp_wrap._flat_param.FlatParamHandle` uses.
+:class:`~fsdp_wrap.handle.flat_param.FlatParamHandle` uses.
 """
 
 from __future__ import annotations
@@ -18,13 +18,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .._compat import coerce_dataclass, coerce_enum
-from .._flat_param import RESHARD_AFTER_FORWARD
-from .._flat_param import SHARDED_STRATEGIES as SHARDED
-from .._init import resolve_ignored
-from .._layout import FlatLayout, alignment, check_unit_params, collect_unit_params
-from ..api import CPUOffload, MixedPrecision, ShardingStrategy
-from ..wrap import _auto_wrap
+from fsdp_wrap._compat import coerce_dataclass, coerce_enum
+from fsdp_wrap.api import RESHARD_AFTER_FORWARD, CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_wrap.api import SHARDED_STRATEGIES as SHARDED
+from fsdp_wrap.handle.layout import FlatLayout, alignment, check_unit_params, collect_unit_params
+from fsdp_wrap.runtime.construct import resolve_ignored
+from fsdp_wrap.wrap import _auto_wrap
 
 
 @dataclasses.dataclass(frozen=True)

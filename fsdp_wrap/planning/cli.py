@@ -27,10 +27,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from ..wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
-from . import Plan, plan
-from ._report import fmt_bytes, table
+from fsdp_wrap.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_wrap.planning import Plan, plan
+from fsdp_wrap.planning._report import fmt_bytes, table
+from fsdp_wrap.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

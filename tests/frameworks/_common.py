@@ -97,6 +97,6 @@ def full_params_match(fsdp_model: torch.nn.Module, plain_sd: dict[str, torch.Ten
 def exit_now() -> None:
     """End this rank without interpreter shutdown (see fsdp_wrap/_teardown.py); imported
     late so that a run on torch's own FSDP1 never imports fsdp_wrap."""
-    from fsdp_wrap._teardown import exit_now as leave
+    from fsdp_wrap.comm.teardown import exit_now as leave
 
     leave(0)

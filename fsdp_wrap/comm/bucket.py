@@ -1,0 +1,287 @@
+"""Bucketed gradient reduction: several units' gradients in one collective.
+
+Per-unit reduction pays one collective per unit in every backward; for small
+units the fixed latency of each collective dominates the step (gloo: about
+2-3 ms per reduce-scatter).  :class:`GradBuckets` collects the gradients of
+consecutive units, in the order their post-backward hooks run (the same on
+every rank: it is autograd's order over the same graph), and reduces each
+group of them at once when its bytes reach a cap:
+
+* NO_SHARD: the gradients are copied one after another into one buffer and
+  all-reduced together.
+* sharded strategies: the buffer is a ``(world_size, total_shard_numel)``
+  matrix; unit ``i``'s padded gradient, viewed as ``(world_size, shard_i)``,
+  fills the columns ``[off_i, off_i + shard_i)``.  Row ``r`` is then rank
+  ``r``'s shard of every unit, one after another, so one reduce-scatter of
+  the whole buffer leaves each rank its own shard of each unit (the layout of
+  FSDP2's ``foreach_reduce``).
+
+Every element goes through the same casts, divisions and sum as in
+:func:`fsdp_wrap.comm.reduce.reduce_default`, so the results are bit-identical
+to per-unit reduction.
+
+[Note: when reduced gradients appear]
+A bucket's collective is issued asynchronously once it is full.  A sharded
+bucket is waited for when the next bucket is issued, so at most one is in
+flight (its buffers are extra memory); NO_SHARD buckets, whose buffers become
+the reduced gradients the step keeps anyway, all stay in flight until the
+end of backward (the root's final callback calls :meth:`GradBuckets.finish`
+before anything else) unless a sharded bucket comes after them.  Until then
+the units in it have
+``flat_param.grad is None``; every unit's reduced gradient is installed
+before ``backward()`` returns.
+
+Units that are reduced on their own, exactly as without buckets: those with
+a communication hook (torch's protocol calls it once per unit), the hybrid
+strategies (a replicate-group all-reduce follows each reduce-scatter), world
+size 1, and every unit when the cap is 0.  A unit whose gradient alone
+reaches the cap, and a bucket that holds one unit, are reduced as without
+buckets too (synchronously, and in place when no padding is needed: no
+copy into a bucket buffer, so large units cost no extra memory).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import os
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+import fsdp_wrap.comm.collectives as C
+import fsdp_wrap.comm.reduce as R
+
+
+class UnitGrads(Protocol):
+    """What a bucket reads and calls on a unit's gradient part
+    (``handle.grads``, a ``fsdp_wrap.handle.grads.FlatGrads``; the layer above)."""
+
+    reduce_spec: R.ReduceSpec
+
+    @property
+    def can_bucket_reduction(self) -> bool: ...
+    def reduce_gradient(self, sync: bool) -> None: ...
+    def take_grad_for_reduction(self, sync: bool) -> torch.Tensor | None: ...
+    def install_reduced_grad(self, reduced: torch.Tensor) -> None: ...
+
+__all__ = [
+    "BUCKET_CAP_ENV",
+    "DEFAULT_BUCKET_CAP_MB",
+    "GradBuckets",
+    "resolve_bucket_cap_mb",
+    "resolve_mb",
+]
+
+DEFAULT_BUCKET_CAP_MB = 1.0
+BUCKET_CAP_ENV = "FSDP_WRAP_BUCKET_CAP_MB"
+
+
+def resolve_bucket_cap_mb(bucket_cap_mb: float | None) -> float:
+    """The constructor's value, else ``$FSDP_WRAP_BUCKET_CAP_MB``, else the default.
+
+    The environment variable configures code that builds FSDP with torch's
+    arguments only (Accelerate, Lightning).
+    """
+    return resolve_mb(bucket_cap_mb, "bucket_cap_mb", BUCKET_CAP_ENV, DEFAULT_BUCKET_CAP_MB)
+
+
+def resolve_mb(value: float | None, name: str, env_var: str, default: float) -> float:
+    """A size in MiB from a keyword (wins), an environment variable, or ``default``;
+    ``ValueError`` (naming both ways to set it) unless a number >= 0."""
+    rank = f"[rank {dist.get_rank()}] " if dist.is_initialized() else ""
+    if value is None:
+        env = os.environ.get(env_var, "").strip()
+        if not env:
+            return default
+        try:
+            value = float(env)
+        except ValueError:
+            raise ValueError(
+                f"{rank}{env_var} must be a number of MiB (0 turns this off) but got {env!r}"
+            ) from None
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{rank}{name} must be a number of MiB >= 0 but got {value!r}") from None
+    if not value >= 0:  # also rejects NaN
+        raise ValueError(f"{rank}{name} must be >= 0 (0 turns this off) but got {value}")
+    return value
+
+
+@dataclass
+class _Bucket:
+    """Gradients waiting to be reduced together (all with the same ``key``)."""
+
+    key: tuple[object, ...] = ()
+    units: list[UnitGrads] = field(default_factory=list)
+    grads: list[torch.Tensor] = field(default_factory=list)
+    nbytes: int = 0
+
+
+@dataclass
+class _InFlight:
+    """One issued bucket: its collective and where each unit's result lies."""
+
+    work: C.Work | C.PendingWork | None
+    units: list[UnitGrads]
+    results: list[torch.Tensor]  # views of ``output``, one per unit
+    output: torch.Tensor
+    keep_alive: torch.Tensor  # the collective's input, until it completes
+    post: float
+
+
+class GradBuckets:
+    """The root's gradient buckets for one backward at a time.
+
+    :meth:`reduce` is called by each unit's post-backward hook; :meth:`finish`
+    by the end-of-backward callback.  Postcondition of :meth:`finish`: no
+    bucket is open or in flight and every unit's reduced gradient is on its
+    ``flat_param.grad``.
+    """
+
+    def __init__(self, cap_bytes: int) -> None:
+        self.cap_bytes = cap_bytes
+        self._open = _Bucket()
+        self._in_flight: collections.deque[_InFlight] = collections.deque()
+
+    def reduce(self, unit: UnitGrads, sync: bool, alone: bool = False) -> None:
+        """Reduce ``unit``'s gradient now or put it into the open bucket.
+
+        ``alone``: reduce it now, on its own (its reduced gradient is on
+        ``flat_param.grad`` on return: an optimizer steps in backward).
+        """
+        if alone or not sync or self.cap_bytes <= 0 or not unit.can_bucket_reduction:
+            # Reduced on its own, after every earlier unit's (same order on all ranks).
+            if sync:
+                self._issue()
+            unit.reduce_gradient(sync)
+            return
+        if unit in self._open.units or any(unit in f.units for f in self._in_flight):
+            # A second post-backward of one unit in one backward: finish the
+            # first reduction before taking the new gradient, as without buckets.
+            self.finish()
+        grad = unit.take_grad_for_reduction(sync)
+        if grad is None:
+            return
+        spec = unit.reduce_spec
+        numel = spec.padded_numel if spec.sharded else grad.numel()
+        nbytes = numel * _itemsize(spec.reduce_dtype)
+        if nbytes >= self.cap_bytes:
+            # Alone in any case: reduced exactly as without buckets (in place
+            # where the gradient needs no padding, no copy into a bucket).
+            self._issue()
+            _reduce_alone(unit, grad)
+            return
+        key = (spec.sharded, spec.reduce_dtype, grad.device, id(spec.group), spec.world_size,
+               spec.divide)
+        bucket = self._open
+        if bucket.units and (key != bucket.key or bucket.nbytes + nbytes > self.cap_bytes):
+            self._issue()
+            bucket = self._open
+        bucket.key = key
+        bucket.units.append(unit)
+        bucket.grads.append(grad)
+        bucket.nbytes += nbytes
+        if bucket.nbytes >= self.cap_bytes:
+            self._issue()
+
+    def finish(self) -> None:
+        """Reduce the open bucket and install every reduced gradient."""
+        self._issue()
+        while self._in_flight:
+            self._wait()
+
+    @property
+    def idle(self) -> bool:
+        return not self._open.units and not self._in_flight
+
+    # ----------------------------------------------------------------- steps
+
+    def _issue(self) -> None:
+        """Copy the open bucket (if any) into one buffer and start its collective.
+
+        A bucket of one unit is reduced as without buckets (no copy).
+        """
+        bucket, self._open = self._open, _Bucket()
+        if not bucket.units:
+            return
+        spec = bucket.units[0].reduce_spec
+        if spec.sharded:
+            # At most one sharded bucket in flight: its buffers are memory the
+            # step would not otherwise hold.  A NO_SHARD bucket's buffer takes
+            # the place of its units' gradients (freed once copied in) and then
+            # *is* their reduced gradients, so NO_SHARD buckets are not held
+            # back: every one is in flight until the end of backward, as DDP's.
+            while self._in_flight:
+                self._wait()
+        if len(bucket.units) == 1:
+            _reduce_alone(bucket.units[0], bucket.grads[0])
+            return
+        pre, post = spec.divide
+        device = bucket.grads[0].device
+        if spec.sharded:
+            widths = [h.reduce_spec.shard_numel for h in bucket.units]
+            buffer = torch.empty((spec.world_size, sum(widths)), dtype=spec.reduce_dtype,
+                                 device=device)
+            col = 0
+            for grad, width in zip(bucket.grads, widths):
+                _copy_padded_columns(buffer[:, col : col + width], grad)
+                col += width
+            flat_in = buffer.view(-1)
+        else:
+            widths = [g.numel() for g in bucket.grads]
+            flat_in = torch.empty(sum(widths), dtype=spec.reduce_dtype, device=device)
+            for dst, grad in zip(flat_in.split(widths), bucket.grads):
+                dst.copy_(grad)
+        bucket.grads.clear()  # the unsharded gradients can go now
+        if pre > 1:
+            flat_in.div_(pre)
+        if spec.sharded:
+            output = flat_in.new_empty(sum(widths))
+            work = C.reduce_scatter_sum(output, flat_in, spec.group, async_op=True,
+                                        input_is_scratch=True)
+        else:
+            output = flat_in
+            work = C.all_reduce(output, spec.group, async_op=True)
+        self._in_flight.append(_InFlight(work, bucket.units, list(output.split(widths)), output,
+                                         flat_in, post))
+
+    def _wait(self) -> None:
+        if not self._in_flight:
+            return
+        flight = self._in_flight.popleft()
+        if flight.work is not None:
+            flight.work.wait()
+        if flight.post > 1:
+            flight.output.div_(flight.post)
+        for unit, result in zip(flight.units, flight.results):
+            unit.install_reduced_grad(result)
+
+
+def _reduce_alone(unit: UnitGrads, grad: torch.Tensor) -> None:
+    """``unit``'s reduction on its own, as ``reduce_gradient`` does it."""
+    unit.install_reduced_grad(R.reduce_default(grad, unit.reduce_spec))
+
+
+def _copy_padded_columns(dst: torch.Tensor, grad: torch.Tensor) -> None:
+    """Write ``grad``, right-padded with zeros to ``dst.numel()``, into ``dst``
+    (a ``(world_size, width)`` column block of the bucket) in row-major order:
+    row ``r`` receives the ``r``-th shard."""
+    width = dst.shape[1]
+    full_rows, rest = divmod(grad.numel(), width)
+    dst[:full_rows].copy_(grad[: full_rows * width].reshape(full_rows, width))
+    if full_rows < dst.shape[0]:
+        if rest:
+            dst[full_rows, :rest].copy_(grad[full_rows * width :])
+            dst[full_rows, rest:].zero_()
+        else:
+            dst[full_rows].zero_()
+        dst[full_rows + 1 :].zero_()
+
+
+@functools.cache
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()

@@ -1,0 +1,189 @@
+"""Collectives as pure functions: tensors and a group in, a result out.
+
+These know tensors and process groups, never modules or handles, so tests can
+patch this module to count calls and bytes.  Every function is one logical
+collective.  On gloo with CPU tensors two of them are carried by faster c10d
+collectives (measured on torch 2.13, 2 ranks, ``docs/performance.rst``):
+
+* a large all-gather by one broadcast per rank, straight into the output
+  (:func:`all_gather_into`): gloo's all-gather stages the whole output in a
+  buffer of its own and copies it out, so at 48 MiB it takes about 90 ms where
+  two broadcasts take 20, at 7 MiB 3.5-8 ms against 3.1-3.3, and it holds a
+  second output-sized buffer meanwhile; at 1 MiB the two are even;
+* a reduce-scatter of a scratch input by an in-place all-reduce
+  (:func:`reduce_scatter_sum`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from fsdp_wrap._compat import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE
+
+Work = dist.Work
+
+
+class DivideFactors(NamedTuple):
+    """Gradients are divided by ``pre`` before and ``post`` after summation.
+
+    Splitting the division keeps low-precision sums away from overflow and
+    underflow; ``pre * post == world_size`` so the result is the mean.
+    """
+
+    pre: float
+    post: float
+
+
+def global_rank() -> int:
+    """This process's rank in the default group (0 before init): the number an
+    error message names, whatever group the failing unit uses."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def divide_factors(data_parallel_world_size: int) -> DivideFactors:
+    """torch FSDP1's factors: ``pre`` doubles while it stays below ``ws / pre``."""
+    factor = 1
+    while data_parallel_world_size % factor == 0 and data_parallel_world_size / factor > factor:
+        factor *= 2
+    return DivideFactors(float(factor), data_parallel_world_size / factor)
+
+
+#: On gloo, all-gather outputs from this size up are gathered by broadcasts.
+GLOO_BROADCAST_MIN_BYTES = 1 << 20
+
+
+def all_gather_into(
+    output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool = False
+) -> Work | PendingWork | None:
+    """Gather every rank's equally sized ``shard`` into ``output`` (rank order).
+
+    On gloo with a contiguous CPU output of at least
+    :data:`GLOO_BROADCAST_MIN_BYTES`: one broadcast per group rank, each into
+    that rank's row of ``output`` (the same bytes on the wire, no staging
+    buffer, no copy-out), all in flight at once.
+    """
+    if (output.numel() * output.element_size() >= GLOO_BROADCAST_MIN_BYTES
+            and output.is_contiguous() and _is_gloo_cpu(group, output)):
+        ranks = dist.get_process_group_ranks(group)  # (global ranks, group order)
+        rows = output.view(len(ranks), -1)
+        rows[dist.get_rank(group)].copy_(shard.reshape(-1))
+        pending = PendingWork([dist.broadcast(rows[r], src=src, group=group, async_op=True)
+                               for r, src in enumerate(ranks)])
+        if async_op:
+            return pending
+        pending.wait()
+        return None
+    return getattr(dist, ALL_GATHER_SINGLE)(output, shard, group=group, async_op=async_op)
+
+
+class PendingWork:
+    """Collectives standing in for one (the broadcasts of a gloo all-gather, the
+    all-reduce of a gloo reduce-scatter), waited for as one; ``then`` finishes
+    the result once they are done (copying this rank's chunk out)."""
+
+    def __init__(self, works: list[Work | None], then: Callable[[], object] | None = None) -> None:
+        self.works, self.then = works, then
+
+    def wait(self) -> bool:
+        for work in self.works:
+            if work is not None:
+                work.wait()
+        self.works = []
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
+        return True
+
+
+def gather_into(
+    output: torch.Tensor | None, shard: torch.Tensor, dst_group_rank: int, group: ProcessGroup
+) -> None:
+    """Gather every rank's ``shard`` into ``output`` on group rank ``dst_group_rank`` only.
+
+    ``output`` (``world_size * shard.numel()`` elements) is given on the
+    destination and ``None`` elsewhere; other ranks never hold the whole.
+    """
+    dst = dist.get_global_rank(group, dst_group_rank)
+    chunks = list(output.chunk(dist.get_world_size(group))) if output is not None else None
+    dist.gather(shard, chunks, dst=dst, group=group)
+
+
+def reduce_scatter_sum(
+    output: torch.Tensor,
+    padded_input: torch.Tensor,
+    group: ProcessGroup,
+    async_op: bool = False,
+    input_is_scratch: bool = False,
+) -> Work | PendingWork | None:
+    """Sum ``padded_input`` over ranks and keep this rank's chunk in ``output``.
+
+    ``input_is_scratch``: the caller is done with ``padded_input`` (a gradient
+    it took for reduction, or its own padded copy or bucket), so its contents
+    may be overwritten.  Gloo's reduce-scatter clones its whole input, all-reduces
+    the clone and copies this rank's chunk out; with a scratch input the same
+    all-reduce then runs on the input itself: the same algorithm, bytes and
+    sums (bit-identical), without the input-sized copy, i.e. one unsharded
+    gradient less at the peak of every reduction.  Other backends (NCCL) get
+    the reduce-scatter, which sends half the bytes of an all-reduce.
+    """
+    if input_is_scratch and _is_gloo_cpu(group, padded_input):
+        work = dist.all_reduce(padded_input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        chunk = padded_input.view(-1).chunk(dist.get_world_size(group))[dist.get_rank(group)]
+        pending = PendingWork([work], lambda: output.view(-1).copy_(chunk))
+        if async_op:
+            return pending
+        pending.wait()
+        return None
+    return getattr(dist, REDUCE_SCATTER_SINGLE)(
+        output, padded_input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
+    )
+
+
+def _is_gloo_cpu(group: ProcessGroup, tensor: torch.Tensor) -> bool:
+    """Whether ``group`` runs collectives on ``tensor`` through gloo on CPU."""
+    if tensor.device.type != "cpu" or not hasattr(dist, "ProcessGroupGloo"):
+        return False
+    try:
+        backend = group._get_backend(tensor.device)
+    except (RuntimeError, AttributeError):
+        return False
+    return isinstance(backend, dist.ProcessGroupGloo)
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    group: ProcessGroup,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    async_op: bool = False,
+) -> Work | None:
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup) -> None:
+    """Broadcast from global rank ``src`` within ``group``."""
+    dist.broadcast(tensor, src=src, group=group)
+
+
+def all_gather_objects(obj: object, group: ProcessGroup) -> list[object]:
+    world_size = dist.get_world_size(group)
+    out: list[object] = [None] * world_size
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def all_to_all_into(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: list[int],
+    input_split_sizes: list[int],
+    group: ProcessGroup,
+) -> None:
+    """Send ``input``'s ``r``-th split to group rank ``r``; receive rank ``r``'s into
+    ``output``'s ``r``-th split (1-D tensors, uneven splits allowed)."""
+    dist.all_to_all_single(
+        output, input, output_split_sizes, input_split_sizes, group=group
+    )

@@ -1,0 +1,558 @@
+"""``FlatParameter`` and ``FlatParamHandle``: the one owner of a unit's tensors.
+
+A handle flattens one unit's original parameters into one 1-D flat parameter,
+keeps this rank's shard of it, and moves between two states:
+
+* **sharded**: ``flat_param.data`` is the local shard (``shard_numel`` elements,
+  right zero-padded); the unsharded buffer's storage is freed.
+* **unsharded**: ``flat_param.data`` is the first ``unpadded_numel`` elements of
+  the all-gathered buffer, and the original parameters are views into it.
+
+The unsharded buffer is allocated once and its *storage* is freed and
+re-allocated in place (``untyped_storage().resize_``).  Autograd saves views of
+that buffer in forward; because the storage object survives a free, gathering
+into it again before backward makes those saved views valid again.  This is the
+trick the whole FULL_SHARD schedule rests on.
+
+The layout (order, alignment, padding, shards) is torch's FSDP1's and lives
+in :mod:`fsdp_wrap.handle.layout`; padding holds ``42`` as torch's does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+
+import fsdp_wrap.comm.collectives as C
+import fsdp_wrap.comm.reduce as R
+from fsdp_wrap.api import RESHARD_AFTER_FORWARD, SHARDED_STRATEGIES
+from fsdp_wrap.handle.config import HandleConfig
+from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME, FlatParameter, HandleState, _Gathered
+from fsdp_wrap.handle.grads import FlatGrads
+from fsdp_wrap.handle.layout import (
+    FlatLayout,
+    ParamInfo,
+    SharedParamInfo,
+    alignment,
+    check_unit_params,
+)
+from fsdp_wrap.handle.views import ParamViews
+from fsdp_wrap.handle.writeback import write_back_orig_params
+
+__all__ = [
+    "PADDING_VALUE",
+    "FlatParamHandle",
+]
+
+PADDING_VALUE = 42.0
+
+
+
+class FlatParamHandle:
+    """Owns one unit's flat parameter: layout, shard, unshard, reshard, reduce.
+
+    Nothing outside this class mutates ``flat_param``, the local shard or the
+    unsharded buffer; the runtime calls the methods below.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        params: Sequence[tuple[str, nn.Module, str, nn.Parameter]],
+        shared: Sequence[tuple[str, nn.Module, str, int]],
+        config: HandleConfig,
+        unit_fqn: str = "",
+    ) -> None:
+        self.config = config
+        self.module = module  # the unit's wrapped module
+        self.unit_fqn = unit_fqn
+        self.device, self.strategy = config.device, config.strategy
+        self.process_group, self.replicate_group = config.process_group, config.replicate_group
+        self.rank, self.world_size = config.rank, config.world_size
+        self.use_orig_params = config.use_orig_params
+        self.uses_sharded_strategy = config.strategy in SHARDED_STRATEGIES
+        self.reshard_after_forward = config.strategy in RESHARD_AFTER_FORWARD
+        self.offload_params = config.offload_params
+        # Accelerators gather asynchronously (overlapping compute on the
+        # communication stream).  On CPU an asynchronous prefetch competes with
+        # compute for the cores, and gloo's all-gather (used under 1 MiB; larger
+        # gathers are broadcasts, see comm/collectives) stages a full-unit buffer
+        # until wait(): ``limit_all_gathers`` (torch's memory-vs-overlap switch)
+        # keeps CPU gathers synchronous.
+        self.async_gathers = config.device.type != "cpu" or not config.limit_all_gathers
+        self._skip_writeback_check = os.environ.get("FSDP_SKIP_WRITEBACK_CHECK", "") == "1"
+        self._use_full_prec_in_eval = config.use_full_prec_in_eval  # FSDP_USE_FULL_PREC_IN_EVAL
+        check_unit_params(params, f"(rank {self.rank}, FSDP unit '{unit_fqn or '<root>'}')",
+                          self.use_orig_params)
+        self._init_layout(params, shared)
+        flat = self._init_flat_param(params)
+        self._init_parts()
+        self._release_original_storage()
+        if not self.use_orig_params:
+            module._parameters[FLAT_PARAM_NAME] = self.flat_param
+            self.views.install_stale(flat)
+        if flat.untyped_storage().data_ptr() != self.local_shard.untyped_storage().data_ptr():
+            flat.untyped_storage().resize_(0)
+        self.use_sharded_views()
+
+    def _init_layout(
+        self, params: Sequence[tuple[str, nn.Module, str, nn.Parameter]],
+        shared: Sequence[tuple[str, nn.Module, str, int]],
+    ) -> None:
+        """Dtypes, the flat layout, the parameters' places in it, the reduction."""
+        config, dtype = self.config, params[0][3].dtype
+        # Mixed precision: compute in ``compute_dtype``, reduce in
+        # ``reduce_dtype`` (defaulting to the compute dtype, as torch does),
+        # keep the sharded master copy in the original dtype.
+        self._mp_dtypes = (config.param_dtype, config.reduce_dtype)
+        self.orig_dtype = dtype
+        self.compute_dtype = config.param_dtype or dtype
+        self.reduce_dtype = config.reduce_dtype or config.param_dtype or dtype
+        self.shard_device = torch.device("cpu") if config.offload_params else config.device
+        self.layout = FlatLayout.build(
+            [p.numel() for *_, p in params],
+            align=alignment(config.param_dtype or dtype, self.use_orig_params),
+            world_size=self.world_size,
+            sharded=self.uses_sharded_strategy,
+        )
+        self.infos = [
+            ParamInfo(fqn, mod, name, p, p.shape, offset, p.numel())
+            for (fqn, mod, name, p), offset in zip(params, self.layout.offsets)
+        ]
+        self.shared = [SharedParamInfo(fqn, mod, name, idx) for fqn, mod, name, idx in shared]
+        self._reduce_spec = R.ReduceSpec(
+            sharded=self.uses_sharded_strategy,
+            padded_numel=self.layout.padded_numel,
+            shard_numel=self.layout.shard_numel,
+            world_size=self.world_size,
+            divide=config.divide,
+            reduce_dtype=self.reduce_dtype,
+            group=self.process_group,
+            replicate_group=self.replicate_group,
+        )
+        # Where the local shard starts, and how many of its elements hold data
+        # (the rest is right padding); each parameter's slice of it.
+        self.shard_offset = self.layout.shard_offset(self.rank)
+        self.shard_valid_numel = self.layout.shard_valid_numel(self.rank)
+        self._shard_slices = self.layout.shard_slices(self.rank)
+
+    def _init_flat_param(self, params: Sequence[tuple[str, nn.Module, str, nn.Parameter]]
+                         ) -> torch.Tensor:
+        """Flatten, shard, make the ``FlatParameter``; returns the unsharded flat
+        tensor (its storage is freed by the caller once views are installed)."""
+        requires_grad = any(p.requires_grad for *_, p in params)
+        with torch.no_grad():
+            flat = self._flatten(self.orig_dtype)
+            self.local_shard = self._shard(flat)
+            if self.offload_params:
+                self.local_shard = self._to_shard_device(self.local_shard, pin=True)
+        self.flat_param = FlatParameter.make(self.local_shard, requires_grad, self.infos)
+        # The shard as ``.data`` (torch's ``_local_shard``): same memory, its own
+        # version counter, so writing into it (summon write-back between a
+        # forward and its backward) does not invalidate the forward's views.
+        self.local_shard = self.flat_param.data
+        # Unsharded copies: one in the compute dtype for forward/backward, and
+        # (only when that differs from the original dtype) one in full
+        # precision for summon_full_params and state dicts.
+        self._gathered = {False: _Gathered(), True: _Gathered()}
+        self._current: _Gathered | None = None
+        self.state = HandleState.SHARDED
+        return flat
+
+    def _init_parts(self) -> None:
+        """The gradient and view parts, given what they need explicitly."""
+        self.grads = FlatGrads(
+            self.flat_param, self.infos, self.layout, self._shard_slices,
+            self._reduce_spec, use_orig_params=self.use_orig_params, device=self.device,
+            to_shard_device=self._to_shard_device, shard_device=self.shard_device,
+            dtypes=(self.orig_dtype, self.compute_dtype, self.reduce_dtype),
+            keep_low_precision_grads=self.config.keep_low_precision_grads,
+        )
+        self.views = ParamViews(
+            self.module, self.infos, self.shared, self.layout, self._shard_slices,
+            use_orig_params=self.use_orig_params, sharded=self.uses_sharded_strategy,
+        )
+
+    def adopt_flat_param_data(self) -> None:
+        """Take up a ``flat_param.data`` replaced since construction.
+
+        Code written for torch's FSDP1 may swap the flat parameter's data
+        before the first forward (Accelerate upcasts a bf16-loaded model's flat
+        parameters to fp32 master weights: ``flat_param.data =
+        flat_param.data.float()``); torch re-reads it at lazy init.  The new
+        data becomes the local shard and its dtype the original (master) dtype;
+        the compute and reduce dtypes follow unless mixed precision fixed them.
+        """
+        data = self.flat_param.data
+        if data.data_ptr() == self.local_shard.data_ptr() and data.dtype == self.local_shard.dtype:
+            return
+        if data.shape != self.local_shard.shape:
+            raise RuntimeError(
+                f"(rank {self.rank}, FSDP unit '{self.unit_fqn or '<root>'}') the flat "
+                f"parameter's data was replaced by a tensor of shape {tuple(data.shape)}; "
+                f"expected this rank's shard, {tuple(self.local_shard.shape)}. Replace it "
+                "only with a same-shaped tensor (e.g. flat_param.data = flat_param.data.float())"
+            )
+        self.local_shard = data
+        self.views.forget_kept()  # (they view the old data: let it go now)
+        if data.dtype != self.orig_dtype:
+            param_dtype, reduce_dtype = self._mp_dtypes
+            self.orig_dtype = data.dtype
+            self.compute_dtype = param_dtype or data.dtype
+            self.reduce_dtype = reduce_dtype or param_dtype or data.dtype
+            self._reduce_spec = dataclasses.replace(self._reduce_spec,
+                                                    reduce_dtype=self.reduce_dtype)
+            self.grads.retype((self.orig_dtype, self.compute_dtype, self.reduce_dtype),
+                              self._reduce_spec)
+            self._gathered = {False: _Gathered(), True: _Gathered()}
+            if not self.use_orig_params:
+                # The modules' between-steps views take the new dtype: views of
+                # the data itself where NO_SHARD needs no copy, else shape only.
+                if self._needs_copy:
+                    flat = torch.empty(self.unpadded_numel, dtype=data.dtype, device=self.device)
+                    self.views.install_stale(flat)
+                    flat.untyped_storage().resize_(0)
+                else:
+                    self.views.install_stale(data[: self.unpadded_numel])
+        if self.use_orig_params:
+            self.use_sharded_views()
+
+    # ------------------------------------------------------------------ layout
+
+    def _flatten(self, dtype: torch.dtype) -> torch.Tensor:
+        flat = torch.empty(self.unpadded_numel, dtype=dtype, device=self.device)
+        if self.layout.has_padding:
+            flat.fill_(PADDING_VALUE)
+        for info in self.infos:
+            flat[info.offset : info.offset + info.numel].copy_(info.param.detach().reshape(-1))
+        return flat
+
+    def _shard(self, flat: torch.Tensor) -> torch.Tensor:
+        if not self.uses_sharded_strategy:
+            return flat
+        shard = flat.new_zeros(self.shard_numel)
+        shard[: self.shard_valid_numel].copy_(
+            flat[self.shard_offset : self.shard_offset + self.shard_valid_numel]
+        )
+        return shard
+
+    def _release_original_storage(self) -> None:
+        """The flat parameter now holds the data; drop the originals' storage."""
+        for info in self.infos:
+            info.param.data = torch.empty(0, dtype=info.param.dtype, device=self.device)
+            info.param.grad = None
+        if not self.use_orig_params:
+            for info in self.infos:
+                info.module._parameters.pop(info.name, None)
+            for shared in self.shared:
+                shared.module._parameters.pop(shared.name, None)
+
+    # ------------------------------------------------------------------ views
+    # (``self.views``, :class:`~fsdp_wrap.handle.views.ParamViews`; these give it
+    # the flat parameter's current data)
+
+    def use_unsharded_views(
+        self, as_params: bool = False, source: torch.Tensor | None = None,
+        track_graph: bool = False,
+    ) -> None:
+        """The original parameters as views of the unsharded data (see
+        :meth:`ParamViews.use_unsharded_views`)."""
+        self.views.use_unsharded_views(
+            self.flat_param, self._needs_copy, as_params, source, track_graph
+        )
+
+    def use_sharded_views(self) -> None:
+        """The module back in its between-steps form."""
+        self.views.use_sharded_views(self.flat_param, self.local_shard)
+
+    def register_params(self, tensors: Sequence[torch.Tensor]) -> None:
+        """The original parameters registered with ``tensors`` as their data."""
+        self.views.register_params(tensors, self.flat_param)
+
+    def forward_views_reusable(self) -> bool:
+        """Whether backward may keep the forward's views."""
+        return self.views.forward_views_reusable(
+            self._needs_copy, self.state is HandleState.UNSHARDED
+        )
+
+    # Sizes come from the layout (names kept: the state-dict code reads them).
+    @property
+    def _needs_copy(self) -> bool:
+        """Whether unsharded data lives apart from the shard: always when sharded;
+        NO_SHARD only to cast or move it."""
+        return (self.uses_sharded_strategy or self.compute_dtype != self.orig_dtype
+                or self.shard_device != self.device)
+
+    @property
+    def computes_in_full_precision(self) -> bool:
+        """Mixed precision is skipped: ``FSDP_USE_FULL_PREC_IN_EVAL=1`` and the
+        module in ``eval()`` (torch's ``_force_full_precision`` outside summon)."""
+        return (
+            self._use_full_prec_in_eval
+            and not self.module.training
+            and (self.compute_dtype, self.reduce_dtype) != (self.orig_dtype, self.orig_dtype)
+        )
+
+    @property
+    def unpadded_numel(self) -> int:
+        return self.layout.unpadded_numel
+
+    @property
+    def shard_numel(self) -> int:
+        return self.layout.shard_numel
+
+    @property
+    def padded_numel(self) -> int:
+        return self.layout.padded_numel
+
+    @property
+    def _segments(self) -> tuple[int, ...]:
+        return self.layout.segments
+
+    @property
+    def _info_segment(self) -> tuple[int, ...]:
+        return self.layout.info_segment
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [info.param for info in self.infos]
+
+    def param_shard_slice(self, index: int) -> tuple[int, int] | None:
+        return self._shard_slices[index]
+
+    # --------------------------------------------------------- unshard/reshard
+
+    @property
+    def is_unsharded(self) -> bool:
+        return self.state is HandleState.UNSHARDED
+
+    def _to_shard_device(self, tensor: torch.Tensor, pin: bool = False) -> torch.Tensor:
+        """Copy to CPU; ``pin`` for the persistent shard, whose host-to-device
+        copy before every all-gather is then asynchronous."""
+        out = tensor.to("cpu")
+        return out.pin_memory() if pin and self.device.type == "cuda" else out
+
+    def _slot(self, full_precision: bool) -> _Gathered:
+        return self._gathered[full_precision and self.compute_dtype != self.orig_dtype]
+
+    def _gather_source(self, dtype: torch.dtype) -> torch.Tensor:
+        src = self.local_shard
+        if src.device != self.device:
+            src = src.to(self.device, non_blocking=True)
+        return src if src.dtype == dtype else src.to(dtype)
+
+    def start_unshard(self, full_precision: bool = True) -> None:
+        """Issue the all-gather (asynchronously) unless the data is already there.
+
+        ``full_precision=False`` gathers the compute-dtype copy forward and
+        backward use; everything else (state dicts, summon) wants the
+        original dtype, which is the default.
+        """
+        self.pre_unshard()
+        slot = self._slot(full_precision)
+        if not self._needs_copy or slot.valid or slot.pending is not None:
+            return
+        dtype = self.orig_dtype if full_precision else self.compute_dtype
+        if not self.uses_sharded_strategy:
+            # A cast and/or host-to-device copy of the whole flat parameter, made
+            # into the same storage object every time (autograd holds views of
+            # it across a free, as for the sharded strategies).
+            if slot.buffer is None or slot.buffer.dtype != dtype:
+                slot.buffer = torch.empty(self.unpadded_numel, dtype=dtype, device=self.device)
+            else:
+                _ensure_storage(slot.buffer)
+            slot.buffer.copy_(self.local_shard, non_blocking=True)
+            slot.valid = True
+            return
+        src = self._gather_source(dtype)
+        if slot.buffer is None or slot.buffer.dtype != dtype:
+            slot.buffer = torch.empty(self.padded_numel, dtype=dtype, device=self.device)
+        else:
+            _ensure_storage(slot.buffer)
+        slot.source = src  # keep the input alive until the gather finishes
+        slot.pending = C.all_gather_into(
+            slot.buffer, src, self.process_group, async_op=self.async_gathers
+        )
+        if slot.pending is None:  # completed synchronously
+            slot.source, slot.valid = None, True
+
+    # Batched all-gathers (see fsdp_wrap.comm.gather_batch): the gather itself is
+    # shared, the buffers stay each handle's own.
+
+    def needs_gather(self) -> bool:
+        """Whether the compute copy must still be all-gathered (not there, not coming)."""
+        slot = self._gathered[False]
+        return self.uses_sharded_strategy and not slot.valid and slot.pending is None
+
+    @property
+    def gather_nbytes(self) -> int:
+        """Bytes of the gathered compute copy."""
+        return self.padded_numel * _itemsize(self.compute_dtype)
+
+    def gather_input(self) -> torch.Tensor:
+        """What this rank sends in an all-gather of the compute copy (its shard in
+        the compute dtype), after taking up replaced original parameters."""
+        self.pre_unshard()
+        return self._gather_source(self.compute_dtype)
+
+    def take_gathered(self, rows: torch.Tensor) -> None:
+        """Fill the compute copy from ``rows`` (``(world_size, shard_numel)``, rank
+        ``r``'s shard in row ``r``), gathered together with other units.
+
+        Postcondition: as after a completed :meth:`start_unshard`; the copy goes
+        into the same storage object as always (autograd may hold views of it).
+        """
+        slot = self._gathered[False]
+        if slot.buffer is None or slot.buffer.dtype != self.compute_dtype:
+            slot.buffer = torch.empty(self.padded_numel, dtype=self.compute_dtype,
+                                      device=self.device)
+        else:
+            _ensure_storage(slot.buffer)
+        slot.buffer.view(self.world_size, self.shard_numel).copy_(rows)
+        slot.valid = True
+
+    def pre_unshard(self) -> bool:
+        """Take up original parameters or gradients replaced since the last
+        step (``use_orig_params=True``), as torch does before every unshard;
+        whether any parameter was."""
+        if (self.use_orig_params and self.state is HandleState.SHARDED
+                and not self.views.params_registered and not self._skip_writeback_check
+                and write_back_orig_params(self)):
+            for slot in self._gathered.values():
+                slot.wait()
+                slot.free()
+            return True
+        return False
+
+    def finish_unshard(self, full_precision: bool = True) -> None:
+        """Wait for the gather and point ``flat_param`` at the unsharded data."""
+        self.start_unshard(full_precision)
+        slot = self._slot(full_precision)
+        slot.wait()
+        if self._needs_copy and slot.buffer is not None:
+            self.flat_param.data = slot.buffer[: self.unpadded_numel]
+        self._current = slot
+        self.state = HandleState.UNSHARDED
+
+    def reshard(self, free: bool) -> None:
+        """Point ``flat_param`` back at the shard; free the gathered storage if asked.
+
+        Idempotent.  Keeping the storage (``free=False``) lets the next unshard
+        skip its all-gather; that is only valid while the shard is unchanged.
+        A full-precision copy (summon) and a NO_SHARD cast copy are always
+        dropped: they are cheap to make again and may go stale.
+        """
+        for full_precision, slot in self._gathered.items():
+            slot.wait()
+            if free or full_precision or not self.uses_sharded_strategy:
+                slot.free()
+        self.flat_param.data = self.local_shard
+        self._current = None
+        if self.state is HandleState.UNSHARDED:
+            self.state = HandleState.SHARDED
+            self.use_sharded_views()
+
+    def invalidate_unsharded(self) -> None:
+        """The shard changed (load, writeback): drop any gathered copy."""
+        self.reshard(free=True)
+
+    @property
+    def frees_copy_after_forward(self) -> bool:
+        """NO_SHARD computing on a cast or moved copy (mixed precision, offload):
+        the copy is freed after forward and made again for backward, as torch
+        does, so no unit's copy waits through the rest of the forward."""
+        return self._needs_copy and not self.uses_sharded_strategy
+
+    @property
+    def holds_unsharded_storage(self) -> bool:
+        """Gathered (or being gathered) data that a later unshard would reuse."""
+        slot = self._gathered[False]
+        return self._needs_copy and (slot.valid or slot.pending is not None)
+
+    # ----------------------------------------------------------- storage
+
+    def free_unsharded_storage(self) -> None:
+        """Free the compute copy's memory now; ``reshard`` finishes the job later."""
+        slot = self._gathered[False]
+        slot.wait()
+        slot.free()
+
+    # -------------------------------------------------------------- utilities
+    # (gradients: ``self.grads``, :class:`~fsdp_wrap.handle.grads.FlatGrads`)
+
+    def flat_grad_for_norm(self) -> list[torch.Tensor]:
+        """The gradients ``clip_grad_norm_`` must see for this handle."""
+        if self.use_orig_params:
+            return [info.param.grad for info in self.infos if info.param.grad is not None]
+        return [self.flat_param.grad] if self.flat_param.grad is not None else []
+
+    def full_param_copies(self, to_rank0_only: bool, to_cpu: bool) -> list[torch.Tensor] | None:
+        """Full-precision copies of the original parameters, one tensor each (a collective).
+
+        The unit is gathered, copied parameter by parameter and freed again
+        before returning, so a caller walking the units never holds more than
+        one unit unsharded.  With ``to_rank0_only`` the shards are gathered to
+        rank 0 alone (other ranks get ``None`` and never hold the whole).
+        """
+        if to_rank0_only:
+            self.pre_unshard()
+            src = self._gather_source(self.orig_dtype)
+            full: torch.Tensor | None = None
+            if not self.uses_sharded_strategy:
+                full = src if self.rank == 0 else None
+            else:
+                out = src.new_empty(self.padded_numel) if self.rank == 0 else None
+                C.gather_into(out, src, 0, self.process_group)
+                full = out
+            if full is None:
+                return None
+        else:
+            self.finish_unshard(full_precision=True)
+            full = self.flat_param.detach()
+        views = full[: self.unpadded_numel].split(self._segments)
+        copies = []
+        for info, seg in zip(self.infos, self._info_segment):
+            view = views[seg].view(info.shape)
+            # independent tensors, as torch returns (never views of one buffer)
+            copies.append(view.to("cpu") if to_cpu and view.device.type != "cpu" else view.clone())
+        if not to_rank0_only:
+            self.reshard(free=True)
+        return copies
+
+    def write_back_from(self, unsharded: torch.Tensor) -> None:
+        """Write ``unsharded`` (a full flat copy, e.g. on CPU) into the local shard."""
+        with torch.no_grad():
+            lo = self.shard_offset
+            self.local_shard[: self.shard_valid_numel].copy_(
+                unsharded[lo : lo + self.shard_valid_numel]
+            )
+
+    def write_back_unsharded(self) -> None:
+        """Copy this rank's part of the current unsharded data into the local shard."""
+        slot = self._current
+        if not self._needs_copy or slot is None or slot.buffer is None:
+            return  # the views alias the local shard: nothing to copy
+        with torch.no_grad():
+            if self.uses_sharded_strategy:
+                lo = self.shard_offset
+                self.local_shard[: self.shard_valid_numel].copy_(
+                    slot.buffer[lo : lo + self.shard_valid_numel]
+                )
+            else:
+                self.local_shard.copy_(slot.buffer[: self.unpadded_numel])
+
+
+def _ensure_storage(buffer: torch.Tensor) -> None:
+    """Give a freed buffer (storage resized to zero) its bytes back, in place."""
+    storage = buffer.untyped_storage()
+    nbytes = buffer.numel() * buffer.element_size()
+    if storage.size() != nbytes:
+        storage.resize_(nbytes)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()

@@ -1,0 +1,245 @@
+"""The gradient part of a :class:`~fsdp_wrap.handle.flat_param.FlatParamHandle`.
+
+Owned by the handle (``handle.grads``): parking a reduced gradient while a new
+one accumulates, taking the local gradient for reduction, installing the
+reduced one, and the original parameters' ``.grad`` views.  *How* a gradient
+is reduced lives in :mod:`fsdp_wrap.comm.reduce` (one unit) and
+:mod:`fsdp_wrap.comm.bucket` (several units in one collective); this part says
+what the unit holds before and after.  Its inputs are explicit: the flat
+parameter (one object for the handle's life), the layout, and the dtypes and
+devices the handle resolved (:meth:`FlatGrads.retype` when they change).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+import fsdp_wrap.comm.reduce as R
+from fsdp_wrap.handle.layout import FlatLayout, ParamInfo
+
+
+class FlatGrads:
+    """Gradient bookkeeping of one flat parameter."""
+
+    def __init__(
+        self,
+        flat_param: torch.nn.Parameter,
+        infos: list[ParamInfo],
+        layout: FlatLayout,
+        shard_slices: list[tuple[int, int] | None],
+        reduce_spec: R.ReduceSpec,
+        *,
+        use_orig_params: bool,
+        device: torch.device,
+        to_shard_device: Callable[[torch.Tensor], torch.Tensor],
+        shard_device: torch.device,
+        dtypes: tuple[torch.dtype, torch.dtype, torch.dtype],
+        keep_low_precision_grads: bool,
+    ) -> None:
+        self.flat_param = flat_param
+        self.infos = infos
+        self.layout = layout
+        self._shard_slices = shard_slices
+        self.reduce_spec = reduce_spec
+        self.use_orig_params = use_orig_params
+        self.uses_sharded_strategy = reduce_spec.sharded
+        self.device = device
+        self.shard_device = shard_device
+        self._to_shard_device = to_shard_device
+        self.orig_dtype, self.compute_dtype, self.reduce_dtype = dtypes
+        self.keep_low_precision_grads = keep_low_precision_grads
+        # ``(state, hook)`` from register_comm_hook: replaces the reduction.
+        self.comm_hook: tuple[object, Callable[..., Any]] | None = None
+        # A sharded gradient parked while a new unsharded one accumulates, and
+        # whether .grad holds an unreduced (no_sync) gradient.
+        self._saved_grad_shard: torch.Tensor | None = None
+        self.has_unreduced_grad = False
+
+    def retype(self, dtypes: tuple[torch.dtype, torch.dtype, torch.dtype],
+               reduce_spec: R.ReduceSpec) -> None:
+        """The handle's (original, compute, reduce) dtypes changed (adopted data)."""
+        self.orig_dtype, self.compute_dtype, self.reduce_dtype = dtypes
+        self.reduce_spec = reduce_spec
+
+    def prepare_gradient_for_backward(self) -> None:
+        """Park an existing reduced gradient so a fresh local one can accumulate.
+
+        The parked gradient is added back after this backward's reduction, so
+        accumulation without ``zero_grad`` sums the per-iteration means.  An
+        unreduced (``no_sync``) gradient is left in place: autograd adds the new
+        local gradient to it and the next synced reduction takes both.  So is a
+        NO_SHARD gradient that needs no cast or move (the old mean is reduced
+        again with the new gradient, as torch does).
+        """
+        if self.use_orig_params:
+            self.sync_flat_grad_from_orig()
+        grad = self.flat_param.grad
+        if (
+            grad is not None
+            and not self.uses_sharded_strategy
+            and grad.device == self.device
+            and grad.dtype == self.compute_dtype == self.reduce_dtype
+        ):
+            # NO_SHARD without casts or offload: autograd adds the new gradient
+            # to the old one and the reduction takes the sum, torch's order of
+            # additions (parking the old gradient and adding it back after the
+            # reduction rounds differently, visibly at world size 1).
+            return
+        if grad is not None and not self.has_unreduced_grad:
+            self._saved_grad_shard = grad.detach()
+            self.flat_param.grad = None
+
+    def restore_parked_grad(self) -> None:
+        """A parked gradient whose unit got no new gradient goes back."""
+        if self._saved_grad_shard is not None and self.flat_param.grad is None:
+            _assign_grad(self.flat_param, self._saved_grad_shard)
+            self._saved_grad_shard = None
+            if self.use_orig_params:
+                self.set_grad_views()
+
+    def sync_flat_grad_from_orig(self) -> None:
+        """Honour ``zero_grad(set_to_none=True)`` done on the original params.
+
+        Their gradients are views of the flat gradient, which stays alive until
+        dropped here; the root calls this before every forward so the memory is
+        free for the forward (as torch does).
+        """
+        if self.has_unreduced_grad or self.flat_param.grad is None:
+            return
+        if all(info.param.grad is None for info in self.infos):
+            self.flat_param.grad = None
+
+    def reduce_gradient(self, sync: bool) -> None:
+        """Turn the local unsharded gradient on ``flat_param`` into the mean sharded one.
+
+        Called from the post-backward hook after ``reshard`` when this unit is
+        reduced on its own (see :mod:`fsdp_wrap.comm.bucket` for several at once).
+        Sharded strategies reduce-scatter over the shard group; NO_SHARD
+        all-reduces; hybrid strategies then all-reduce the shard over the
+        replicate group.  With ``sync=False`` (``no_sync``) the local gradient
+        is kept for later.
+        """
+        grad = self.take_grad_for_reduction(sync)
+        if grad is None:
+            return
+        if self.comm_hook is not None:
+            reduced = R.reduce_with_hook(grad, self.reduce_spec, *self.comm_hook)
+        else:
+            reduced = R.reduce_default(grad, self.reduce_spec)
+        self.install_reduced_grad(reduced)
+
+    @property
+    def can_bucket_reduction(self) -> bool:
+        """Whether this unit's reduction may share a collective with other units'.
+
+        Not with a communication hook (it is called once per unit, with that
+        unit's tensors: torch's protocol), not with hybrid strategies (the
+        replicate-group all-reduce follows each unit's reduce-scatter), and
+        not at world size 1 (there is no collective to save).
+        """
+        spec = self.reduce_spec
+        return self.comm_hook is None and spec.replicate_group is None and spec.world_size > 1
+
+    def take_grad_for_reduction(self, sync: bool) -> torch.Tensor | None:
+        """The local unsharded gradient to reduce now, taken off ``flat_param``.
+
+        ``None`` when there is none, or under ``no_sync`` (``sync=False``),
+        where it stays on ``flat_param`` (and the original parameters get
+        full-shape views of it) for a later synced backward.  Postcondition of
+        a returned gradient: ``flat_param.grad`` is ``None`` until
+        :meth:`install_reduced_grad`.
+        """
+        grad = self.flat_param.grad
+        if grad is None:
+            return None
+        if grad.requires_grad:
+            raise RuntimeError("FSDP does not support gradients of gradients")
+        if not sync:
+            self.has_unreduced_grad = True
+            if self.use_orig_params:
+                self.set_unsharded_grad_views(grad)
+            return None
+        self.has_unreduced_grad = False
+        self.flat_param.grad = None
+        return grad
+
+    def install_reduced_grad(self, reduced: torch.Tensor) -> None:
+        """Make ``reduced`` (the mean, this rank's shard or all of it) ``flat_param.grad``.
+
+        It is returned to the original dtype (unless
+        ``keep_low_precision_grads``) and to CPU when offloading; a gradient
+        parked by the pre-backward hook is added to it.
+        """
+        # The sharded gradient matches the master parameter's dtype, or stays in
+        # the compute dtype with keep_low_precision_grads (as torch leaves it).
+        grad_dtype = self.compute_dtype if self.keep_low_precision_grads else self.orig_dtype
+        if reduced.dtype != grad_dtype:
+            reduced = reduced.to(grad_dtype)
+        if reduced.device != self.shard_device:
+            reduced = self._to_shard_device(reduced)
+        if self._saved_grad_shard is not None:
+            parked = self._saved_grad_shard
+            self._saved_grad_shard = None
+            if parked.dtype == reduced.dtype and parked.device == reduced.device:
+                reduced = parked.add_(reduced)
+            else:
+                reduced = parked.to(reduced) + reduced
+        _assign_grad(self.flat_param, reduced)
+        if self.use_orig_params:
+            self.set_grad_views()
+
+    def set_unsharded_grad_views(self, grad: torch.Tensor, frozen_too: bool = False) -> None:
+        """The original params' ``.grad`` become full-shape views of ``grad``, an
+        unsharded flat gradient: NO_SHARD's reduced one, the local one under
+        ``no_sync`` (``summon_full_params(with_grads=True)``: frozen ones too)."""
+        pieces = grad.split(self.layout.segments)  # (one split, not a slice per parameter)
+        # Plain ``.grad =`` where the views match the parameters: NO_SHARD's
+        # full-shape parameters, unless the gradient keeps a low dtype.
+        exact = (not self.uses_sharded_strategy and grad.dtype == self.flat_param.dtype
+                 and grad.device == self.flat_param.device)
+        for info, seg in zip(self.infos, self.layout.info_segment):
+            param = info.param
+            if not param.requires_grad and not frozen_too:
+                param.grad = None
+                continue
+            piece = pieces[seg]
+            if len(info.shape) != 1:  # (1-D pieces already have the shape)
+                piece = piece.view(info.shape)
+            if exact:
+                param.grad = piece
+            else:
+                _assign_grad(param, piece)
+
+    def set_grad_views(self) -> None:
+        """Original params' ``.grad`` become views of the sharded flat gradient."""
+        grad = self.flat_param.grad
+        if grad is not None and not self.uses_sharded_strategy:
+            self.set_unsharded_grad_views(grad)
+            return
+        for info, sl in zip(self.infos, self._shard_slices):
+            if grad is None or sl is None or not info.param.requires_grad:
+                info.param.grad = None
+            else:
+                _assign_grad(info.param, grad[sl[0] : sl[1]])
+
+
+def _assign_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Set ``param.grad``, also when its shape, dtype or device differ from the data.
+
+    ``.grad =`` checks that they match; FSDP legitimately breaks that (a full
+    local gradient on a sharded parameter under ``no_sync``, a low-precision
+    gradient with ``keep_low_precision_grads``), so such gradients are
+    installed through ``.grad.data``.
+    """
+    if (
+        grad.shape == param.shape
+        and grad.dtype == param.dtype
+        and grad.device == param.device
+    ):
+        param.grad = grad
+        return
+    if param.grad is None:
+        param.grad = torch.empty_like(param)
+    param.grad.data = grad

@@ -1,0 +1,323 @@
+"""The views part of a :class:`~fsdp_wrap.handle.flat_param.FlatParamHandle`.
+
+Owned by the handle (``handle.views``): how the original parameters are
+exposed to the modules around a unit's compute (views of the unsharded flat
+parameter, with autograd history; kept from one forward to the next where
+NO_SHARD allows), how they go back to their between-steps form (the original
+``Parameter`` objects viewing the local shard, or the flat parameter
+registered), and the forward graphs whose parameter gradients are still to
+come (the early free).  *When* the handle gathers and frees lives in the
+handle; this part says what the modules see.  Its fixed inputs (the unit's
+modules and parameters, the layout) are given at construction, the changing
+ones (the flat parameter's data, whether the unsharded data is a copy) with
+each call.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME
+from fsdp_wrap.handle.layout import FlatLayout, ParamInfo, SharedParamInfo
+
+
+class ParamViews:
+    """Original-parameter views of one flat parameter."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        infos: list[ParamInfo],
+        shared: list[SharedParamInfo],
+        layout: FlatLayout,
+        shard_slices: list[tuple[int, int] | None],
+        *,
+        use_orig_params: bool,
+        sharded: bool,
+    ) -> None:
+        self.module = module  # the unit's wrapped module (holds the flat parameter)
+        self.infos, self.shared = infos, shared
+        self._segments, self._info_segment = layout.segments, layout.info_segment
+        self._shard_slices = shard_slices
+        self.use_orig_params = use_orig_params
+        self.uses_sharded_strategy = sharded
+        # Swapping views calls a module's own __setattr__/__delattr__ override,
+        # as torch does, unless FSDP_USE_UNSAFE_SETATTR=1.
+        self._safe_setattr = os.environ.get("FSDP_USE_UNSAFE_SETATTR", "") != "1"
+        # Whether every module holding a parameter takes plain dict writes (no
+        # class overrides __setattr__/__delattr__): then the per-step view swaps
+        # skip the per-module check.
+        self._plain_modules = not self._safe_setattr or not any(
+            _overrides_setattr(m) for m in [i.module for i in infos] + [sh.module for sh in shared]
+        )
+        # The forward's views of the original parameters (checked before backward).
+        self.compute_views: list[torch.Tensor] = []
+        self._views_have_history = False
+        # NO_SHARD: the views of one forward, kept for the next (see _reusable_views).
+        self._kept_views: tuple[tuple[object, ...], list[torch.Tensor]] | None = None
+        # use_orig_params=False: the originals are registered (summon, state dicts).
+        self.params_registered = False
+        # Forward graphs whose parameter-view gradients are still to come, and
+        # what to do once the last arrives (set by the runtime).
+        self._open_graphs = 0
+        self.on_view_grads_ready: Callable[[], None] | None = None
+        self._stale_views: list[torch.Tensor] = []
+
+    def install_stale(self, flat: torch.Tensor) -> None:
+        """``module.weight`` resolves from construction on, as in torch.
+
+        With ``use_orig_params=False`` the original names are plain tensor
+        views into the unsharded flat parameter; between unshards they point at
+        freed storage (shape only), so ``repr(module)`` and attribute checks
+        work before the first forward.
+        """
+        views = flat.detach().split(self._segments)
+        self._stale_views = [
+            views[seg].view(info.shape) for info, seg in zip(self.infos, self._info_segment)
+        ]
+        self._install_views(self._stale_views)
+
+    def _install_views(self, tensors: Sequence[torch.Tensor]) -> None:
+        for info, view in zip(self.infos, tensors):
+            info.module.__dict__[info.name] = view
+        for shared in self.shared:
+            shared.module.__dict__[shared.name] = tensors[shared.index]
+
+    def forget_kept(self) -> None:
+        """Drop kept views (they view data that is being replaced)."""
+        self._kept_views = None
+
+    def use_unsharded_views(
+        self,
+        flat_param: nn.Parameter,
+        needs_copy: bool,
+        as_params: bool = False,
+        source: torch.Tensor | None = None,
+        track_graph: bool = False,
+    ) -> None:
+        """Expose each original parameter as a view into the unsharded data.
+
+        For compute (``as_params=False``) the views are made from
+        ``flat_param`` under the caller's grad mode, so autograd routes their
+        gradients into ``flat_param.grad``.  Frozen parameters get detached
+        views so no gradient is computed for them.  For state dicts and
+        ``summon_full_params`` (``as_params=True``) the original ``Parameter``
+        objects are registered again, with their full shapes, in place of the
+        flat parameter; ``reshard`` undoes that.
+        """
+        if as_params:
+            flat = flat_param.detach() if source is None else source
+            views = flat.split(self._segments)
+            self.register_params(
+                [views[seg].view(info.shape) for info, seg in zip(self.infos, self._info_segment)],
+                flat_param,
+            )
+            return
+        orig, plain = self.use_orig_params, self._plain_modules
+        tensors = self._reusable_views(flat_param, needs_copy)
+        if tensors is None:
+            views = flat_param.split(self._segments)
+            if track_graph:
+                self._track_graph(views[0].grad_fn)
+            tensors = []
+            for info, seg in zip(self.infos, self._info_segment):
+                view = views[seg].view(info.shape)
+                if orig and not info.param.requires_grad:
+                    view = view.detach()  # (without, views follow flat_param's requires_grad)
+                tensors.append(view)
+            self._keep_views(tensors, flat_param, needs_copy)
+        for info, view in zip(self.infos, tensors):
+            if not plain:
+                self._set_tensor(info.module, info.name, view)
+            elif orig:  # (the writes _set_tensor makes, inlined: this runs every step)
+                info.module.__dict__.pop(info.name, None)
+                info.module._parameters[info.name] = view  # type: ignore[assignment]
+            else:
+                info.module.__dict__[info.name] = view
+        self.compute_views = tensors
+        self._views_have_history = torch.is_grad_enabled()
+        for shared in self.shared:
+            self._set_tensor(shared.module, shared.name, tensors[shared.index])
+
+    def _view_key(self, flat: nn.Parameter, needs_copy: bool) -> tuple[object, ...] | None:
+        """What kept views depend on, or ``None`` where views are never kept:
+        only where the unsharded data is the flat parameter itself (NO_SHARD
+        with no cast or move), and only views with autograd history."""
+        if needs_copy or not torch.is_grad_enabled():  # (always true when sharded)
+            return None
+        frozen = tuple(not i.param.requires_grad for i in self.infos) if self.use_orig_params else ()
+        # (_version: autograd refuses split views whose base was written in place
+        # since, e.g. by an optimizer stepping on the flat parameter itself)
+        return (flat.data_ptr(), flat.dtype, flat.requires_grad, flat._version, frozen)
+
+    def _reusable_views(self, flat: nn.Parameter, needs_copy: bool) -> list[torch.Tensor] | None:
+        """The views kept from an earlier forward, if still exactly right.
+
+        NO_SHARD's unsharded data never moves, so one set of views (the split
+        and view nodes they carry save no tensors: autograd may run them in
+        any number of backwards) serves every forward until the flat
+        parameter's data, dtype, ``requires_grad`` or version (an in-place
+        write) change or, with ``use_orig_params``, which parameters are
+        frozen.  With ``use_orig_params`` the optimizer steps on the original
+        parameters (their own version counters), so the views last; without,
+        it writes the flat parameter and every forward makes new ones.  Views
+        someone hooked (``register_hook``, ``retain_grad``) are never reused,
+        so per-step hooks do not pile up.
+        """
+        kept = self._kept_views
+        if kept is None or kept[0] != self._view_key(flat, needs_copy):
+            return None
+        for view in kept[1]:
+            # A hook or retain_grad() put on a view during a step would carry
+            # over to the next one: such views are not reused.
+            if view._backward_hooks or view.retains_grad:
+                self._kept_views = None
+                return None
+        return kept[1]
+
+    def _keep_views(self, tensors: list[torch.Tensor], flat: nn.Parameter, needs_copy: bool) -> None:
+        key = self._view_key(flat, needs_copy)
+        if key is not None:  # (views of a no-grad forward leave the kept ones alone)
+            self._kept_views = (key, tensors)
+
+    def forward_views_reusable(self, needs_copy: bool, unsharded: bool) -> bool:
+        """Whether backward may keep the forward's views instead of making new ones.
+
+        Only where the unsharded data *is* the flat parameter (NO_SHARD with no
+        cast or move: nothing is gathered or freed, so no early free watches
+        the views' split node), the views were made with autograd history (a
+        recompute inside backward then routes its gradients through them), and
+        every module still holds them.
+        """
+        if (needs_copy or not self._views_have_history  # (needs_copy: always when sharded)
+                or not self.compute_views or not unsharded):
+            return False
+        orig = self.use_orig_params
+        for info, view in zip(self.infos, self.compute_views):
+            held = info.module._parameters if orig else info.module.__dict__
+            if held.get(info.name) is not view:
+                return False
+        for shared in self.shared:
+            held = shared.module._parameters if orig else shared.module.__dict__
+            if held.get(shared.name) is not self.compute_views[shared.index]:
+                return False
+        return True
+
+    def _track_graph(self, split_node: Any) -> None:
+        """Watch the node that splits ``flat_param`` into this forward's views.
+
+        Autograd runs it once every view's gradient is ready, i.e. after the
+        last backward op that used the unsharded parameters.  From then on the
+        gathered storage is dead, although the post-backward hook (after the
+        gradient concat and AccumulateGrad) is still to come: freeing it here
+        lowers the backward peak by one unit.
+        """
+        if split_node is None or self.on_view_grads_ready is None:
+            return
+        self._open_graphs += 1
+        split_node.register_prehook(self._view_grads_ready)
+
+    def _view_grads_ready(self, grad_outputs: Any) -> None:
+        self._open_graphs -= 1
+        if self._open_graphs == 0 and self.on_view_grads_ready is not None:
+            self.on_view_grads_ready()
+
+    def forget_graphs(self) -> None:
+        """Graphs of this iteration are done (or were dropped without backward)."""
+        self._open_graphs = 0
+
+    def _set_tensor(self, module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+        # Then plain dict writes: cheaper than nn.Module.__setattr__ every step.
+        self._call_setattr_override(module, name, tensor)
+        if self.use_orig_params:
+            module.__dict__.pop(name, None)
+            module._parameters[name] = tensor  # type: ignore[assignment]
+        else:
+            module.__dict__[name] = tensor
+
+    def _set_param(self, module: nn.Module, name: str, param: nn.Parameter) -> None:
+        self._call_setattr_override(module, name, param)
+        module.__dict__.pop(name, None)
+        module._parameters[name] = param
+
+    def _call_setattr_override(self, module: nn.Module, name: str, value: torch.Tensor) -> None:
+        """Let a module class that overrides ``__setattr__``/``__delattr__`` see
+        the swap, as torch's default does (delattr, then setattr); the caller
+        then puts ``value`` where this handle keeps it.  Modules without an
+        override take only the plain dict writes (same result, no cost)."""
+        if not self._safe_setattr or not _overrides_setattr(module):
+            return
+        if hasattr(module, name):
+            delattr(module, name)
+        setattr(module, name, value)
+
+    def use_sharded_views(self, flat_param: nn.Parameter, local_shard: torch.Tensor) -> None:
+        """Return the module to its between-steps form.
+
+        ``use_orig_params=True``: the original parameters are registered and
+        are views of the local shard (1-D pieces; full shapes under NO_SHARD).
+        ``use_orig_params=False``: the flat parameter is registered; the
+        original names keep their last unsharded views (stale, as in torch).
+        """
+        if not self.use_orig_params:
+            if self.params_registered:
+                for info in self.infos:
+                    info.module._parameters.pop(info.name, None)
+                    info.param.data = info.param.data.new_empty(0)
+                for shared in self.shared:
+                    shared.module._parameters.pop(shared.name, None)
+                self.module._parameters[FLAT_PARAM_NAME] = flat_param
+                self._install_views(self._stale_views)
+                self.params_registered = False
+            return
+        self.params_registered = False
+        shard = local_shard
+        base, itemsize = shard.data_ptr(), shard.element_size()
+        plain = self._plain_modules
+        for info, sl in zip(self.infos, self._shard_slices):
+            param = info.param
+            if not self.uses_sharded_strategy:
+                lo, hi, shape = info.offset, info.offset + info.numel, info.shape
+            elif sl is not None:
+                lo, hi = sl
+                shape = torch.Size((hi - lo,))
+            else:
+                lo, hi, shape = 0, 0, torch.Size((0,))
+            # Most steps the parameter still views exactly this piece: no new view.
+            if (param.data_ptr() != base + lo * itemsize or param.shape != shape
+                    or param.dtype != shard.dtype or not param.is_contiguous()):
+                param.data = shard[lo:hi].view(shape)
+            if plain:  # (_set_param's writes, inlined: this runs every step)
+                info.module.__dict__.pop(info.name, None)
+                info.module._parameters[info.name] = param
+            else:
+                self._set_param(info.module, info.name, param)
+        for shared in self.shared:
+            self._set_param(shared.module, shared.name, self.infos[shared.index].param)
+
+    def register_params(self, tensors: Sequence[torch.Tensor], flat_param: nn.Parameter) -> None:
+        """Register the original parameters with ``tensors`` as their data.
+
+        Undone by :meth:`use_sharded_views`.  With ``use_orig_params=False``
+        they take the flat parameter's ``requires_grad`` (frozen after
+        wrapping or not), as torch's fresh Parameters do.
+        """
+        for info, t in zip(self.infos, tensors):
+            info.param.data = t
+            if not self.use_orig_params:
+                info.param.requires_grad_(flat_param.requires_grad)
+            self._set_param(info.module, info.name, info.param)
+        for shared in self.shared:
+            self._set_param(shared.module, shared.name, self.infos[shared.index].param)
+        self.module._parameters.pop(FLAT_PARAM_NAME, None)
+        self.params_registered = True
+
+
+def _overrides_setattr(module: nn.Module) -> bool:
+    cls = type(module)
+    return cls.__setattr__ is not nn.Module.__setattr__ or cls.__delattr__ is not nn.Module.__delattr__

@@ -1,0 +1,255 @@
+"""Write-back of original parameters changed outside forward (``use_orig_params=True``).
+
+Between steps each original parameter is a view of its unit's local shard,
+and its ``.grad`` a view of the sharded flat gradient.  Code written for
+torch's FSDP1 may break that link: ``p.data = new``, ``module.weight =
+nn.Parameter(new)``, ``p.grad = new`` or ``p.grad = None``.  torch copies
+such changes into the flat parameter (and flat gradient) before the next
+unshard; so does :func:`write_back_orig_params`, which the handle calls
+before every gather of a sharded unit.
+
+``module.half()`` / ``.to(dtype)`` after wrapping converts the flat
+parameter itself (:func:`flat_param_exposed`), as torch's FSDP1 does.
+
+A unit kept unsharded after forward (``SHARD_GRAD_OP``) computes its backward
+from the forward's views; :func:`check_unchanged_since_forward` fails when one
+of those was replaced before backward, as torch does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Generator
+from typing import Protocol
+
+import torch
+import torch.nn as nn
+
+from fsdp_wrap.api import ShardingStrategy
+from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME, HandleState
+from fsdp_wrap.handle.grads import FlatGrads, _assign_grad
+from fsdp_wrap.handle.layout import ParamInfo, SharedParamInfo
+
+
+class OwningHandle(Protocol):
+    """What write-back reads and calls on its handle (the ``FlatParamHandle`` of
+    ``handle/flat_param.py``, which owns it: only the handle calls these functions,
+    and they change only the handle's own flat parameter, its gradient and its
+    unit's registered parameters)."""
+
+    flat_param: nn.Parameter
+    local_shard: torch.Tensor
+    infos: list[ParamInfo]
+    shared: list[SharedParamInfo]
+    module: nn.Module
+    rank: int
+    unit_fqn: str
+    strategy: ShardingStrategy
+    state: HandleState
+    use_orig_params: bool
+    uses_sharded_strategy: bool
+    grads: FlatGrads  # reads has_unreduced_grad
+
+    def param_shard_slice(self, index: int) -> tuple[int, int] | None: ...
+    def pre_unshard(self) -> bool: ...
+    def use_sharded_views(self) -> None: ...
+    def adopt_flat_param_data(self) -> None: ...
+
+__all__ = ["check_unchanged_since_forward", "flat_param_exposed", "write_back_orig_params"]
+
+
+def _where(handle: OwningHandle, fqn: str) -> str:
+    unit = handle.unit_fqn
+    full = f"{unit}.{fqn}" if unit else fqn
+    return f"(rank {handle.rank}, FSDP unit '{unit or '<root>'}') '{full}'"
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _shard_range(handle: OwningHandle, index: int, full: bool) -> tuple[int, int]:
+    """``[start, end)`` of parameter ``index`` in the local shard (or, with
+    ``full``, in the unsharded flat tensor)."""
+    info = handle.infos[index]
+    if full or not handle.uses_sharded_strategy:
+        return info.offset, info.offset + info.numel
+    sl = handle.param_shard_slice(index)
+    return (0, 0) if sl is None else sl
+
+
+def _copy_into(handle: OwningHandle, what: str, index: int, src: torch.Tensor,
+               dst: torch.Tensor, full: bool) -> None:
+    info = handle.infos[index]
+    lo, hi = _shard_range(handle, index, full)
+    if full:
+        ok, expected, flat_src = src.numel() == info.numel, tuple(info.shape), src.reshape(-1)
+    else:
+        ok, expected, flat_src = src.shape == torch.Size([hi - lo]), (hi - lo,), src
+    if not ok:
+        kind = "full shape" if full else "this rank's 1-D shard of it"
+        raise RuntimeError(
+            f"{_where(handle, info.fqn)}: Cannot writeback when the {what} shape changes. "
+            f"Expects {expected} ({kind}) but got {tuple(src.shape)}. With "
+            f"use_orig_params=True, assign a {what} of the shape FSDP gave it "
+            f"(e.g. p.{'data' if what == 'parameter' else 'grad'} = new of shape "
+            f"p.{'shape' if what == 'parameter' else 'grad.shape'}), or change the model "
+            "before wrapping it"
+        )
+    dst[lo:hi].copy_(flat_src)
+
+
+def write_back_orig_params(handle: OwningHandle) -> bool:
+    """Copy replaced original parameters and gradients into the flat ones.
+
+    Precondition: the handle is sharded (its original parameters registered as
+    views of the local shard).  Returns whether any parameter data changed,
+    in which case the caller must drop gathered copies.
+    """
+    if _nothing_replaced(handle):
+        return False
+    wrote = False
+    shard = handle.local_shard
+    grad_full = not handle.uses_sharded_strategy or handle.grads.has_unreduced_grad
+    with torch.no_grad():
+        for i, info in enumerate(handle.infos):
+            if info.name not in info.module._parameters:
+                continue  # deregistered (e.g. by activation checkpointing code)
+            current = info.module._parameters[info.name]
+            if current is None:
+                continue
+            if current is not info.param:
+                # A new Parameter set on the module: it becomes the original.
+                _copy_into(handle, "parameter", i, current.detach(), shard,
+                           not handle.uses_sharded_strategy)
+                handle.infos[i] = info = dataclasses.replace(info, param=current)
+                for shared in handle.shared:
+                    if shared.index == i:
+                        shared.module._parameters[shared.name] = current
+                wrote = True
+            elif not _same_storage(current, shard):
+                wrote = True
+                _copy_into(handle, "parameter", i, current.detach(), shard,
+                           not handle.uses_sharded_strategy)
+            _write_back_grad(handle, i, grad_full)
+        for shared in handle.shared:
+            prim = handle.infos[shared.index]
+            if shared.module._parameters.get(shared.name, prim.param) is not prim.param:
+                raise NotImplementedError(
+                    f"{_where(handle, shared.fqn)}: Changing shared parameters is not "
+                    f"supported yet: it shares '{prim.fqn}', which must stay the same "
+                    "Parameter object; assign to both names, or to the first one only"
+                )
+    if wrote:
+        handle.use_sharded_views()  # the original parameters view the shard again
+    return wrote
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    lo = t.data_ptr()
+    return lo, lo + t.numel() * t.element_size()
+
+
+def _nothing_replaced(handle: OwningHandle) -> bool:
+    """The common case, decided cheaply: every original parameter is still the
+    registered object, its data lies in the local shard and its ``.grad`` in
+    the flat gradient (or both gradients are ``None``).
+
+    Address ranges stand for "same storage" here: while a view keeps a storage
+    alive, no other storage can occupy its bytes.  ``False`` only sends the
+    caller down the full path, which decides (and copies) exactly.
+    """
+    shard_lo, shard_hi = _span(handle.local_shard)
+    flat_grad = handle.flat_param.grad
+    grad_lo, grad_hi = _span(flat_grad) if flat_grad is not None else (0, 0)
+    for info in handle.infos:
+        current = info.module._parameters.get(info.name)
+        if current is None:
+            continue  # (deregistered or None: the full path skips it too)
+        if current is not info.param or not shard_lo <= current.data_ptr() < shard_hi:
+            return False
+        grad = current.grad
+        if grad is None:
+            if flat_grad is not None:
+                return False
+        elif not grad_lo <= grad.data_ptr() < grad_hi:
+            return False
+    for shared in handle.shared:
+        prim = handle.infos[shared.index].param
+        if shared.module._parameters.get(shared.name, prim) is not prim:
+            return False
+    return True
+
+
+def _write_back_grad(handle: OwningHandle, index: int, full: bool) -> None:
+    """Gradient part of :func:`write_back_orig_params` for parameter ``index``."""
+    param = handle.infos[index].param
+    flat = handle.flat_param
+    flat_grad = flat.grad
+    if param.grad is None:
+        if flat_grad is None:
+            return
+        lo, hi = _shard_range(handle, index, full)
+        flat_grad[lo:hi].zero_()  # torch's meaning of a gradient set to None
+        return
+    if flat_grad is not None and _same_storage(param.grad, flat_grad):
+        return
+    if flat_grad is None:
+        flat_grad = torch.zeros_like(flat)
+    _copy_into(handle, "gradient", index, param.grad.detach(), flat_grad, full)
+    if flat.grad is None:
+        flat.grad = flat_grad
+    # The parameter's .grad is a view of the flat gradient again.
+
+    info = handle.infos[index]
+    lo, hi = _shard_range(handle, index, full)
+    view = flat.grad[lo:hi]
+    _assign_grad(param, view.view(info.shape) if full else view)
+
+
+def check_unchanged_since_forward(handle: OwningHandle, views: list[torch.Tensor]) -> None:
+    """Fail if a unit kept unsharded after forward had a parameter replaced
+    before its backward (the gradient would silently belong to the old one)."""
+    flat = handle.flat_param
+    for info, view in zip(handle.infos, views):
+        current = info.module._parameters.get(info.name, view)
+        if current is view and _same_storage(view, flat):
+            continue
+        raise AssertionError(
+            f"{_where(handle, info.fqn)}: FSDP does not support changing the parameters "
+            f"between forward and backward for {handle.strategy}: it was "
+            f"{'replaced' if current is not view else 'given new data'} after forward. "
+            "Change parameters after backward (e.g. after optimizer.step()), or use "
+            "FULL_SHARD, which reshards after forward"
+        )
+
+
+
+@contextlib.contextmanager
+def flat_param_exposed(handle: OwningHandle | None) -> Generator[None, None, None]:
+    """Register the flat parameter in place of the original ones for a while.
+
+    ``nn.Module._apply`` (``.half()``, ``.to(dtype)``, ``.double()``) then
+    converts the flat parameter (``flat_param.data = fn(flat_param)``); on
+    exit the handle takes the new data up as its shard and the original
+    parameters view it again.  With ``use_orig_params=True`` only, on a
+    sharded unit (as torch's ``_deregister_orig_params_ctx``).
+    """
+
+    if handle is None or not handle.use_orig_params or handle.state is not HandleState.SHARDED:
+        yield
+        return
+    handle.pre_unshard()  # take up pending changes before the originals are hidden
+    params = handle.module._parameters
+    for info in handle.infos:
+        info.module._parameters.pop(info.name, None)
+    for shared in handle.shared:
+        shared.module._parameters.pop(shared.name, None)
+    params[FLAT_PARAM_NAME] = handle.flat_param
+    try:
+        yield
+    finally:
+        params.pop(FLAT_PARAM_NAME, None)
+        handle.adopt_flat_param_data()
+        handle.use_sharded_views()

@@ -1,0 +1,429 @@
+"""Construction-time helpers: argument resolution and checks, before any collective.
+
+Every check that can fail on bad user input runs here, on each rank, before
+the first collective of the constructor, so a mistake is an error and never a
+hang.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterable
+from typing import Any, Callable, NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed import ProcessGroup
+
+import fsdp_wrap.comm.collectives as C
+from fsdp_wrap.api import HYBRID_STRATEGIES, ShardingStrategy
+from fsdp_wrap.handle.layout import walk_unit_modules
+from fsdp_wrap.runtime.names import clean_fqn
+from fsdp_wrap.runtime.state import UnitState
+
+
+class ProcessGroupState(NamedTuple):
+    group: ProcessGroup  # the shard group (all ranks for non-hybrid strategies)
+    rank: int
+    world_size: int
+    replicate_group: ProcessGroup | None  # hybrid strategies only
+    replicate_size: int
+
+
+def _rank_tag() -> str:
+    return f"[rank {dist.get_rank()}] " if dist.is_initialized() else ""
+
+
+def check_not_wrapped(
+    root: nn.Module, wrapper_cls: Any, ignored: Iterable[nn.Module], key_phrase: str
+) -> None:
+    """ValueError naming every ``wrapper_cls`` instance already in ``root``'s tree.
+
+    ``key_phrase`` (torch's wording) is formatted with ``names`` and ``cls``.
+
+    Names are clean FQNs (``''`` is ``root`` itself); module reprs are not
+    printed, since those of wrapped units spell out FSDP's internals.
+    """
+    skip = set(ignored)
+    found = [
+        clean_fqn(name)
+        for name, m in root.named_modules()
+        if m not in skip and isinstance(m, wrapper_cls)
+    ]
+    if found:
+        names = ", ".join(f"'{n}'" if n else "the root module itself" for n in found)
+        cls_name = getattr(wrapper_cls, "__name__", str(wrapper_cls))
+        raise ValueError(
+            f"{_rank_tag()}{key_phrase.format(names=names, cls=cls_name)}. Either give "
+            "auto_wrap_policy a module with no FSDP inside (let the policy make those units), "
+            "or wrap every unit by hand and the root without auto_wrap_policy."
+        )
+
+
+def resolve_ignored(
+    module: nn.Module,
+    ignored_modules: Iterable[nn.Module] | None,
+    ignored_states: Iterable[Any] | None,
+) -> tuple[set[nn.Module], set[nn.Parameter]]:
+    """The ignored modules (whole subtrees) and ignored parameters."""
+    if ignored_modules is not None and ignored_states is not None:
+        raise ValueError(
+            "Cannot pass both ignored_modules and ignored_states at the same time. "
+            "Please just pass ignored_states."
+        )
+    roots: list[nn.Module] = []
+    params: set[nn.Parameter] = set()
+    if ignored_states is not None:
+        states = list(ignored_states)
+        if states and all(isinstance(s, nn.Parameter) for s in states):
+            params.update(states)
+        elif states and all(isinstance(s, nn.Module) for s in states):
+            roots = states
+        elif states:
+            raise ValueError(
+                "ignored_states expects all nn.Parameter or all nn.Module list elements but got "
+                f"types {[type(s) for s in states]}"
+            )
+    elif ignored_modules is not None:
+        try:
+            roots = list(ignored_modules)
+        except TypeError:
+            raise TypeError(
+                "`ignored_modules` should be an iterable of `torch.nn.Module`s but got "
+                f"{type(ignored_modules)}"
+            ) from None
+        bad = [type(m) for m in roots if not isinstance(m, nn.Module)]
+        if bad:
+            raise ValueError(f"ignored_modules expects nn.Module list elements but got types {bad}")
+    if any(isinstance(m, UnitState) for m in roots):
+        raise ValueError("`ignored_modules` should not include FSDP modules")
+    if module in roots:
+        warnings.warn(
+            "Trying to ignore the top-level module passed into the FSDP constructor itself will "
+            "result in all parameters being ignored and is not well-supported",
+            stacklevel=3,
+        )
+    mods: set[nn.Module] = set()
+    for root in roots:
+        for m in root.modules():
+            if not isinstance(m, UnitState):
+                mods.add(m)
+    for m in mods:
+        params.update(m.parameters(recurse=False))
+    return mods, params
+
+
+def resolve_process_group(
+    process_group: Any, device_mesh: Any, strategy: ShardingStrategy, auto_wrap: bool
+) -> ProcessGroupState:
+    """The shard group and, for hybrid strategies, the replicate group.
+
+    Hybrid groups come from a ``(shard, replicate)`` tuple, a 2-D mesh
+    ``(replicate, shard)``, or, with an auto-wrap policy, are built here: one
+    shard group per node (``LOCAL_WORLD_SIZE`` ranks as torchrun sets it,
+    else CUDA devices per node, else every rank) and one replicate group per
+    local rank.
+    """
+    if process_group is not None and device_mesh is not None:
+        raise ValueError(
+            "Cannot pass both process_group and device_mesh at the same time. "
+            "Please just pass only one of them."
+        )
+    hybrid = strategy in HYBRID_STRATEGIES
+    replicate: ProcessGroup | None = None
+    if hybrid:
+        if device_mesh is not None:
+            if device_mesh.ndim != 2:
+                raise ValueError(f"Expected device_mesh to have ndim=2 but got {device_mesh.ndim}")
+            group, replicate = device_mesh.get_group(1), device_mesh.get_group(0)
+        elif process_group is None:
+            if not auto_wrap:
+                raise ValueError(
+                    f"Manual wrapping with {strategy} requires explicit specification of process "
+                    "group or device_mesh."
+                )
+            group, replicate = _default_hybrid_groups()
+        elif isinstance(process_group, tuple) and len(process_group) == 2:
+            group, replicate = process_group
+        else:
+            raise ValueError(
+                "Expected process_group to be passed in as either None or "
+                f"Tuple[dist.ProcessGroup, dist.ProcessGroup] but got {type(process_group)}"
+            )
+    else:
+        if isinstance(process_group, tuple):
+            raise ValueError(
+                "A (shard, replicate) process-group tuple is only valid with HYBRID_SHARD or "
+                f"_HYBRID_SHARD_ZERO2, but sharding_strategy is {strategy}"
+            )
+        if device_mesh is not None:
+            if device_mesh.ndim != 1:
+                raise ValueError(
+                    f"Expected device_mesh to have ndim=1 for {strategy} but got "
+                    f"{device_mesh.ndim}"
+                )
+            group = device_mesh.get_group(0)
+        elif process_group is not None:
+            group = process_group
+        else:
+            group = _default_group()
+    replicate_size = dist.get_world_size(replicate) if replicate is not None else 1
+    return ProcessGroupState(
+        group, dist.get_rank(group), dist.get_world_size(group), replicate, replicate_size
+    )
+
+
+def _default_group() -> ProcessGroup:
+    if not dist.is_initialized():
+        raise ValueError(
+            "Default process group has not been initialized, please make sure to call "
+            "init_process_group."
+        )
+    return dist.distributed_c10d._get_default_group()
+
+
+def _default_hybrid_groups() -> tuple[ProcessGroup, ProcessGroup]:
+    world = dist.get_world_size(_default_group())
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or (
+        torch.cuda.device_count() if torch.cuda.is_available() else world
+    )
+    if local <= 0 or world % local:
+        raise ValueError(
+            f"{_rank_tag()}cannot build hybrid-sharding groups: world size {world} is not a "
+            f"multiple of the ranks per node ({local}); pass (shard_group, replicate_group) or a "
+            "2-D device_mesh"
+        )
+    rank = dist.get_rank()
+    shard_groups = [dist.new_group(list(range(n * local, (n + 1) * local))) for n in range(world // local)]
+    replicate_groups = [dist.new_group(list(range(i, world, local))) for i in range(local)]
+    return shard_groups[rank // local], replicate_groups[rank % local]
+
+
+def clamp_strategy(strategy: ShardingStrategy, world_size: int) -> ShardingStrategy:
+    if world_size == 1 and strategy is not ShardingStrategy.NO_SHARD:
+        warnings.warn(
+            f"FSDP is switching to use `NO_SHARD` instead of {strategy} since the world size is 1.",
+            stacklevel=3,
+        )
+        return ShardingStrategy.NO_SHARD
+    if strategy is ShardingStrategy.NO_SHARD:
+        warnings.warn(
+            "The `NO_SHARD` sharding strategy is deprecated. If having issues, please use "
+            "`DistributedDataParallel` instead.",
+            FutureWarning,
+            stacklevel=3,
+        )
+    return strategy
+
+
+def _unit_tensors(
+    module: nn.Module, stop: Callable[[nn.Module], bool], ignored: set[nn.Parameter]
+) -> list[tuple[str, torch.Tensor]]:
+    """This unit's managed parameters and buffers, by FQN."""
+    out: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    for mod_fqn, mod in walk_unit_modules(module, stop):
+        for kind in (mod._parameters, mod._buffers):
+            for name, t in kind.items():
+                if t is None or id(t) in seen or t in ignored:
+                    continue
+                seen.add(id(t))
+                out.append((f"{mod_fqn}.{name}" if mod_fqn else name, t))
+    return out
+
+
+def resolve_device(
+    module: nn.Module,
+    device_id: int | torch.device | None,
+    stop: Callable[[nn.Module], bool],
+    ignored: set[nn.Parameter],
+) -> torch.device:
+    """The compute device: ``device_id``, else the parameters' device (CPU works)."""
+    tensors = _unit_tensors(module, stop, ignored)
+    devices = {t.device for _, t in tensors if t.device.type != "meta"}
+    if device_id is not None:
+        device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(
+            device_id
+        )
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
+    non_cpu = {d for d in devices if d.type != "cpu"}
+    if len(non_cpu) > 1:
+        raise RuntimeError(
+            f"{_rank_tag()}FSDP only supports single device modules but got params on {non_cpu}"
+        )
+    if non_cpu and "cpu" in {d.type for d in devices}:
+        raise RuntimeError(
+            f"{_rank_tag()}To support a module with both CPU and GPU params, please pass in "
+            "device_id argument."
+        )
+    return next(iter(non_cpu)) if non_cpu else torch.device("cpu")
+
+
+def materialize_meta(
+    module: nn.Module,
+    stop: Callable[[nn.Module], bool],
+    ignored: set[nn.Parameter],
+    param_init_fn: Callable[[nn.Module], None] | None,
+    device: torch.device,
+    rank: int,
+) -> None:
+    """Materialise a meta-device unit, one module at a time, on ``device``.
+
+    Modules are visited breadth-first, not entering nested FSDP units (they
+    materialised themselves) or ignored modules.  ``param_init_fn(module)`` is
+    called on each; without one, each module holding tensors directly gets
+    ``to_empty(device, recurse=False)`` and ``reset_parameters()``.
+    """
+    if param_init_fn is not None and not callable(param_init_fn):
+        # Checked on every construction, meta-device or not (torch only checks
+        # when it would call it): a typo should not wait for the meta model.
+        raise ValueError(
+            f"[rank {rank}] Expected {param_init_fn} to be callable but got "
+            f"{type(param_init_fn)}: pass param_init_fn as a function of one module "
+            "(e.g. lambda m: m.to_empty(device=..., recurse=False)), or None"
+        )
+    if not any(t.is_meta for _, t in _unit_tensors(module, stop, ignored)):
+        return
+    queue, order = [module], []
+    while queue:
+        m = queue.pop(0)
+        order.append(m)
+        queue.extend(c for c in m.children() if not stop(c))
+    with torch.no_grad():
+        for m in order:
+            if param_init_fn is not None:
+                param_init_fn(m)
+                continue
+            if not any(True for _ in m.parameters(recurse=False)) and not any(
+                True for _ in m.buffers(recurse=False)
+            ):
+                continue
+            m.to_empty(device=device, recurse=False)
+            reset = getattr(m, "reset_parameters", None)
+            if not callable(reset):
+                raise ValueError(
+                    f"[rank {rank}] {type(m).__name__} has meta-device tensors but no "
+                    "reset_parameters(); pass param_init_fn to initialise it"
+                )
+            reset()
+    left = [fqn for fqn, t in _unit_tensors(module, stop, ignored) if t.is_meta]
+    if left:
+        raise RuntimeError(
+            f"[rank {rank}] meta-device tensors remain after initialisation: {left}. "
+            "param_init_fn must materialise every parameter and buffer of the module it is given "
+            "(e.g. module.to_empty(device=..., recurse=False) then initialise)."
+        )
+
+
+def move_to_device(
+    module: nn.Module,
+    device: torch.device,
+    stop: Callable[[nn.Module], bool],
+    ignored: set[nn.Parameter],
+) -> None:
+    """Move this unit's managed parameters and buffers; keep Parameter identity."""
+    for _, mod in walk_unit_modules(module, stop):
+        for p in mod._parameters.values():
+            if p is not None and p not in ignored and p.device != device:
+                p.data = p.data.to(device)
+        for name, b in mod._buffers.items():
+            if b is not None and b.device != device:
+                mod._buffers[name] = b.to(device)
+
+
+def sync_module_states(
+    module: nn.Module,
+    stop: Callable[[nn.Module], bool],
+    ignored: set[nn.Parameter],
+    groups: list[ProcessGroup],
+) -> None:
+    """Give every rank group-rank 0's parameters and buffers.
+
+    One broadcast per dtype per group: tensors are packed into one flat buffer.
+    For hybrid sharding the replicate group goes first, then the shard group,
+    so global rank 0's values reach everyone.
+    """
+    tensors = [t for _, t in _unit_tensors(module, stop, ignored)]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t.data if isinstance(t, nn.Parameter) else t)
+    with torch.no_grad():
+        for group in groups:
+            src = dist.get_global_rank(group, 0)
+            for same in by_dtype.values():
+                flat = torch.cat([t.reshape(-1) for t in same])
+                C.broadcast(flat, src, group)
+                offset = 0
+                for t in same:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+
+def check_no_cross_unit_sharing(
+    module: nn.Module, params: list[tuple[str, nn.Module, str, nn.Parameter]], rank: int
+) -> None:
+    """A parameter owned by a nested unit cannot also belong to this unit."""
+    owned: dict[nn.Parameter, str] = {}
+    for name, sub in module.named_modules():
+        if isinstance(sub, UnitState) and sub._handle is not None:
+            for info in sub._handle.infos:
+                owned[info.param] = f"{name}.{info.fqn}"
+    for fqn, *_, p in params:
+        if p in owned:
+            raise ValueError(
+                f"[rank {rank}] parameter '{fqn}' is shared with '{owned[p]}', which a nested FSDP "
+                "unit already owns. Tied parameters must live in one FSDP unit: wrap their common "
+                "parent instead (e.g. exclude one of the two modules from the wrap policy)."
+            )
+
+
+def cast_buffers(state: Any) -> dict[str, torch.dtype]:
+    """Cast the unit's floating buffers to ``buffer_dtype``; return their original dtypes."""
+    dtype = state.mixed_precision.buffer_dtype
+    if dtype is None:
+        return {}
+    orig: dict[str, torch.dtype] = dict(state._buffer_orig_dtypes)
+    for mod_fqn, mod in walk_unit_modules(
+        state._fsdp_wrapped_module, lambda m: isinstance(m, UnitState)
+    ):
+        if mod in state._ignored_modules:
+            continue  # ignored modules' buffers keep their dtype, as in torch
+        for name, b in mod._buffers.items():
+            if b is None or not b.is_floating_point() or b.dtype == dtype:
+                continue
+            fqn = f"{mod_fqn}.{name}" if mod_fqn else name
+            orig.setdefault(fqn, b.dtype)
+            b.data = b.to(dtype)  # in place, as torch: references to it see the cast
+    return orig
+
+
+def restore_buffer_dtypes(state: Any) -> None:
+    """Undo :func:`cast_buffers`: the unit's cast buffers back in their original dtypes."""
+    if not state._buffer_orig_dtypes:
+        return
+    for mod_fqn, mod in walk_unit_modules(
+        state._fsdp_wrapped_module, lambda m: isinstance(m, UnitState)
+    ):
+        for name, b in mod._buffers.items():
+            dtype = state._buffer_orig_dtypes.get(f"{mod_fqn}.{name}" if mod_fqn else name)
+            if b is not None and dtype is not None and b.dtype != dtype:
+                b.data = b.to(dtype)
+
+
+def annotate_for_dynamo(module: nn.Module, ignored: set[nn.Module], use_orig_params: bool) -> None:
+    """Mark the modules this unit manages the way TorchDynamo expects of FSDP.
+
+    Dynamo reads ``_is_fsdp_managed_module`` to trace such modules as
+    unspecialized (parameters passed in afresh each call, since FSDP swaps
+    them between views every step) and ``_fsdp_use_orig_params`` to refuse
+    ``use_orig_params=False``, where the modules' parameters are not the ones
+    the optimizer steps.
+    """
+    for m in module.modules():
+        if m not in ignored:
+            m._is_fsdp_managed_module = True  # type: ignore[assignment]
+            m._fsdp_use_orig_params = use_orig_params  # type: ignore[assignment]

@@ -1,0 +1,371 @@
+"""Forward and backward hooks: when each unit is gathered, freed and reduced.
+
+The hooks call their unit's :class:`FlatParamHandle`; they never touch its
+tensors.  The schedule per strategy (what holds after each hook):
+
+================  =================  ======================  =====================
+strategy          after forward      after unit's backward   end of backward
+================  =================  ======================  =====================
+FULL_SHARD        freed (root kept)  freed, grad reduced     every unit freed
+SHARD_GRAD_OP     kept unsharded     freed, grad reduced     every unit freed
+NO_SHARD          copy freed (*)     grad all-reduced        -
+================  =================  ======================  =====================
+
+(*) NO_SHARD is never gathered; with mixed precision or offload it computes on
+a cast/moved copy, which is freed after each unit's forward and made again in
+backward (torch does the same).
+
+Under ``no_sync`` gradients are not reduced and SHARD_GRAD_OP units stay
+unsharded.  A forward run without grad (evaluation) frees every unit, the root
+included, since no backward will come to free them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch.autograd import Variable
+from torch.nn.utils.rnn import PackedSequence
+
+import fsdp_wrap.runtime.construct as _init
+import fsdp_wrap.runtime.tree as tree
+from fsdp_wrap._compat import in_backward
+from fsdp_wrap.api import BackwardPrefetch
+from fsdp_wrap.comm.gather_batch import gather_ahead
+from fsdp_wrap.handle.writeback import check_unchanged_since_forward
+from fsdp_wrap.runtime.state import TrainingState, UnitState
+
+if TYPE_CHECKING:
+    from fsdp_wrap.handle.flat_param import FlatParamHandle
+
+
+def register_handle_hooks(state: UnitState) -> None:
+    """The unit's gradient hooks: reduce when the flat gradient is complete and,
+    for sharded strategies, free the unsharded data once every view's gradient
+    arrived.  A fully frozen unit gets none (the end-of-backward callback
+    reshards it)."""
+    handle = state._handle
+    if handle is None or not handle.flat_param.requires_grad:
+        return
+    handle.flat_param.register_post_accumulate_grad_hook(make_post_backward_hook(state, handle))
+    if handle.uses_sharded_strategy:
+        # (NO_SHARD's unsharded data is the parameter: nothing to free early)
+        handle.views.on_view_grads_ready = make_early_free_hook(state, handle)
+
+
+# ----------------------------------------------------------------- forward
+
+
+def root_pre_forward(state: UnitState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """Lazy-init the tree; at the root, finish any forward that saw no backward.
+
+    Postcondition: every unit is sharded or holds a valid unsharded copy, and
+    the inputs are on the compute device.
+    """
+    tree.lazy_init(state)
+    if not state._is_root or in_backward():
+        # In a backward, this forward is activation checkpointing (wrapped
+        # around this root unit) recomputing it: the backward in progress owns
+        # the gradients and the pending-forward bookkeeping; finishing the
+        # "forward without backward" here would put a parked sharded gradient
+        # back under the unsharded one about to accumulate.
+        if state._is_root and state.compute_device.type != "cpu":
+            args, kwargs = _to_device((args, kwargs), state.compute_device)
+        return args, kwargs
+    for handle in state._all_handles:
+        if handle.use_orig_params:
+            # Replaced parameters/gradients are taken up (or refused) before
+            # any collective of this forward.
+            # (A flat gradient whose views were all set to None is dropped
+            # first, so the write-back check has no gradient to zero.)
+            handle.grads.sync_flat_grad_from_orig()
+            if handle.pre_unshard():  # (a replaced parameter may have left no views)
+                handle.grads.sync_flat_grad_from_orig()
+    _buffers_for_eval(state)
+    if state._forward_pending_backward:
+        # The previous forward was never followed by a backward (e.g. an
+        # evaluation forward with grad enabled).  Free what it kept: the shards
+        # may change (optimizer step) before the next gather.
+        finalize_units(state, free_all=True)
+    if state.compute_device.type != "cpu":
+        args, kwargs = _to_device((args, kwargs), state.compute_device)
+    return args, kwargs
+
+
+def _buffers_for_eval(root: UnitState) -> None:
+    """``FSDP_USE_FULL_PREC_IN_EVAL=1``: buffers in their original dtypes while the
+    model is in ``eval()``, cast back to ``buffer_dtype`` once it trains again
+    (torch decides on the root's unit, or on any unit if the root has none)."""
+    if not root._use_full_prec_in_eval:
+        return  # (the flag is the same on every unit: checked at lazy init)
+    handles = [root._handle] if root._handle is not None else root._all_handles
+    full = any(h.computes_in_full_precision for h in handles)
+    if full == root._buffers_in_full_precision:
+        return
+    for st in root._all_fsdp_states:
+        if full:
+            _init.restore_buffer_dtypes(st)
+        else:
+            _init.cast_buffers(st)
+    root._buffers_in_full_precision = full
+
+
+def pre_forward(state: UnitState, handle: FlatParamHandle | None) -> None:
+    """Gather this unit's parameters and expose them as unsharded views."""
+    state.training_state = TrainingState.FORWARD_BACKWARD
+    if handle is None:
+        return
+    root = state._root
+    if root._exec_order.order_check is not None and state.training:
+        root._exec_order.order_check.check(handle)
+    root._exec_order.record_pre_forward(handle)
+    # No batching in a forward without grad (see fsdp_wrap.comm.gather_batch), nor
+    # in a checkpointed forward recomputed in backward: the forward order's
+    # next units are then the ones whose backward is already done.
+    batch_bytes = (root._all_gather_batch_bytes
+                   if torch.is_grad_enabled() and not in_backward() else 0)
+    gather_ahead(handle, batch_bytes, root._exec_order.next_in_forward)
+    handle.finish_unshard(full_precision=handle.computes_in_full_precision)
+    if state.forward_prefetch:
+        nxt = root._exec_order.next_in_forward(handle)
+        if nxt is not None:
+            gather_ahead(nxt, batch_bytes, root._exec_order.next_in_forward)
+            nxt.start_unshard(full_precision=nxt.computes_in_full_precision)
+    handle.use_unsharded_views(track_graph=True)
+
+
+def post_forward(state: UnitState, handle: FlatParamHandle | None, output: Any) -> Any:
+    """Reshard as the strategy says and hook the outputs for backward."""
+    grad_enabled = torch.is_grad_enabled()
+    if handle is not None:
+        state._root._exec_order.record_post_forward(handle)
+        if not grad_enabled or handle.frees_copy_after_forward:
+            handle.reshard(free=True)
+        elif handle.reshard_after_forward and not state._is_root:
+            handle.reshard(free=True)
+    if grad_enabled:
+        state._root._forward_pending_backward = True
+        output = _register_pre_backward_hooks(state, handle, output)
+    state.training_state = TrainingState.IDLE
+    return output
+
+
+def _register_pre_backward_hooks(state: UnitState, handle: FlatParamHandle | None, output: Any) -> Any:
+    hook = functools.partial(_pre_backward_hook, state, handle)
+
+    def register(t: torch.Tensor) -> torch.Tensor:
+        if t.requires_grad:
+            t.register_hook(hook)
+        return t
+
+    return map_tensors(register, output, in_place_mappings=True)
+
+
+# ---------------------------------------------------------------- backward
+
+
+def _pre_backward_hook(
+    state: UnitState, handle: FlatParamHandle | None, grad: torch.Tensor
+) -> torch.Tensor | None:
+    """Runs when the gradient of one of the unit's outputs is ready.
+
+    Idempotent within a backward: only the first output to arrive acts.
+    Postcondition: the unit is unsharded with fresh views (activation
+    checkpointing recomputes through them), the next unit's gather is in
+    flight under BACKWARD_PRE, and any old sharded gradient is parked.
+    """
+    _queue_final_callback(state._root)
+    if state._ran_pre_backward:
+        return None
+    state._ran_pre_backward = True
+    state.training_state = TrainingState.FORWARD_BACKWARD
+    if handle is not None:
+        if (handle.use_orig_params and handle.is_unsharded and handle.uses_sharded_strategy
+                and not handle.reshard_after_forward):
+            # Kept unsharded since forward: the views must be the forward's.
+            check_unchanged_since_forward(handle, handle.views.compute_views)
+        root = state._root
+        gather_ahead(handle, root._all_gather_batch_bytes,
+                     functools.partial(_next_backward_pending, root))
+        handle.finish_unshard(full_precision=handle.computes_in_full_precision)
+        # Hooks run with grad disabled; reentrant activation checkpointing
+        # recomputes the forward through these views and needs them tracked
+        # (and, on a sharded unit, apart from the forward's, whose split node
+        # triggers the early free).  NO_SHARD keeps the forward's when it can.
+        if not handle.forward_views_reusable():
+            with torch.enable_grad():
+                handle.use_unsharded_views()
+        if state.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+            _prefetch_backward(state, handle)
+        handle.grads.prepare_gradient_for_backward()
+    return None
+
+
+def make_post_backward_hook(state: UnitState, handle: FlatParamHandle) -> Callable[[torch.Tensor], None]:
+    def post_backward(flat_param: torch.Tensor) -> None:
+        """Runs after autograd accumulated this unit's unsharded gradient.
+
+        Postcondition: the unit is resharded (freed unless SHARD_GRAD_OP under
+        ``no_sync``), and ``flat_param.grad`` is the mean sharded gradient, or
+        the local unsharded one under ``no_sync``.
+        """
+        _queue_final_callback(state._root)
+        sync = state._sync_gradients
+        handle.reshard(free=handle.uses_sharded_strategy and (sync or handle.reshard_after_forward))
+        if state.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+            _prefetch_backward(state, handle)
+        if sync and state._optims_in_backward:
+            # The optimizers step right after this unit's own reduction: alone.
+            state._root._grad_buckets.reduce(handle.grads, sync, alone=True)
+            _step_optimizers_in_backward(handle)
+        else:
+            state._root._grad_buckets.reduce(handle.grads, sync)
+
+    return post_backward
+
+
+def _step_optimizers_in_backward(handle: FlatParamHandle) -> None:
+    """``_apply_optimizer_in_backward`` (``use_orig_params=True``): step each
+    original parameter's optimizers on its reduced sharded gradient now, then
+    free that gradient, as torch does after the reduce-scatter."""
+    for param in handle.params:
+        optims = getattr(param, "_in_backward_optimizers", None)
+        if param.grad is None or not optims:
+            continue  # (no gradient: not in this rank's shard, or unused)
+        for optim in optims:
+            optim.step()
+        for optim in optims:
+            optim.zero_grad(set_to_none=True)
+    handle.grads.sync_flat_grad_from_orig()  # drops the flat gradient once no view is left
+
+
+def make_early_free_hook(state: UnitState, handle: FlatParamHandle) -> Callable[[], None]:
+    def free_early() -> None:
+        """All of this unit's parameter gradients are computed: its gathered
+        parameters are no longer needed (unless SHARD_GRAD_OP keeps them under
+        ``no_sync``)."""
+        if handle.uses_sharded_strategy and (state._sync_gradients or handle.reshard_after_forward):
+            handle.free_unsharded_storage()
+
+    return free_early
+
+
+def _next_backward_pending(root: UnitState, handle: FlatParamHandle) -> FlatParamHandle | None:
+    """The unit whose backward comes after ``handle``'s, unless it already began."""
+    nxt = root._exec_order.next_in_backward(handle)
+    if nxt is None or root._state_of[nxt]._ran_pre_backward:
+        return None
+    return nxt
+
+
+def _prefetch_backward(state: UnitState, handle: FlatParamHandle) -> None:
+    """Start gathering the unit whose backward comes next, if it has not begun."""
+    root = state._root
+    nxt = _next_backward_pending(root, handle)
+    if nxt is not None:
+        gather_ahead(nxt, root._all_gather_batch_bytes,
+                     functools.partial(_next_backward_pending, root))
+        nxt.start_unshard(full_precision=nxt.computes_in_full_precision)
+
+
+def _queue_final_callback(root: UnitState) -> None:
+    if not root._final_callback_queued:
+        root._final_callback_queued = True
+        Variable._execution_engine.queue_callback(functools.partial(_final_callback, root))
+
+
+def _final_callback(root: UnitState) -> None:
+    """End of backward: every unit resharded, every state IDLE."""
+    finalize_units(root, free_all=False)
+
+
+def finalize_units(root: UnitState, free_all: bool) -> None:
+    """Reduce what the gradient buckets hold, reshard every unit and return
+    every state to IDLE.
+
+    SHARD_GRAD_OP units stay gathered under ``no_sync`` (the next micro-batch
+    reuses them) unless ``free_all``.  A gradient parked by a pre-backward hook
+    whose unit then got no gradient is put back.
+    """
+    # First: until a bucket is reduced its units' flat_param.grad is None,
+    # which restore_parked_grad below would take for "no gradient this step".
+    root._grad_buckets.finish()
+    for state in root._all_fsdp_states:
+        handle = state._handle
+        if handle is not None:
+            keep = not free_all and not state._sync_gradients and not handle.reshard_after_forward
+            if handle.is_unsharded or handle.holds_unsharded_storage:
+                handle.reshard(free=not keep)
+            handle.grads.restore_parked_grad()
+            if not free_all:
+                # End of a backward: every graph of the iteration is done.  A
+                # forward still awaiting its backward (several forwards before
+                # one backward) keeps its count, so nothing is freed early.
+                handle.views.forget_graphs()
+        state._ran_pre_backward = False
+        state.training_state = TrainingState.IDLE
+    root._final_callback_queued = False
+    root._forward_pending_backward = False
+    root._exec_order.next_iteration()
+    if not free_all and root._exec_order.order_check is not None:
+        root._exec_order.order_check.end_of_iteration()
+
+
+# ----------------------------------------------------------------- helpers
+
+
+def map_tensors(
+    fn: Callable[[torch.Tensor], torch.Tensor], obj: Any, *, in_place_mappings: bool = False
+) -> Any:
+    """Apply ``fn`` to every tensor in nested tuples, lists, sets, dicts,
+    namedtuples and dataclasses; return the same structure.
+
+    As torch's ``_apply_to_tensors``: a ``PackedSequence`` gets ``fn`` applied
+    to its data for the side effect and is returned as it was; plain dicts
+    are copied.  Other mappings (``OrderedDict``, Hugging Face's
+    ``ModelOutput``) are rebuilt as a new instance of their class, or, with
+    ``in_place_mappings`` (forward inputs and outputs), updated in place so
+    that whatever else the object carries stays.
+    """
+
+    def apply(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return fn(x)
+        if isinstance(x, PackedSequence):
+            apply(x.data)
+            return x
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            changes = {f.name: apply(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init}
+            return dataclasses.replace(x, **changes)
+        if isinstance(x, dict):
+            if type(x) is dict:
+                return {k: apply(v) for k, v in x.items()}
+            if in_place_mappings:
+                for k in list(x.keys()):
+                    x[k] = apply(x[k])
+                return x
+            rebuilt = x.__class__()
+            for k, v in x.items():
+                rebuilt[k] = apply(v)
+            return rebuilt
+        if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
+            return type(x)(*(apply(v) for v in x))
+        if isinstance(x, (list, tuple, set)):
+            return type(x)(apply(v) for v in x)
+        return x
+
+    return apply(obj)
+
+
+def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
+    """Cast every floating-point tensor in ``obj`` to ``dtype``."""
+    return map_tensors(
+        lambda t: t.to(dtype) if t.is_floating_point() else t, obj, in_place_mappings=True
+    )
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    return map_tensors(lambda t: t.to(device, non_blocking=True), obj, in_place_mappings=True)

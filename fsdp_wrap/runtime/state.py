@@ -1,0 +1,109 @@
+"""What every FSDP unit carries, as one typed object (torch's ``_FSDPState`` idea).
+
+:class:`FullyShardedDataParallel` inherits :class:`UnitState`; the layers below
+the façade (runtime, state dicts, optimizer state, summon, checkpoints) receive
+a ``UnitState`` and ask "is this a unit" with :func:`is_unit`, never importing
+the façade.  The attributes are set by the façade's constructor (construction
+order: :mod:`fsdp_wrap.runtime.construct`) and at lazy init
+(:mod:`fsdp_wrap.runtime.tree`).
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.nn as nn
+
+if TYPE_CHECKING:
+    from fsdp_wrap.api import (
+        BackwardPrefetch,
+        CPUOffload,
+        MixedPrecision,
+        OptimStateDictConfig,
+        ShardingStrategy,
+        StateDictConfig,
+        StateDictType,
+    )
+    from fsdp_wrap.comm.bucket import GradBuckets
+    from fsdp_wrap.handle.flat_param import FlatParamHandle
+    from fsdp_wrap.runtime.exec_order import ExecOrder
+
+__all__ = ["TrainingState", "UnitState", "is_unit"]
+
+
+class TrainingState(Enum):
+    """What an FSDP instance is doing (same members and values as torch's)."""
+
+    IDLE = auto()
+    FORWARD_BACKWARD = auto()
+    SUMMON_FULL_PARAMS = auto()
+
+
+class UnitState(nn.Module):
+    """The state of one FSDP unit; declared here, set by the façade.
+
+    A module (the façade is one): lower layers may register hooks on it and
+    walk its tree.
+
+    Per unit: the wrapped module, the handle of its flat parameter (``None``
+    for a unit without parameters), its process groups and options.  Per tree,
+    kept on the root only: every unit and handle (``_all_fsdp_states``,
+    ``_all_handles``, ``_state_of``), the execution order, the gradient buckets.
+    """
+
+    # the wrapped module and its flat parameter
+    _fsdp_wrapped_module: nn.Module
+    _handle: FlatParamHandle | None
+    params: list[nn.Parameter]
+    _ignored_modules: set[nn.Module]
+    _ignored_params: set[nn.Parameter]
+    _buffer_orig_dtypes: dict[str, torch.dtype]  # clean FQN under the unit -> dtype
+    # process groups
+    process_group: Any
+    rank: int
+    world_size: int
+    _device_mesh: Any
+    _inter_node_pg: Any  # HYBRID_SHARD's replicate group, else None
+    _gradient_predivide_factor: float
+    _gradient_postdivide_factor: float
+    compute_device: torch.device
+    # options
+    sharding_strategy: ShardingStrategy
+    cpu_offload: CPUOffload
+    mixed_precision: MixedPrecision
+    backward_prefetch: BackwardPrefetch | None
+    forward_prefetch: bool
+    limit_all_gathers: bool
+    _use_orig_params: bool
+    _use_full_prec_in_eval: bool
+    _sync_module_states: bool
+    _comm_hook: Callable[..., Any] | None
+    _comm_hook_state: object
+    # state-dict settings
+    _state_dict_type: StateDictType
+    _state_dict_config: StateDictConfig
+    _optim_state_dict_config: OptimStateDictConfig
+    # runtime flags
+    training_state: TrainingState
+    _sync_gradients: bool
+    _ran_pre_backward: bool
+    _final_callback_queued: bool
+    _forward_pending_backward: bool
+    _buffers_in_full_precision: bool
+    _optims_in_backward: bool
+    # the tree (root bookkeeping)
+    _is_root: bool | None  # None until lazy init
+    _root: UnitState
+    _all_fsdp_states: list[UnitState]
+    _all_handles: list[FlatParamHandle]
+    _state_of: dict[FlatParamHandle, UnitState]
+    _exec_order: ExecOrder
+    _grad_buckets: GradBuckets
+    _all_gather_batch_bytes: int
+
+
+def is_unit(module: object) -> bool:
+    """Is ``module`` an FSDP unit (an instance of the façade)?"""
+    return isinstance(module, UnitState)

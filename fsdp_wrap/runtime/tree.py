@@ -1,0 +1,181 @@
+"""Queries and set-up over a tree of FSDP units: which modules are units, the
+root, and the lazy initialisation that links every unit to its root.
+
+Everything here takes :class:`~fsdp_wrap.runtime.state.UnitState` objects; the
+façade's ``fsdp_modules``, ``check_is_root`` and ``_lazy_init`` delegate here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+import torch.nn as nn
+
+import fsdp_wrap.comm.collectives as C
+import fsdp_wrap.runtime.construct as construct
+from fsdp_wrap.comm.collectives import global_rank
+from fsdp_wrap.runtime.exec_order import ForwardOrderCheck
+from fsdp_wrap.runtime.names import clean_fqn
+from fsdp_wrap.runtime.state import UnitState
+
+__all__ = ["lazy_init", "units_under", "unit_signature", "unit_names"]
+
+
+def units_under(module: nn.Module, root_only: bool = False) -> list[UnitState]:
+    """Every unit in ``module``'s tree (pre-order), ``module`` included.
+
+    ``root_only`` keeps the roots, after lazy-initialising each tree.
+    """
+    found: list[UnitState] = [m for m in module.modules() if isinstance(m, UnitState)]
+    if root_only:
+        for m in found:
+            lazy_init(m)
+        found = [m for m in found if m._is_root]
+    return found
+
+
+def lazy_init(state: UnitState) -> None:
+    """Make the first unit reached the root of its tree.
+
+    Runs once per tree (at the first forward, state_dict, clip_grad_norm_,
+    ...).  Postcondition: every unit knows the root, the root knows every unit
+    and handle, and every rank was checked to hold the same units.
+    """
+    if state._is_root is not None:
+        return
+    states = units_under(state)
+    fqn_of = {id(m): clean_fqn(n) for n, m in state.named_modules() if m in states}
+    # Local checks first, so a refused tree stays uninitialised (no root set).
+    _check_homogeneous(states, fqn_of)
+    _check_optim_in_backward(states, fqn_of)
+    state._is_root = True
+    for st in states:
+        if st is not state:
+            st._is_root = False
+            object.__setattr__(st, "_root", state)
+            st._all_fsdp_states = []
+        if st._handle is not None:
+            st._handle.unit_fqn = fqn_of.get(id(st), "")
+    state._all_fsdp_states = states
+    state._all_handles = [st._handle for st in states if st._handle is not None]
+    state._state_of = {st._handle: st for st in states if st._handle is not None}
+    for st in states:
+        st._optims_in_backward = st._handle is not None and any(
+            hasattr(p, "_in_backward_optimizers") for p in st._handle.params
+        )
+    if state.world_size > 1:
+        # Compares the flat parameters' dtype and shape too: data replaced on
+        # some ranks only is reported on every rank, before any gather.
+        all_gather_unit_signatures(state)
+        if dist.get_debug_level() == dist.DebugLevel.DETAIL:
+            state._exec_order.order_check = ForwardOrderCheck(
+                state._all_handles, state.process_group, state.rank, state.world_size
+            )
+    for h in state._all_handles:
+        h.adopt_flat_param_data()
+    for st in states:
+        st._buffer_orig_dtypes = construct.cast_buffers(st)
+
+
+def unit_signature(state: UnitState) -> tuple[Any, ...]:
+    """What every rank's unit must agree on for the collectives to line up:
+    shapes, dtype and strategy, not names (as torch, ranks may ignore
+    different modules when what remains has the same shapes)."""
+    h = state._handle
+    if h is None:
+        return (h,)
+    return (
+        tuple(tuple(i.shape) for i in h.infos),
+        str(h.flat_param.dtype),
+        tuple(h.flat_param.shape),
+        state.sharding_strategy.name,
+        state._use_orig_params,
+    )
+
+
+def unit_names(state: UnitState) -> tuple[str, tuple[str, ...]]:
+    """The unit's and its parameters' names, for messages."""
+    h = state._handle
+    if h is None:
+        return ("<no parameters>", ())
+    return (h.unit_fqn or "<root>", tuple(i.fqn for i in h.infos))
+
+
+def all_gather_unit_signatures(state: UnitState) -> None:
+    """Fail fast, on every rank, if ranks built different units.
+
+    One ``all_gather_object`` at lazy init; a mismatch would otherwise show up
+    later as a hang or a silently wrong all-gather.
+    """
+    mine = [(unit_signature(s), unit_names(s)) for s in state._all_fsdp_states]
+    everyone = C.all_gather_objects(mine, state.process_group)
+    for r, theirs in enumerate(everyone):
+        theirs_list: list[Any] = theirs  # type: ignore[assignment]
+        if [sig for sig, _ in theirs_list] == [sig for sig, _ in mine]:
+            continue
+        for i in range(max(len(mine), len(theirs_list))):
+            a = mine[i] if i < len(mine) else None
+            b = theirs_list[i] if i < len(theirs_list) else None
+            if a is None or b is None or a[0] != b[0]:
+                me, them = global_rank(), dist.get_global_rank(state.process_group, r)
+                raise RuntimeError(
+                    f"[rank {me}] FSDP units differ between rank {me} and rank "
+                    f"{them} at unit #{i}: rank {me} has {_describe_unit(a)}, rank {them} "
+                    f"has {_describe_unit(b)}. Every rank must wrap the same model the same "
+                    "way (same auto_wrap_policy, sizes, dtypes and sharding strategy); "
+                    "otherwise collectives would hang."
+                )
+
+
+def _describe_unit(entry: Any) -> str:
+    """One rank's unit for the mismatch message: names with shapes, dtype, strategy."""
+    if entry is None:
+        return "no such unit"
+    sig, (unit, names) = entry
+    if sig[0] is None:
+        return f"{unit} (no parameters)"
+    params = ", ".join(f"{n!r} {shape}" for n, shape in zip(names, sig[0]))
+    return (
+        f"unit {unit!r} [{params}] flat {sig[2]} {sig[1]} {sig[3]} "
+        f"use_orig_params={sig[4]}"
+    )
+
+
+# Options every unit of one tree must share (torch's HOMOGENEOUS_ATTR_NAMES).
+_HOMOGENEOUS = (
+    ("_use_orig_params", "use_orig_params"),
+    ("limit_all_gathers", "limit_all_gathers"),
+    ("_use_full_prec_in_eval", "FSDP_USE_FULL_PREC_IN_EVAL"),
+)
+
+
+def _check_homogeneous(states: list[UnitState], fqn_of: dict[int, str]) -> None:
+    """ValueError, at lazy init before any collective, if units disagree on an option."""
+    for attr, option in _HOMOGENEOUS:
+        values = {getattr(st, attr) for st in states}
+        if len(values) > 1:
+            per_unit = ", ".join(
+                f"'{fqn_of.get(id(st), '') or '<root>'}': {getattr(st, attr)}" for st in states
+            )
+            raise ValueError(
+                f"[rank {global_rank()}] Expects one homogeneous value for {attr} but got {values} "
+                f"({option} per FSDP unit: {per_unit}); construct every nested "
+                f"FullyShardedDataParallel of this root with the same {option}"
+            )
+
+
+def _check_optim_in_backward(states: list[UnitState], fqn_of: dict[int, str]) -> None:
+    """``_apply_optimizer_in_backward`` on flat parameters is refused, as in torch."""
+    flat = [
+        f"'{fqn_of.get(id(st), '') or '<root>'}'"
+        for st in states
+        if st._handle is not None and hasattr(st._handle.flat_param, "_in_backward_optimizers")
+    ]
+    if flat:
+        raise RuntimeError(
+            f"[rank {global_rank()}] FSDP optimizer in backward only supported with "
+            f"use_orig_params=True! _apply_optimizer_in_backward was given the flat parameters "
+            f"of FSDP units {', '.join(flat)}; wrap with use_orig_params=True and pass the "
+            "model's parameters, or step a regular optimizer after backward"
+        )
