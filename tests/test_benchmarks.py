@@ -10,12 +10,15 @@ import json
 import os
 import sys
 
+import pytest
+
 from tests._proc import run_bounded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_fsdp.py")
 
 
+@pytest.mark.slow  # a smoke run of a by-hand tool (benchmarks/), in CI with -m slow
 def test_benchmark_runs_and_prints_tables(tmp_path):
     out_json = tmp_path / "raw.json"
     cmd = [

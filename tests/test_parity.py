@@ -72,8 +72,9 @@ def _cycle(k: int) -> int:
 
 
 def _configs(ws: int = 2) -> list[dict[str, Any]]:
-    """The sweep; on 3+ ranks the transformer grid cycles backward_prefetch
-    instead of crossing it (3x fewer configs, every other axis still crossed);
+    """The sweep; on 3+ ranks the transformer grid cycles backward_prefetch and
+    the frozen grid the clip mode instead of crossing them (3x fewer configs,
+    every other axis still crossed);
     on 4 ranks every third configuration and the state-dict ones run (the grid
     is for 2 and 3; 4 ranks adds a longer ring)."""
     out: list[dict[str, Any]] = []
@@ -101,10 +102,13 @@ def _configs(ws: int = 2) -> list[dict[str, Any]]:
             nosync=ns,
             clip=clip,
         )
-    # Frozen unit of its own (both uop modes) and mixed frozen/trainable (uop=True).
+    # Frozen unit of its own (both uop modes) and mixed frozen/trainable (uop=True);
+    # on 3+ ranks the clip mode cycles instead of being crossed.
+    clips = CLIPS if ws == 2 else [None]
     for k, (s, uop, ns, clip) in enumerate(
-        itertools.product(STRATEGIES, [False, True], [False, True], CLIPS)
+        itertools.product(STRATEGIES, [False, True], [False, True], clips)
     ):
+        clip = clip if ws == 2 else CLIPS[_cycle(k)]
         add(model="frozen", strategy=s, uop=uop, bp=PREFETCH[_cycle(k)], nosync=ns, clip=clip)
     for k, (s, clip) in enumerate(itertools.product(STRATEGIES, CLIPS)):
         add(

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import tests.test_tutorials as tutorials
 from tests._proc import run_bounded
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,7 +37,7 @@ def _losses(stdout: str, job: int) -> dict[int, float]:
 
 
 def test_resume_continues_exactly() -> None:
-    proc = _run()
+    proc = tutorials._run(SCRIPT)  # the default run, shared with tests/test_tutorials.py
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     lines = proc.stdout.splitlines()
     assert "job 1: saved a sharded checkpoint at step 4" in lines

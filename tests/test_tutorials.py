@@ -22,7 +22,8 @@ def _run(path: str) -> subprocess.CompletedProcess[str]:
     """Run one tutorial once per session (tests share the result)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # run as a user would, not as torchrun
+    # run as a user would, not as torchrun
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     return run_bounded(
         [sys.executable, path], cwd=REPO, env=env, timeout=180
