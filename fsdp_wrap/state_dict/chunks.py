@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_wrap.comm.collectives as _collectives
 from fsdp_wrap.comm.collectives import global_rank
+from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME
 from fsdp_wrap.runtime.names import clean_fqn
 from fsdp_wrap.runtime.state import UnitState
 
@@ -235,3 +236,23 @@ def claim(state_dict: dict[str, Any], key: str, param: torch.Tensor, registered:
         state_dict[key] = param  # nn.Module copies the parameter onto itself: a no-op
     else:
         del state_dict[key]
+
+
+def copy_into_shard(h: Any, i: int, value: torch.Tensor) -> None:
+    """Copy this rank's piece of parameter ``i``'s full ``value`` into the local shard."""
+    sl = h.param_shard_slice(i)
+    if sl is not None:
+        start = sl[0] + h.shard_offset - h.infos[i].offset
+        h.local_shard[sl[0] : sl[1]].copy_(value.detach().reshape(-1)[start : start + sl[1] - sl[0]])
+
+
+def claim_shared_and_flat(h: Any, state_dict: dict[str, Any], wrapped: str) -> None:
+    """After a unit's parameters were loaded: its shared names go through the
+    module too, and without ``use_orig_params`` the flat parameter is loaded
+    as itself."""
+    for shared in h.shared:
+        key = wrapped + clean_fqn(shared.fqn)
+        if key in state_dict:
+            claim(state_dict, key, h.infos[shared.index].param, h.use_orig_params)
+    if not h.use_orig_params:
+        state_dict[wrapped + FLAT_PARAM_NAME] = h.flat_param

@@ -471,19 +471,9 @@ def _full_pre_load(
                     f"checkpoint, the shape in current model is {tuple(info.shape)}."
                 )
             else:
-                sl = h.param_shard_slice(i)
-                if sl is not None:
-                    start = sl[0] + h.shard_offset - info.offset
-                    h.local_shard[sl[0] : sl[1]].copy_(
-                        value.detach().reshape(-1)[start : start + sl[1] - sl[0]]
-                    )
+                CH.copy_into_shard(h, i, value)
             CH.claim(state_dict, key, info.param, h.use_orig_params)
-        for shared in h.shared:
-            key = wrapped + clean_fqn(shared.fqn)
-            if key in state_dict:
-                CH.claim(state_dict, key, h.infos[shared.index].param, h.use_orig_params)
-        if not h.use_orig_params:
-            state_dict[wrapped + FLAT_PARAM_NAME] = h.flat_param
+        CH.claim_shared_and_flat(h, state_dict, wrapped)
 
 
 def _as_tensor(value: Any) -> Any:

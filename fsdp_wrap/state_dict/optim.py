@@ -399,7 +399,7 @@ def optim_state_dict(
 ) -> dict[str, Any]:
     sd_type, cfg = _settings(model)
     full = sd_type is StateDictType.FULL_STATE_DICT
-    units = [m for m in _fsdp_modules(model) if m._handle is not None]
+    units = [m for m in units_under(model) if m._handle is not None]
     return _gather_optim(
         model,
         optim,
@@ -411,10 +411,6 @@ def optim_state_dict(
         or any(m._device_mesh is not None for m in units),
         group=group,
     )
-
-
-def _fsdp_modules(model: nn.Module) -> list[UnitState]:
-    return units_under(model)
 
 
 def optim_state_dict_to_load(

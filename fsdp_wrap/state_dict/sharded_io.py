@@ -32,7 +32,6 @@ import torch
 import fsdp_wrap.comm.collectives as _collectives
 import fsdp_wrap.state_dict.chunks as CH
 from fsdp_wrap.comm.collectives import global_rank
-from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME
 from fsdp_wrap.runtime.names import clean_fqn
 from fsdp_wrap.runtime.state import UnitState
 
@@ -230,17 +229,7 @@ def load_sharded_unit(
             elif CH.is_chunked(value):
                 chunks[i] = CH.local_chunk(key, value, layout)[1]
             else:
-                sl = h.param_shard_slice(i)
-                if sl is not None:
-                    start = sl[0] + h.shard_offset - info.offset
-                    h.local_shard[sl[0] : sl[1]].copy_(
-                        value.detach().reshape(-1)[start : start + sl[1] - sl[0]]
-                    )
+                CH.copy_into_shard(h, i, value)
             CH.claim(state_dict, key, info.param, h.use_orig_params)
-        for shared in h.shared:
-            key = wrapped + clean_fqn(shared.fqn)
-            if key in state_dict:
-                CH.claim(state_dict, key, h.infos[shared.index].param, h.use_orig_params)
-        if not h.use_orig_params:
-            state_dict[wrapped + FLAT_PARAM_NAME] = h.flat_param
+        CH.claim_shared_and_flat(h, state_dict, wrapped)
     load_chunks(h, chunks)
