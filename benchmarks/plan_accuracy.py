@@ -4,6 +4,7 @@
     python benchmarks/plan_accuracy.py                 # every row, ~2 minutes
     python benchmarks/plan_accuracy.py --quick         # a subset (what the test runs)
     python benchmarks/plan_accuracy.py --check 0.10    # exit 1 if a peak is off by >10%
+    python benchmarks/plan_accuracy.py --bucket-caps 0,1,8,100   # rows per bucket cap
 
 For each model and configuration the plan is made for world size 2 (no process
 group), then the model is wrapped for real on 2 gloo ranks and trained:
@@ -73,13 +74,26 @@ def _output(out: Any) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
-def configs(quick: bool) -> list[dict[str, Any]]:
-    if quick:  # every strategy in fp32, and bf16 with use_orig_params, on two models
-        return [dict(model=m, strategy=s, uop=False, mp=None)
+def configs(quick: bool, caps: tuple[float | None, ...] = (None,)) -> list[dict[str, Any]]:
+    """The rows: ``caps`` are gradient bucket caps in MiB (``None``: the default).
+
+    Quick: every strategy in fp32, and bf16 with ``use_orig_params``, on two
+    models, at the first cap; at the others FULL_SHARD and NO_SHARD in fp32 and
+    the bf16 row (what buckets change: sharded vs all-reduced buffers, casts).
+    """
+    if quick:
+        rows = [dict(model=m, strategy=s, uop=False, mp=None, cap=caps[0])
                 for m in ("compute", "gpt2") for s in STRATEGIES] + [
-                dict(model=m, strategy="FULL_SHARD", uop=True, mp="bf16")
+                dict(model=m, strategy="FULL_SHARD", uop=True, mp="bf16", cap=caps[0])
                 for m in ("compute", "gpt2")]
-    return [dict(model=m, strategy=s, uop=uop, mp=mp_) for m in ("compute", "small", "gpt2")
+        for cap in caps[1:]:
+            rows += [dict(model=m, strategy=s, uop=False, mp=None, cap=cap)
+                     for m in ("compute", "gpt2") for s in ("FULL_SHARD", "NO_SHARD")]
+            rows += [dict(model=m, strategy="FULL_SHARD", uop=True, mp="bf16", cap=cap)
+                     for m in ("compute", "gpt2")]
+        return rows
+    return [dict(model=m, strategy=s, uop=uop, mp=mp_, cap=cap)
+            for cap in caps for m in ("compute", "small", "gpt2")
             for s in STRATEGIES for uop in (False, True) for mp_ in (None, "bf16")]
 
 
@@ -92,6 +106,7 @@ def measure(cfg: dict[str, Any], device: str = "cpu") -> dict[str, Any]:
         auto_wrap_policy=ModuleWrapPolicy({block}),
         sharding_strategy=fw.ShardingStrategy[cfg["strategy"]],
         use_orig_params=cfg["uop"],
+        bucket_cap_mb=cfg.get("cap"),
     )
     if cfg["mp"]:
         kw["mixed_precision"] = fw.MixedPrecision(param_dtype=torch.bfloat16)
@@ -209,8 +224,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="cuda: two gloo ranks share one GPU; peak = max_memory_allocated")
     p.add_argument("--world-size", type=int, choices=(1, 2), default=2,
                    help="1 with --device cuda: one rank on NCCL (every strategy runs as NO_SHARD)")
+    p.add_argument("--bucket-caps", default="default",
+                   help="comma-separated gradient bucket caps in MiB; 'default' is the "
+                   "constructor's ($FSDP_WRAP_BUCKET_CAP_MB, else 1) (default: default)")
     a = p.parse_args(argv)
-    cfgs = configs(a.quick)
+    caps = tuple(None if c == "default" else float(c) for c in a.bucket_caps.split(","))
+    cfgs = configs(a.quick, caps)
     results = run(cfgs, a.device, a.world_size)
     mib = 2**20
     rows, bad = [], []
@@ -218,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         worst = max((r[i] for r in results), key=lambda r: abs(r["planned_peak"] / r["peak"] - 1))
         ratio = worst["planned_peak"] / worst["peak"]
         exact = all(r[i]["held"] == r[i]["planned"] for r in results)
-        rows.append([cfg["model"], cfg["strategy"], str(cfg["uop"]), cfg["mp"] or "fp32",
+        cap = "default" if cfg["cap"] is None else f"{cfg['cap']:g}"
+        rows.append([cfg["model"], cfg["strategy"], str(cfg["uop"]), cfg["mp"] or "fp32", cap,
                      "yes" if exact else "NO", f"{worst['peak'] / mib:.2f}",
                      f"{worst['planned_peak'] / mib:.2f}", f"{ratio:.2f}"])
         # The CUDA allocator counts tensor bytes only: small units are checked there.
@@ -228,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         if not exact or (a.check is not None and checked and abs(ratio - 1) > a.check):
             bad.append(f"{cfg}: held {[r[i]['held'] for r in results]} planned "
                        f"{[r[i]['planned'] for r in results]}; peak ratio {ratio:.3f}")
-    header = ["model", "strategy", "orig", "dtype", "held = plan", "peak MiB", "plan MiB", "plan/peak"]
+    header = ["model", "strategy", "orig", "dtype", "cap MiB", "held = plan", "peak MiB", "plan MiB", "plan/peak"]
     widths = [max(len(c) for c in col) for col in zip(header, *rows)]
     rule = "  ".join("=" * w for w in widths)
     print(rule)

@@ -27,6 +27,7 @@ from typing import Any
 import torch.nn as nn
 
 from fsdp_wrap.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_wrap.comm.bucket import resolve_bucket_cap_mb
 from fsdp_wrap.planning._memory import OPTIMIZERS, RankMemory, estimate
 from fsdp_wrap.planning._options import (
     checked_backend,
@@ -57,6 +58,7 @@ def plan(
     device: str = "cuda",
     shard_group_size: int | None = None,
     optimizer: str = "adam",
+    bucket_cap_mb: float | None = None,
     verbose: bool = False,
 ) -> Plan:
     """Plan ``FullyShardedDataParallel(module, ...)`` on ``world_size`` ranks.
@@ -72,6 +74,10 @@ def plan(
             ``min(8, world_size)``); other strategies shard over every rank.
         optimizer: ``"adam"``/``"adamw"`` (two states per parameter and a step
             counter), ``"sgd-momentum"`` (one), ``"sgd"`` or ``"none"``.
+        bucket_cap_mb: the constructor's gradient bucket cap (default
+            ``$FSDP_WRAP_BUCKET_CAP_MB``, else 1; resolved as the constructor
+            does): gradients waiting in a bucket and a bucket's buffers in
+            flight add to the backward peak (:mod:`fsdp_wrap.planning._buckets`).
         device: what the ranks compute on: ``"cuda"`` (NCCL: no staging
             buffers) or ``"cpu"`` (gloo: its measured staging buffers, and
             ``limit_all_gathers`` decides whether gathers overlap compute).
@@ -87,6 +93,8 @@ def plan(
         sharding_strategy, backward_prefetch, cpu_offload, mixed_precision
     )
     backend = checked_backend(device, limit_all_gathers, optimizer, world_size)
+    cap_mb = resolve_bucket_cap_mb(bucket_cap_mb)
+    cap_bytes = int(cap_mb * 1024 * 1024)
     shard = shard_group(strategy, world_size, shard_group_size)
     units, ignored = discover_units(
         module,
@@ -101,7 +109,8 @@ def plan(
     )
     ranks = range(shard) if any(u.use_orig_params for u in units) else range(1)
     per_rank = estimate(units, ranks, optimizer=optimizer, backward_prefetch=backward_prefetch,
-                        forward_prefetch=forward_prefetch, ignored=ignored, backend=backend)
+                        forward_prefetch=forward_prefetch, ignored=ignored, backend=backend,
+                        bucket_cap_bytes=cap_bytes, replicate_size=world_size // shard)
     result = Plan(
         units=tuple(units),
         world_size=world_size,
@@ -109,7 +118,7 @@ def plan(
         replicate_size=world_size // shard,
         optimizer=optimizer,
         settings=settings_row(strategy, use_orig_params, offload, mp, backward_prefetch,
-                              forward_prefetch, limit_all_gathers, device),
+                              forward_prefetch, limit_all_gathers, device, cap_mb),
         memory=max(per_rank, key=lambda m: (m.peak_device, m.persistent_cpu)),
         per_rank=per_rank,
         warnings=tuple(find_warnings(units, shard)),

@@ -36,6 +36,7 @@ import torch
 
 from fsdp_wrap.api import BackwardPrefetch
 from fsdp_wrap.comm.collectives import GLOO_BROADCAST_MIN_BYTES
+from fsdp_wrap.planning._buckets import BucketModel
 from fsdp_wrap.planning._units import UnitPlan
 
 #: Optimizer kinds: (state tensors per parameter, ``step`` counter per parameter,
@@ -66,6 +67,11 @@ class RankMemory:
     step_device: int  # peak a step adds over params and optimizer state: the above plus
     # the sharded gradients of the units already done
     ignored_device: int = 0  # ignored parameters, their gradients and optimizer state (whole)
+    #: ``(what runs, bytes)`` at each moment of one step: what ``step_device`` is the
+    #: largest of (add ``params_device + optimizer_device + ignored_device`` for the
+    #: device total).  Forward unit by unit, backward unit by unit, the optimizer step.
+    timeline: tuple[tuple[str, int], ...] = dataclasses.field(default=(), compare=False,
+                                                              repr=False)
 
     @property
     def persistent_device(self) -> int:
@@ -189,8 +195,14 @@ def estimate(
     forward_prefetch: bool,
     ignored: Sequence[tuple[str, int, torch.dtype, bool]] = (),
     backend: Backend = NCCL,
+    bucket_cap_bytes: int = 0,
+    replicate_size: int = 1,
 ) -> tuple[RankMemory, ...]:
-    """The memory of each of ``ranks``; only the optimizer state differs between them."""
+    """The memory of each of ``ranks``; only the optimizer state differs between them.
+
+    ``bucket_cap_bytes``: the gradient buckets' cap (0: every unit reduced on
+    its own); ``replicate_size``: the hybrid strategies' replicas.
+    """
     states, counters, state_dtype = OPTIMIZERS[optimizer]
     ignored_bytes = sum(
         n * dt.itemsize * (1 + (1 + states if trainable else 0)) for _, n, dt, trainable in ignored
@@ -201,7 +213,11 @@ def estimate(
         same[f"params_{where}"] += u.layout.shard_numel * _itemsize(u, "param")
         if u.trainable:
             same[f"grads_{where}"] += u.layout.shard_numel * _itemsize(u, "grad")
-    fwd, bwd, step = _unsharded_peaks(units, backward_prefetch, forward_prefetch, backend)
+    buckets = BucketModel(bucket_cap_bytes, replicate_size,
+                          staging=lambda u, nbytes: _staging_of(u, nbytes, backend),
+                          alone=lambda u: _alone_bytes(u, backend), done_bytes=_done_bytes)
+    fwd, bwd, step = _unsharded_peaks(units, backward_prefetch, forward_prefetch, backend,
+                                      buckets)
     out = []
     for rank in ranks:
         optim = {"optimizer_device": 0, "optimizer_cpu": 0}
@@ -212,7 +228,8 @@ def estimate(
             if counters:
                 optim["optimizer_cpu"] += 4 * tensors
         out.append(RankMemory(rank=rank, unsharded_forward=fwd, unsharded_backward=bwd,
-                              step_device=step, ignored_device=ignored_bytes, **same, **optim))
+                              step_device=step, ignored_device=ignored_bytes,
+                              timeline=tuple(buckets.timeline), **same, **optim))
     return tuple(out)
 
 
@@ -221,14 +238,16 @@ def _unsharded_peaks(
     backward_prefetch: BackwardPrefetch | None,
     forward_prefetch: bool,
     backend: Backend,
+    buckets: BucketModel,
 ) -> tuple[int, int, int]:
     """Walk one step's schedule; return three device peaks in bytes.
 
     ``(forward, backward, step)``: unsharded parameters in flight in forward;
-    in flight plus gradient transients in backward; and that plus the sharded
-    gradients the units already finished hold (gradients start from ``None``,
-    as after ``zero_grad(set_to_none=True)``).  Units run in the order given
-    (root first); backward visits them in reverse.
+    in flight plus gradient transients (and what gradient buckets hold) in
+    backward; and that plus the sharded gradients the units already finished
+    hold (gradients start from ``None``, as after
+    ``zero_grad(set_to_none=True)``).  Units run in the order given (root
+    first); backward visits them in reverse.
     """
     g = [gathered_bytes(u) for u in units]
     src = [gather_source_bytes(u) for u in units]
@@ -244,47 +263,91 @@ def _unsharded_peaks(
     fwd = held = 0
     for i in range(len(units)):
         ahead = ahead_of[i + 1] if forward_prefetch and i + 1 < len(units) else 0
-        fwd = max(fwd, held + gathering[i], held + g[i] + ahead)
+        here = max(held + gathering[i], held + g[i] + ahead)
+        buckets.timeline.append((f"forward {units[i].fqn or '(root)'}", here))
+        fwd = max(fwd, here)
         if kept[i]:
             held += g[i]
-    bwd = step = 0
-    done = 0  # sharded gradients of the units whose backward finished (device)
-    # The root's parameters used after the nested units in forward (an output
-    # head, a final norm, a tied embedding's second use) get their gradients
-    # first in backward, and those wait until the root's own backward ends.
-    # Each root parameter gives at most one such early gradient of its size,
-    # so they are bounded by (and counted as) the root's flat gradient.
-    root = units[0] if units and units[0].fqn == "" and units[0].trainable else None
-    root_early = root.layout.unpadded_numel * _itemsize(root, "compute") if root else 0
-    order = list(range(len(units)))[::-1]
-    for k, i in enumerate(order):
-        u = units[i]
-        if kept[i]:
-            held -= g[i]  # counted as this unit's own from here on
-            regather = 0
-        else:
-            regather = gathering[i]
-        nxt = order[k + 1] if k + 1 < len(order) else None
-        ahead = ahead_of[nxt] if nxt is not None and not kept[nxt] else 0
-        pre = ahead if backward_prefetch is BackwardPrefetch.BACKWARD_PRE else 0
-        post = ahead if backward_prefetch is not None else 0
-        compute, concat, reduce = gradient_stages(u)
-        reduce += _collective_staging(u, backend)
-        # Sharded units free their parameters once all their gradients exist;
-        # NO_SHARD copies go at the reshard before the reduction.
-        during_concat = concat + (0 if u.sharded else g[i])
-        early = 0 if i == 0 else root_early
-        here = early + max(
-            held + regather,
-            held + g[i] + pre + compute,
-            held + pre + during_concat,
-            held + post + reduce,
-        )
-        bwd = max(bwd, here)
-        step = max(step, here + done)
-        if u.trainable and not u.offload_params:
-            done += u.layout.shard_numel * _itemsize(u, "grad")
+    walk = _BackwardWalk(units, g, gathering, ahead_of, kept, held, backward_prefetch, backend,
+                         buckets)
+    bwd, step, done = walk.run()
+    buckets.timeline.append(("optimizer step", done))
     return fwd, bwd, max(step, fwd, done)
+
+
+@dataclasses.dataclass
+class _BackwardWalk:
+    """The backward half of :func:`_unsharded_peaks` (its per-unit lists as fields)."""
+
+    units: Sequence[UnitPlan]
+    g: list[int]
+    gathering: list[int]
+    ahead_of: list[int]
+    kept: list[bool]
+    held: int  # unsharded parameters kept from forward
+    backward_prefetch: BackwardPrefetch | None
+    backend: Backend
+    buckets: BucketModel
+
+    def run(self) -> tuple[int, int, int]:
+        """``(backward peak, step peak, sharded gradients held at the end)``."""
+        units, g, buckets = self.units, self.g, self.buckets
+        # The root's parameters used after the nested units in forward (an output
+        # head, a final norm, a tied embedding's second use) get their gradients
+        # first in backward, and those wait until the root's own backward ends.
+        # Each root parameter gives at most one such early gradient of its size,
+        # so they are bounded by (and counted as) the root's flat gradient.
+        root = units[0] if units and units[0].fqn == "" and units[0].trainable else None
+        root_early = root.layout.unpadded_numel * _itemsize(root, "compute") if root else 0
+        order = list(range(len(units)))[::-1]
+        for k, i in enumerate(order):
+            u = units[i]
+            if self.kept[i]:
+                self.held -= g[i]  # counted as this unit's own from here on
+                regather = 0
+            else:
+                regather = self.gathering[i]
+            nxt = order[k + 1] if k + 1 < len(order) else None
+            ahead = self.ahead_of[nxt] if nxt is not None and not self.kept[nxt] else 0
+            pre = ahead if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE else 0
+            post = ahead if self.backward_prefetch is not None else 0
+            compute, concat, reduce = gradient_stages(u)
+            # Sharded units free their parameters once all their gradients exist;
+            # NO_SHARD copies go at the reshard before the reduction.
+            during_concat = concat + (0 if u.sharded else g[i])
+            held = self.held + (0 if i == 0 else root_early)
+            buckets.label = f"backward {u.fqn or '(root)'}"
+            buckets.base = held  # earlier units' gradients in buckets come on top
+            buckets.note(max(regather, g[i] + pre + compute, pre + during_concat))
+            buckets.base = held + post
+            if buckets.bucketed(u):
+                buckets.reduce(u, u.layout.unpadded_numel * _itemsize(u, "compute"))
+            elif u.trainable:  # reduced on its own, after the open bucket is issued
+                buckets.issue()
+                buckets.note(reduce + _collective_staging(u, self.backend))
+                buckets.released += _done_bytes(u)
+        buckets.base = 0
+        buckets.label = "end of backward"
+        buckets.finish()  # the end-of-backward callback
+        return buckets.peak, buckets.peak_with_grads, buckets.released
+
+
+def _done_bytes(u: UnitPlan) -> int:
+    """The sharded gradient a unit keeps on the device once reduced."""
+    if not u.trainable or u.offload_params:
+        return 0
+    return u.layout.shard_numel * _itemsize(u, "grad")
+
+
+def _alone_bytes(u: UnitPlan, backend: Backend) -> int:
+    """Bytes of ``u``'s reduction on its own: its flat gradient, casts, output, staging."""
+    return gradient_stages(u)[2] + _collective_staging(u, backend)
+
+
+def _staging_of(u: UnitPlan, nbytes: int, backend: Backend) -> int:
+    """A bucket's collective staging: ``nbytes`` of ``u``'s reduce dtype and kind."""
+    table = backend.reduce_scatter_staging if u.sharded else backend.all_reduce_staging
+    return int(table.get(_itemsize(u, "reduce"), 0.0) * nbytes)
 
 
 def _collective_staging(u: UnitPlan, backend: Backend) -> int:

@@ -92,6 +92,7 @@ def settings_row(
     forward_prefetch: bool,
     limit_all_gathers: bool,
     device: str,
+    bucket_cap_mb: float,
 ) -> dict[str, Any]:
     """The settings a plan reports, by name (enums and dtypes as plain strings)."""
     return {
@@ -104,6 +105,7 @@ def settings_row(
         "forward_prefetch": forward_prefetch,
         "limit_all_gathers": limit_all_gathers,
         "device": device,
+        "bucket_cap_mb": bucket_cap_mb,
     }
 
 
