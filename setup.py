@@ -112,13 +112,16 @@ setup(
         # The frameworks fsdp_wrap.install() is tested against (tests/test_frameworks.py):
         # Accelerate and the transformers Trainer, Lightning Fabric and Trainer.
         "frameworks": ["accelerate", "transformers", "lightning"],
-        "test": ["pytest", "transformers", "safetensors"],
+        # matplotlib: `fsdp-wrap plan --plot` and the demo's loss plot (pictures only;
+        # the library never needs it).  The tests check the pictures, hence "test".
+        "plot": ["matplotlib"],
+        "test": ["pytest", "transformers", "safetensors", "matplotlib"],
         "dev": ["pytest", "ruff", "mypy", "transformers", "safetensors"],
     },
     cmdclass=_cmdclass(),
     entry_points={
         "console_scripts": [
-            "fsdp-wrap-demo = fsdp_wrap.demo:entry",
+            "fsdp-wrap-demo = fsdp_wrap.cli:demo_entry",
             "fsdp-wrap = fsdp_wrap.cli:main",
         ]
     },

@@ -1,7 +1,6 @@
-"""``python -m fsdp_wrap`` runs the demo (see :mod:`fsdp_wrap.demo`)."""
+"""``python -m fsdp_wrap`` is the ``fsdp-wrap`` program (see :mod:`fsdp_wrap.cli`)."""
 
-
-from fsdp_wrap.demo import entry
+from fsdp_wrap.cli import entry
 
 if __name__ == "__main__":
     entry()

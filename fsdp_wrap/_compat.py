@@ -199,3 +199,24 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         loader.exec_module = exec_then_call
         return spec
 
+
+
+# --------------------------------------------------------------- optional packages
+
+PLOT_EXTRA_HINT = ("pip install matplotlib (or, from a checkout, pip install -e \".[plot]\")")
+
+
+def matplotlib_figure(purpose: str) -> Any:
+    """matplotlib's ``Figure`` class: a figure saved with ``fig.savefig`` needs no
+    display and leaves pyplot's global state (and the user's backend) alone.
+
+    Raises:
+        ImportError: naming ``purpose`` and how to get matplotlib (an optional
+            extra: the library never needs it).
+    """
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ImportError(f"{purpose} needs matplotlib, which is not installed: "
+                          f"{PLOT_EXTRA_HINT}") from None
+    return Figure

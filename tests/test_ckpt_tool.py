@@ -1,4 +1,4 @@
-"""The offline checkpoint tool (``fsdp-wrap ckpt``, ``python -m fsdp_wrap.ckpt``).
+"""The offline checkpoint tool (``fsdp-wrap ckpt``, ``python -m fsdp_wrap ckpt``).
 
 Checkpoints are written for real by 2-rank gloo jobs of torch's FSDP1 and of
 fsdp_wrap; the tool then reads them in the test process, which has no process
@@ -92,21 +92,21 @@ def _same(a: Any, b: Any, where: str = "") -> list[str]:
 
 def _ckpt(*argv: str) -> tuple[int, str, str]:
     proc = run_bounded(
-        [sys.executable, "-m", "fsdp_wrap.ckpt", *argv], env=_env(), cwd=REPO, timeout=300,
+        [sys.executable, "-m", "fsdp_wrap", "ckpt", *argv], env=_env(), cwd=REPO, timeout=300,
     )
     return proc.returncode, proc.stdout, proc.stderr
 
 
 def _ckpt_here(*argv: str) -> tuple[int, str, str]:
-    """The same command in this process (``fsdp_wrap.checkpoint.cli.main``, what
-    ``python -m fsdp_wrap.ckpt`` runs): for the error cases, where starting a
+    """The same command in this process (``fsdp_wrap.cli.main``, what
+    ``python -m fsdp_wrap ckpt`` runs): for the error cases, where starting a
     Python per case would cost seconds each; :func:`_ckpt` covers the entry point."""
-    from fsdp_wrap.checkpoint.cli import main
+    from fsdp_wrap.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            rc = main(list(argv))
+            rc = main(["ckpt", *argv])
         except SystemExit as e:  # argparse's usage errors
             rc = int(e.code or 0)
     return rc, out.getvalue(), err.getvalue()
@@ -206,24 +206,24 @@ def test_damaged_and_foreign_inputs_get_one_clear_error(tmp_path: Any) -> None:
         with open(os.path.join(trunc, name), "wb") as f:
             f.write(data[: len(data) // 2] if name.endswith(".distcp") else data)
     rc, _, err = _ckpt_here("consolidate", trunc, str(tmp_path / "o1.pt"))
-    assert rc == 2 and "is truncated" in err and "__0_0.distcp" in err and "Traceback" not in err
+    assert rc == 1 and "is truncated" in err and "__0_0.distcp" in err and "Traceback" not in err
     # .metadata missing: the save never finished
     os.remove(os.path.join(trunc, ".metadata"))
     rc, _, err = _ckpt_here("inspect", trunc)
-    assert rc == 2 and "incomplete" in err and "no .metadata" in err
+    assert rc == 1 and "incomplete" in err and "no .metadata" in err
     # a foreign directory and a file that is no checkpoint
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("hello")
     rc, _, err = _ckpt_here("inspect", str(foreign))
-    assert rc == 2 and "is not a checkpoint" in err
+    assert rc == 1 and "is not a checkpoint" in err
     rc, _, err = _ckpt_here("inspect", str(foreign / "notes.txt"))
-    assert rc == 2 and "torch.load failed" in err
+    assert rc == 1 and "torch.load failed" in err
     # an existing output is never overwritten, and nothing partial is left behind
     out = tmp_path / "exists.pt"
     out.write_text("keep me")
     rc, _, err = _ckpt_here("consolidate", good, str(out))
-    assert rc == 2 and "already exists" in err and out.read_text() == "keep me"
+    assert rc == 1 and "already exists" in err and out.read_text() == "keep me"
     # a truncated safetensors shard
     hf = str(tmp_path / "hf")
     offline.consolidate(good, hf, fmt="safetensors")
@@ -231,7 +231,7 @@ def test_damaged_and_foreign_inputs_get_one_clear_error(tmp_path: Any) -> None:
     data = open(shard, "rb").read()
     open(shard, "wb").write(data[:-10])
     rc, _, err = _ckpt_here("convert", hf, str(tmp_path / "x"))
-    assert rc == 2 and "truncated or corrupt" in err
+    assert rc == 1 and "truncated or corrupt" in err
     # a .safetensors name for a torch.save file (the default format) is refused up front
     named = tmp_path / "model.safetensors"
     rc, _, err = _ckpt_here("consolidate", good, str(named))

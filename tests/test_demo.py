@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from fsdp_wrap import demo
+from fsdp_wrap.cli.demo import parse_args
 from tests._proc import run_bounded
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,7 +70,7 @@ def _check_output(proc: subprocess.CompletedProcess[str], steps: int, k: int) ->
 
 
 def _plain_model() -> torch.nn.Module:
-    s = demo.parse_args(["--model-size", "tiny"])
+    s = parse_args(["--model-size", "tiny"])
     return demo.TinyGPT(s.vocab, s.seq_len, s.layers, s.width, s.heads)
 
 
@@ -91,7 +92,18 @@ def test_demo_full_shard_full_optim_state(tmp_path: Path) -> None:
     # FULL_SHARD on 2 ranks: each rank holds half of the parameters (+ padding).
     for m in re.finditer(r"\(\s*([\d.]+)%\)", proc.stdout):
         assert 50.0 <= float(m.group(1)) < 51.0, proc.stdout
-    assert sorted(os.listdir(ckpt)) == ["meta.json", "model.pt", "optim.pt"]
+    written = sorted(os.listdir(ckpt))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert written == ["meta.json", "model.pt", "optim.pt"]
+        assert "plot: skipped (the demo's loss plot needs matplotlib" in proc.stdout
+    else:  # the loss curves and tokens/s next to the checkpoint (a real PNG)
+        assert written == ["loss.png", "meta.json", "model.pt", "optim.pt"]
+        assert f"plot: wrote {os.path.join(ckpt, 'loss.png')}" in proc.stdout
+        with open(os.path.join(ckpt, "loss.png"), "rb") as f:
+            png = f.read()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     plain = _check_model_file(ckpt)
     # FSDP.optim_state_dict: keyed by the unwrapped model's names, full shapes, 3 steps taken.
     osd = torch.load(os.path.join(ckpt, "optim.pt"), weights_only=True)
@@ -109,7 +121,8 @@ def test_demo_shard_grad_op_orig_params_per_rank_optim(tmp_path: Path) -> None:
         *flags.split(), "--use-orig-params", "--optim-state", "per-rank", "--checkpoint-dir", ckpt
     )
     _check_output(proc, steps=5, k=2)
-    assert sorted(os.listdir(ckpt)) == ["meta.json", "model.pt", "optim_rank0.pt", "optim_rank1.pt"]
+    assert sorted(set(os.listdir(ckpt)) - {"loss.png"}) == ["meta.json", "model.pt", "optim_rank0.pt",
+                                                        "optim_rank1.pt"]
     plain = _check_model_file(ckpt)
     # Each rank's optimizer state covers that rank's shards: together, every element once.
     total = 0
@@ -136,6 +149,6 @@ def test_make_batch_is_a_pure_function_of_step_and_rank() -> None:
 
 def test_parse_args_rejects_bad_checkpoint_step() -> None:
     with pytest.raises(SystemExit):
-        demo.parse_args(["--steps", "4", "--checkpoint-step", "4"])
-    s = demo.parse_args(["--ranks", "3", "--layers", "1", "--width", "32"])
+        parse_args(["--steps", "4", "--checkpoint-step", "4"])
+    s = parse_args(["--ranks", "3", "--layers", "1", "--width", "32"])
     assert (s.nprocs, s.layers, s.width, s.checkpoint_step) == (3, 1, 32, 10)

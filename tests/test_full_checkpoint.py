@@ -300,7 +300,7 @@ def test_sigkill_midway_keeps_the_previous_checkpoint(pool2: Any, tmp_path: Any)
         assert f"the last complete one is {step2}" in err
     # the offline tool says the same and refuses it
     proc = run_bounded(
-        [sys.executable, "-m", "fsdp_wrap.ckpt", "inspect", step4], env=env, cwd=REPO, timeout=120,
+        [sys.executable, "-m", "fsdp_wrap", "ckpt", "inspect", step4], env=env, cwd=REPO, timeout=120,
     )
     assert proc.returncode == 2 and "rank 1 never finished" in proc.stderr, proc.stderr
 

@@ -224,10 +224,10 @@ def test_startup_hook_and_fsdp_wrap_run() -> None:
     assert _ok(off).strip() == "torch.distributed.fsdp.fully_sharded_data_parallel"
     assert "fsdp_wrap" not in off.stderr
     via_cli = run_bounded(
-        [sys.executable, "-m", "fsdp_wrap.cli", "run", "--", sys.executable, "-c", probe],
+        [sys.executable, "-m", "fsdp_wrap", "run", "--", sys.executable, "-c", probe],
         cwd=ROOT, timeout=180,
         env={k: v for k, v in os.environ.items() if k != "FSDP_WRAP_INSTALL"})
     assert _ok(via_cli).strip() == "fsdp_wrap.fully_sharded_data_parallel"
-    empty = run_bounded([sys.executable, "-m", "fsdp_wrap.cli", "run"], cwd=ROOT,
+    empty = run_bounded([sys.executable, "-m", "fsdp_wrap", "run"], cwd=ROOT,
                            timeout=120)
     assert empty.returncode == 2 and "give the command" in empty.stderr

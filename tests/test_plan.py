@@ -291,20 +291,48 @@ def test_meta_model_is_planned_without_allocating_or_changing_it() -> None:
 def test_unsharded_peaks_follow_the_strategy() -> None:
     with torch.device("meta"):
         model = Stack(n=6, d=64)
-    policy = ModuleWrapPolicy({Block})
-    full = fw.plan(model, 4, auto_wrap_policy=policy).memory
-    zero2 = fw.plan(model, 4, auto_wrap_policy=policy,
+    # Each unit reduced alone (cap 0): at the default cap these small units'
+    # gradients all wait in one bucket, whose peak at the end of backward
+    # would hide the prefetch's (test_bucket_cap_is_resolved_as_the_constructor_does).
+    policy = dict(auto_wrap_policy=ModuleWrapPolicy({Block}), bucket_cap_mb=0)
+    full = fw.plan(model, 4, **policy).memory
+    zero2 = fw.plan(model, 4, **policy,
                     sharding_strategy=fw.ShardingStrategy.SHARD_GRAD_OP).memory
-    prefetch_none = fw.plan(model, 4, auto_wrap_policy=policy, backward_prefetch=None).memory
-    bf16 = fw.plan(model, 4, auto_wrap_policy=policy,
+    prefetch_none = fw.plan(model, 4, **policy, backward_prefetch=None).memory
+    bf16 = fw.plan(model, 4, **policy,
                    mixed_precision=fw.MixedPrecision(param_dtype=torch.bfloat16)).memory
-    offload = fw.plan(model, 4, auto_wrap_policy=policy, cpu_offload=fw.CPUOffload(True)).memory
+    offload = fw.plan(model, 4, **policy, cpu_offload=fw.CPUOffload(True)).memory
     # SHARD_GRAD_OP keeps every unit gathered from its forward to its backward.
     assert zero2.unsharded_forward > 5 * full.unsharded_forward / 2
     assert prefetch_none.unsharded_backward < full.unsharded_backward
     assert bf16.unsharded_peak < full.unsharded_peak
     assert offload.params_device == offload.grads_device == offload.optimizer_device == 0
     assert offload.params_cpu == full.params_device and offload.unsharded_peak > 0
+
+
+def test_bucket_cap_is_resolved_as_the_constructor_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The argument, else ``$FSDP_WRAP_BUCKET_CAP_MB``, else 1 MiB; a cap that
+    holds every unit's gradient adds about one unsharded gradient of the model
+    (the open bucket, then its buffer) to the backward peak; cap 0 adds none."""
+    with torch.device("meta"):
+        model = Stack(n=6, d=64)  # 6 units of ~66 KB: all fit one 1 MiB bucket
+    kw = dict(auto_wrap_policy=ModuleWrapPolicy({Block}))
+    monkeypatch.delenv("FSDP_WRAP_BUCKET_CAP_MB", raising=False)
+    default, one = fw.plan(model, 4, **kw), fw.plan(model, 4, **kw, bucket_cap_mb=1)
+    assert default.settings["bucket_cap_mb"] == 1.0 and default.memory == one.memory
+    monkeypatch.setenv("FSDP_WRAP_BUCKET_CAP_MB", "0")
+    env_off = fw.plan(model, 4, **kw)
+    assert env_off.settings["bucket_cap_mb"] == 0.0
+    assert fw.plan(model, 4, **kw, bucket_cap_mb=1).memory == one.memory  # the argument wins
+    # One bucket takes every unit's gradient; the backward peak is its copy at
+    # the end of backward: every unsharded fp32 gradient and the padded buffer.
+    grads = sum(u.layout.unpadded_numel for u in default.units) * 4
+    buffer = sum(u.layout.padded_numel for u in default.units) * 4
+    assert default.memory.unsharded_backward == grads + buffer
+    assert env_off.memory.unsharded_backward < grads
+    with pytest.raises(ValueError, match="FSDP_WRAP_BUCKET_CAP_MB must be a number"):
+        monkeypatch.setenv("FSDP_WRAP_BUCKET_CAP_MB", "lots")
+        fw.plan(model, 4, **kw)
 
 
 def test_warnings_a_person_can_act_on() -> None:
@@ -444,15 +472,20 @@ def test_cli_llama_7b_config_plans_on_the_meta_device(capsys: pytest.CaptureFixt
 
 
 def test_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    """Usage errors exit 2, failures 1, each one line on stderr (tests/test_cli.py: the rest)."""
     from fsdp_wrap.cli import main
 
-    with pytest.raises(SystemExit, match="no module class named"):
-        main(["plan", "tests.test_plan:make_stack", "--world-size", "2", "--policy",
-              "transformer:Nope"])
-    with pytest.raises(SystemExit, match="either MODULE:FACTORY or --hf-config"):
-        main(["plan", "--world-size", "2"])
-    with pytest.raises(SystemExit, match="unknown policy"):
-        main(["plan", "tests.test_plan:make_stack", "--world-size", "2", "--policy", "bogus"])
+    cases = [
+        (1, "no module class named", ["tests.test_plan:make_stack", "--policy", "transformer:Nope"]),
+        (2, "either MODULE:FACTORY or --hf-config", []),
+        (2, "unknown --policy", ["tests.test_plan:make_stack", "--policy", "bogus"]),
+        (1, "cannot import 'no_such_module_here'", ["no_such_module_here:build"]),
+        (2, "expected MODULE:FACTORY", ["tests.test_plan"]),
+    ]
+    for code, text, argv in cases:
+        assert main(["plan", "--world-size", "2", *argv]) == code, argv
+        err = capsys.readouterr().err
+        assert text in err and "Traceback" not in err and err.count("\n") == 1, err
 
 
 def test_plan_refuses_what_the_constructor_refuses_without_a_policy() -> None:

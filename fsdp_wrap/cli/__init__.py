@@ -1,64 +1,101 @@
-"""The ``fsdp-wrap`` command.
+"""The ``fsdp-wrap`` program; ``python -m fsdp_wrap`` is the same program.
 
-* ``fsdp-wrap plan ...``: what FSDP would build and hold (:mod:`fsdp_wrap.planning.cli`);
-* ``fsdp-wrap ckpt ...``: inspect, consolidate and convert checkpoints offline
-  (:mod:`fsdp_wrap.checkpoint.cli`);
+* ``fsdp-wrap demo``: train a small GPT on local ranks, checkpoint, resume, compare
+  (:mod:`fsdp_wrap.cli.demo`, the demo itself in :mod:`fsdp_wrap.demo`);
+* ``fsdp-wrap plan``: the FSDP units and per-rank memory of a model, before launch
+  (:mod:`fsdp_wrap.cli.plan`);
+* ``fsdp-wrap ckpt``: inspect, consolidate and convert checkpoints offline
+  (:mod:`fsdp_wrap.cli.ckpt`);
 * ``fsdp-wrap run CMD ...``: run a command (``torchrun train.py``, ``accelerate
   launch ...``) with torch's FSDP1 names pointing at fsdp_wrap in every Python
-  process it starts (:mod:`fsdp_wrap.installer`).
+  process it starts (:mod:`fsdp_wrap.cli.run`).
+
+Exit codes and error lines are shared (:mod:`fsdp_wrap.cli._common`).  This
+package is an application of the library; nothing in the library imports it.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import platform
 import sys
 from collections.abc import Sequence
 
-import fsdp_wrap.checkpoint.cli as ckpt_cli
-import fsdp_wrap.planning.cli as plan_cli
+import torch
+
+import fsdp_wrap.cli.ckpt as ckpt_cmd
+import fsdp_wrap.cli.demo as demo_cmd
+import fsdp_wrap.cli.plan as plan_cmd
+import fsdp_wrap.cli.run as run_cmd
+from fsdp_wrap._compat import __version__
+from fsdp_wrap.cli._common import (
+    EXIT_FAILURE,
+    EXIT_USAGE,
+    CommandError,
+    HelpFormatter,
+    UsageError,
+    add_debug,
+)
+
+__all__ = ["build_parser", "demo_entry", "main"]
+
+PROG = "fsdp-wrap"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line: the program, its options and its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog=PROG, formatter_class=HelpFormatter,
+        description="fsdp_wrap's command line: a demo, a memory planner, an offline checkpoint "
+        "tool, and a launcher that switches torch's FSDP1 to fsdp_wrap.",
+        epilog="Run 'fsdp-wrap COMMAND --help' for a command's options.")
+    parser.add_argument(
+        "--version", action="version",
+        version=f"{PROG} {__version__} (torch {torch.__version__}, "
+        f"Python {platform.python_version()})")
+    add_debug(parser, top=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    for cmd in (demo_cmd, plan_cmd, ckpt_cmd, run_cmd):
+        cmd.add_parser(sub)
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fsdp-wrap", description="fsdp_wrap's tools")
-    sub = parser.add_subparsers(dest="command", required=True)
-    plan_cli.add_parser(sub)
-    ckpt_cli.add_parser(sub)
-    run = sub.add_parser(
-        "run", help="run a command with fsdp_wrap installed in every Python process",
-        description="Run CMD with FSDP_WRAP_INSTALL=1: every Python process it starts "
-        "(torchrun's workers included) calls fsdp_wrap.install() at start-up.")
-    run.add_argument("cmd", nargs=argparse.REMAINDER, help="the command and its arguments")
-    run.set_defaults(func=_run)
+    """Run ``fsdp-wrap`` with ``argv`` (default ``sys.argv[1:]``); return the exit code.
+
+    Usage errors exit 2, failures 1; a failure is one line on stderr unless
+    ``--debug`` is given (then its traceback is raised).
+    """
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "ckpt":
-        return ckpt_cli.run(args)
-    return int(args.func(args))
-
-
-def _run(args: argparse.Namespace) -> int:
-    import fsdp_wrap.installer as installer
-
-    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-    if not cmd:
-        print("fsdp-wrap run: give the command to run, e.g. fsdp-wrap run torchrun "
-              "--nproc-per-node 8 train.py", file=sys.stderr)
-        return 2
-    hook = installer.startup_hook_path()
-    if hook is None:
-        print(f"fsdp-wrap run: the start-up hook ({installer.PTH_NAME}) is not in this Python's "
-              "site-packages, so new processes would not install fsdp_wrap. Install the "
-              "package with pip (pip install fsdp_wrap, or pip install -e . from a checkout).",
-              file=sys.stderr)
-        return 2
-    env = dict(os.environ, **{installer.ENV_VAR: "1"})
+    if args.command is None:
+        parser.print_usage(sys.stderr)
+        print(f"{PROG}: error: choose a command: demo, plan, ckpt or run "
+              f"('{PROG} --help' says what each does)", file=sys.stderr)
+        return EXIT_USAGE
+    prog = f"{PROG} {args.command}"
     try:
-        os.execvpe(cmd[0], cmd, env)
-    except FileNotFoundError:
-        print(f"fsdp-wrap run: command not found: {cmd[0]}", file=sys.stderr)
-        return 127
-    return 0  # not reached: exec replaced this process
+        return int(args.func(args))
+    except UsageError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if args.debug:
+            raise
+        message = str(e) or type(e).__name__
+        hint = "" if isinstance(e, CommandError) else f" ({type(e).__name__}; --debug shows where)"
+        print(f"{prog}: error: {message}{hint}", file=sys.stderr)
+        return EXIT_FAILURE
 
 
-if __name__ == "__main__":
+def entry() -> None:
+    """The ``fsdp-wrap`` console script and ``python -m fsdp_wrap``."""
     sys.exit(main())
+
+
+def demo_entry() -> None:
+    """``fsdp-wrap-demo`` and ``python -m fsdp_wrap.demo``: ``fsdp-wrap demo``'s aliases."""
+    demo_cmd.entry(sys.argv[1:])

@@ -1,17 +1,4 @@
-"""``fsdp-wrap plan``: the plan of a model from the command line.
-
-::
-
-    fsdp-wrap plan mypkg.models:build_model --world-size 64 --policy transformer:Block
-    fsdp-wrap plan --hf-config llama7b.json --world-size 8 --mixed-precision bf16
-    fsdp-wrap plan --hf-config config.json --world-size 64 --compare --gpu-memory 80
-    fsdp-wrap plan ... --json
-
-The model is built on the meta device (nothing is allocated): ``MODULE:FACTORY``
-names a function returning an ``nn.Module`` (called with ``--factory-kwargs``),
-or ``--hf-config`` a transformers config (a JSON file, a JSON string, or a name
-``AutoConfig.from_pretrained`` can resolve) for ``AutoModelForCausalLM``.
-"""
+"""``fsdp-wrap plan``: the plan of a model from the command line (:func:`fsdp_wrap.plan`)."""
 
 from __future__ import annotations
 
@@ -28,69 +15,119 @@ import torch
 import torch.nn as nn
 
 from fsdp_wrap.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_wrap.cli._common import CommandError, add_command, usage_error
 from fsdp_wrap.planning import Plan, plan
 from fsdp_wrap.planning._report import fmt_bytes, table
 from fsdp_wrap.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
+DESCRIPTION = """\
+What FSDP would build for a model and what each rank would hold: the units, their
+padded and sharded sizes, and per rank the parameters, gradients and optimizer
+state (exact) and the peak in flight during a step (activations not counted).
+The model is built on the meta device: nothing is allocated, no GPU or process
+group is needed.
+
+The model: MODULE:FACTORY names a function returning an nn.Module (called with
+--factory-kwargs), or --hf-config a transformers config (a JSON file, a JSON
+string, or a name AutoConfig.from_pretrained resolves) for AutoModelForCausalLM.
+
+examples:
+  fsdp-wrap plan mypkg.models:build_model --world-size 64 --policy transformer:Block
+  fsdp-wrap plan --hf-config llama7b.json --world-size 8 --mixed-precision bf16
+  fsdp-wrap plan --hf-config config.json --world-size 64 --compare --gpu-memory 80
+  fsdp-wrap plan --hf-config config.json --world-size 8 --plot memory.png --gpu-memory 80
+"""
+
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("plan", help="the FSDP units and per-rank memory of a model, before launch",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", nargs="?", help="MODULE:FACTORY returning the model")
-    p.add_argument("--factory-kwargs", default="{}", help="JSON keyword arguments for FACTORY")
-    p.add_argument("--hf-config", help="transformers config: JSON file, JSON string or name")
-    p.add_argument("--world-size", type=int, required=True)
+    p = add_command(sub, "plan", help="the FSDP units and per-rank memory of a model, "
+                    "before launch", description=DESCRIPTION)
+    p.add_argument("model", nargs="?", metavar="MODULE:FACTORY",
+                   help="a function returning the model (or give --hf-config)")
+    p.add_argument("--factory-kwargs", default="{}", metavar="JSON",
+                   help="keyword arguments for FACTORY, as a JSON object")
+    p.add_argument("--hf-config", metavar="CONFIG",
+                   help="a transformers config: a JSON file, a JSON string or a model name")
+    p.add_argument("--world-size", type=int, required=True, help="ranks in the job (required)")
     p.add_argument("--shard-group-size", type=int, default=None,
-                   help="hybrid strategies: ranks per shard group (default min(8, world size))")
-    p.add_argument("--strategy", default="FULL_SHARD", choices=[s.name for s in ShardingStrategy])
+                   help="hybrid strategies: ranks per shard group (default: min(8, world size))")
+    p.add_argument("--strategy", default="FULL_SHARD", choices=[s.name for s in ShardingStrategy],
+                   help="the sharding strategy")
     p.add_argument("--policy", default="auto",
-                   help="transformer:CLASS[,CLASS], size:MIN_PARAMS, none, or auto (the "
-                   "model's _no_split_modules for transformers models, else none)")
+                   help="the auto-wrap policy: transformer:CLASS[,CLASS], size:MIN_PARAMS, "
+                   "none, or auto (a transformers model's _no_split_modules, else none)")
     p.add_argument("--offload", action="store_true", help="CPUOffload(offload_params=True)")
     p.add_argument("--mixed-precision", choices=("none", "bf16", "fp16"), default="none",
-                   help="MixedPrecision(param_dtype=...)")
-    p.add_argument("--reduce-dtype", choices=tuple(DTYPES), default=None)
-    p.add_argument("--use-orig-params", action="store_true")
+                   help="MixedPrecision(param_dtype=this)")
+    p.add_argument("--reduce-dtype", choices=tuple(DTYPES), default=None,
+                   help="MixedPrecision(reduce_dtype=this) (default: the compute dtype)")
+    p.add_argument("--use-orig-params", action="store_true",
+                   help="FSDP(use_orig_params=True): optimizer state per original parameter")
     p.add_argument("--backward-prefetch", default="BACKWARD_PRE",
-                   choices=("BACKWARD_PRE", "BACKWARD_POST", "none"))
-    p.add_argument("--forward-prefetch", action="store_true")
+                   choices=("BACKWARD_PRE", "BACKWARD_POST", "none"),
+                   help="which unit is gathered ahead during backward")
+    p.add_argument("--forward-prefetch", action="store_true",
+                   help="FSDP(forward_prefetch=True): gather the next unit during forward")
     p.add_argument("--optimizer", default="adam",
-                   choices=("adam", "adamw", "sgd", "sgd-momentum", "none"))
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+                   choices=("adam", "adamw", "sgd", "sgd-momentum", "none"),
+                   help="the optimizer whose state is counted")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="what the ranks compute on: cuda (NCCL) or cpu (gloo, whose staging "
+                   "buffers are counted)")
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="gradient bucket cap in MiB, 0 for none "
+                   "(default: $FSDP_WRAP_BUCKET_CAP_MB, else 1)")
     p.add_argument("--compare", action="store_true",
                    help="every strategy x offload x precision side by side")
-    p.add_argument("--gpu-memory", type=float, default=None,
+    p.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
                    help="GiB per device: say which configurations fit (activations not counted)")
+    p.add_argument("--plot", metavar="FILE", default=None,
+                   help="draw one rank's memory over a step (forward, backward, optimizer step) "
+                   "into FILE (.png, .svg or .pdf; needs matplotlib)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
 
 
 def build_model(args: argparse.Namespace) -> nn.Module:
     if bool(args.model) == bool(args.hf_config):
-        raise SystemExit("fsdp-wrap plan: give either MODULE:FACTORY or --hf-config")
+        usage_error("give either MODULE:FACTORY or --hf-config")
+    if args.model and ":" not in args.model:
+        usage_error(f"expected MODULE:FACTORY (e.g. mypkg.models:build), got {args.model!r}")
+    try:
+        kwargs = json.loads(args.factory_kwargs)
+    except json.JSONDecodeError as e:
+        usage_error(f"--factory-kwargs is not JSON ({e}): {args.factory_kwargs!r}")
     with torch.device("meta"):
         if args.hf_config:
             return _hf_model(args.hf_config)
-        module_name, _, attr = args.model.partition(":")
-        if not attr:
-            raise SystemExit(f"fsdp-wrap plan: expected MODULE:FACTORY, got {args.model!r}")
-        sys.path.insert(0, os.getcwd())
-        factory = getattr(importlib.import_module(module_name), attr)
-        model = factory(**json.loads(args.factory_kwargs))
+        model = _factory(args.model)(**kwargs)
     if not isinstance(model, nn.Module):
-        raise SystemExit(f"fsdp-wrap plan: {args.model} returned {type(model).__name__}, "
-                         "not an nn.Module")
+        raise CommandError(f"{args.model} returned {type(model).__name__}, not an nn.Module")
     return model
+
+
+def _factory(spec: str) -> Any:
+    """The function ``MODULE:FACTORY`` names (the current directory importable)."""
+    module_name, _, attr = spec.partition(":")
+    sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise CommandError(f"cannot import {module_name!r} ({e}); run from the directory "
+                           "that holds it or put it on PYTHONPATH") from e
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise CommandError(f"{module_name} has no function {attr!r}")
+    return factory
 
 
 def _hf_model(spec: str) -> nn.Module:
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
-        raise SystemExit("fsdp-wrap plan: --hf-config needs transformers "
-                         "(pip install transformers)") from None
+        raise CommandError("--hf-config needs transformers (pip install transformers)") from None
     if os.path.exists(spec):
         with open(spec) as f:
             data = json.load(f)
@@ -100,7 +137,7 @@ def _hf_model(spec: str) -> nn.Module:
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec))
     model_type = data.pop("model_type", None)
     if model_type is None:
-        raise SystemExit("fsdp-wrap plan: the config needs a \"model_type\" (e.g. \"llama\")")
+        raise CommandError("the config needs a \"model_type\" (e.g. \"llama\")")
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **data))
 
 
@@ -115,16 +152,15 @@ def resolve_policy(spec: str, model: nn.Module) -> Any:
         return _class_policy(list(names), model) if names else None
     if kind == "transformer":
         return _class_policy(arg.split(","), model)
-    raise SystemExit(f"fsdp-wrap plan: unknown policy {spec!r} "
-                     "(transformer:CLASS, size:N, none or auto)")
+    usage_error(f"unknown --policy {spec!r} (transformer:CLASS, size:N, none or auto)")
 
 
 def _class_policy(names: list[str], model: nn.Module) -> ModuleWrapPolicy:
     by_name = {type(m).__name__: type(m) for m in model.modules()}
     missing = [n for n in names if n not in by_name]
     if missing:
-        raise SystemExit(f"fsdp-wrap plan: no module class named {missing} in the model "
-                         f"(classes: {sorted(by_name)})")
+        raise CommandError(f"no module class named {missing} in the model "
+                           f"(classes: {sorted(by_name)})")
     return ModuleWrapPolicy({by_name[n] for n in names})
 
 
@@ -144,10 +180,13 @@ def _kwargs(args: argparse.Namespace, policy: Any, strategy: str, offload: bool,
         shard_group_size=args.shard_group_size if "HYBRID" in strategy else None,
         optimizer=args.optimizer,
         device=args.device,
+        bucket_cap_mb=args.bucket_cap_mb,
     )
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.compare and args.plot:
+        usage_error("--plot draws one configuration: leave out --compare")
     model = build_model(args)
     policy = resolve_policy(args.policy, model)
     if not args.compare:
@@ -160,6 +199,12 @@ def run(args: argparse.Namespace) -> int:
             if args.gpu_memory is not None:
                 print(f"\nfits in {args.gpu_memory:g} GiB per device (before activations): "
                       f"{'yes' if _fits(p, args.gpu_memory) else 'no'}")
+        if args.plot:
+            from fsdp_wrap.planning.plot import plot_plan
+
+            peak = plot_plan(p, args.plot, gpu_memory_gib=args.gpu_memory)
+            print(f"wrote {args.plot}: one rank's memory over a step, peak {fmt_bytes(peak)}",
+                  file=sys.stderr if args.json else sys.stdout)
         return 0
     strategies = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
     if args.shard_group_size:

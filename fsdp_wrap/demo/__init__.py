@@ -1,11 +1,12 @@
 """End-to-end demo: train a small GPT with fsdp_wrap, checkpoint, resume, compare.
 
-Run it with::
+Run it with ``fsdp-wrap demo`` (``python -m fsdp_wrap demo``; the older
+``fsdp-wrap-demo`` and ``python -m fsdp_wrap.demo`` are aliases)::
 
-    python -m fsdp_wrap.demo                 # 2 local CPU ranks (gloo), spawned here
-    python -m fsdp_wrap.demo --nprocs 4 --strategy SHARD_GRAD_OP --use-orig-params
-    python -m fsdp_wrap.demo --device cuda --mixed-precision bf16   # one rank per GPU (NCCL)
-    torchrun --nproc-per-node 2 -m fsdp_wrap.demo   # uses torchrun's process group
+    fsdp-wrap demo                       # 2 local CPU ranks (gloo), spawned here
+    fsdp-wrap demo --nprocs 4 --strategy SHARD_GRAD_OP --use-orig-params
+    fsdp-wrap demo --device cuda --mixed-precision bf16   # one rank per GPU (NCCL)
+    torchrun --nproc-per-node 2 -m fsdp_wrap demo         # torchrun's process group
 
 With ``--device cuda`` rank ``r`` computes on GPU ``r % device_count`` over
 NCCL; with more ranks than GPUs they share the GPUs over gloo (fine for a
@@ -39,16 +40,17 @@ collective, but only resumable with the same world size, sharding strategy,
 This package is an application of the library; nothing in ``fsdp_wrap``
 imports it.  Its modules, each importing only those listed before it:
 
-* ``settings``: the command line (:func:`parse_args` -> :class:`Settings`) and output helpers;
+* ``settings``: :class:`Settings` (the command line that fills it is
+  :mod:`fsdp_wrap.cli.demo`) and output helpers;
 * ``model``: the GPT and the synthetic data;
 * ``training``: building the wrapped model, the training steps, the memory report;
 * ``checkpoint``: saving and loading the checkpoint;
 * ``launch``: the demo on one rank (:func:`run`) and the processes that run it
-  (:func:`main`, :func:`entry`).
+  (:func:`main`).
 """
 
 from fsdp_wrap.demo.checkpoint import load_checkpoint, save_checkpoint
-from fsdp_wrap.demo.launch import RESUME_TOLERANCE, entry, main, run
+from fsdp_wrap.demo.launch import RESUME_TOLERANCE, main, run
 from fsdp_wrap.demo.model import Block, CausalSelfAttention, TinyGPT, make_batch
 from fsdp_wrap.demo.settings import (
     MODEL_SIZES,
@@ -56,7 +58,6 @@ from fsdp_wrap.demo.settings import (
     Printer,
     Settings,
     fmt_bytes,
-    parse_args,
     peak_rss_bytes,
     progress_line,
 )
@@ -83,7 +84,6 @@ __all__ = [
     "TinyGPT",
     "build",
     "compute_device",
-    "entry",
     "fmt_bytes",
     "load_checkpoint",
     "lr_at",
@@ -91,7 +91,6 @@ __all__ = [
     "make_batch",
     "make_scaler",
     "memory_report",
-    "parse_args",
     "peak_rss_bytes",
     "progress_line",
     "run",

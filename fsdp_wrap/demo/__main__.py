@@ -1,6 +1,6 @@
-"""``python -m fsdp_wrap.demo`` runs the demo (see :mod:`fsdp_wrap.demo`)."""
+"""``python -m fsdp_wrap.demo`` is ``fsdp-wrap demo`` (see :mod:`fsdp_wrap.cli.demo`)."""
 
-from fsdp_wrap.demo.launch import entry
+from fsdp_wrap.cli import demo_entry
 
 if __name__ == "__main__":
-    entry()
+    demo_entry()

@@ -11,7 +11,6 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,7 +18,8 @@ import torch.distributed as dist
 from fsdp_wrap.comm.teardown import exit_now
 from fsdp_wrap.demo.checkpoint import load_checkpoint, save_checkpoint
 from fsdp_wrap.demo.model import TinyGPT
-from fsdp_wrap.demo.settings import Printer, Settings, parse_args
+from fsdp_wrap.demo.plot import plot_losses
+from fsdp_wrap.demo.settings import Printer, Settings
 from fsdp_wrap.demo.training import build, compute_device, memory_report, run_steps
 
 RESUME_TOLERANCE = 1e-5
@@ -52,7 +52,9 @@ def run(s: Settings, ckpt_dir: str) -> int:
             out(f"checkpoint: saved step {k} to {ckpt_dir} (full {what})")
 
     t0 = time.perf_counter()
-    baseline = run_steps(model, optim, scaler, 1, n, s, out, "train ", on_step=maybe_save)
+    rates: dict[int, float] = {}
+    baseline = run_steps(model, optim, scaler, 1, n, s, out, "train ", on_step=maybe_save,
+                         rates=rates)
     train_s = time.perf_counter() - t0
     memory_report(model, out)
 
@@ -73,6 +75,8 @@ def run(s: Settings, ckpt_dir: str) -> int:
     tokens = s.batch * s.seq_len * ws * n
     out(f"loss: {first:.4f} (step 1) -> {last:.4f} (step {n}); "
         f"{tokens / train_s:,.0f} tok/s over the first run", always=True)
+    if rank == 0:
+        _plot(s, ckpt_dir, baseline, resumed, rates, out)
     ok = max_diff <= RESUME_TOLERANCE and last < first
     if max_diff <= RESUME_TOLERANCE:
         out(f"resume: OK (max |diff| = {max_diff:.2e} over steps {start}..{n})", always=True)
@@ -81,6 +85,24 @@ def run(s: Settings, ckpt_dir: str) -> int:
     if last >= first:
         out("training: FAILED (the loss did not fall)", always=True)
     return 0 if ok else 1
+
+
+def _plot(s: Settings, ckpt_dir: str, baseline: dict[int, float], resumed: dict[int, float],
+          rates: dict[int, float], out: Printer) -> None:
+    """The loss curves and tokens/s as ``loss.png`` next to a kept checkpoint."""
+    if not s.keep_checkpoint:
+        out("plot: give --checkpoint-dir DIR to keep the checkpoint and DIR/loss.png "
+            "(the loss curves and tokens/s)")
+        return
+    path = os.path.join(ckpt_dir, "loss.png")
+    try:
+        plot_losses(baseline, resumed, rates, path,
+                    f"fsdp_wrap demo: GPT {s.layers}x{s.width}, {s.strategy}, "
+                    f"{s.nprocs} rank(s)")
+    except ImportError as e:
+        out(f"plot: skipped ({e})", always=True)
+        return
+    out(f"plot: wrote {path}", always=True)
 
 
 def _init_process(nprocs: int) -> None:
@@ -129,7 +151,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _under_torchrun() -> bool:
+def under_torchrun() -> bool:
     return all(v in os.environ for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
@@ -157,9 +179,13 @@ def _main_torchrun(s: Settings) -> int:
             shutil.rmtree(made, ignore_errors=True)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    s = parse_args(argv)
-    if _under_torchrun():
+def main(s: Settings) -> int:
+    """The demo with settings ``s``: ranks spawned here, or this rank under torchrun.
+
+    Returns the exit code (0: the resumed losses matched).  The command line is
+    :mod:`fsdp_wrap.cli.demo`'s.
+    """
+    if under_torchrun():
         return _main_torchrun(s)
     import torch.multiprocessing as mp
 
@@ -184,9 +210,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def entry() -> None:
-    """``python -m fsdp_wrap`` and ``python -m fsdp_wrap.demo``."""
-    code = main()
-    if _under_torchrun():
-        exit_now(code)  # this process is a rank: leave without finalising (see _teardown)
-    sys.exit(code)

@@ -84,8 +84,10 @@ def train_step(
 def run_steps(
     model: nn.Module, optim: torch.optim.Optimizer, scaler: Any, first: int, last: int,
     s: Settings,
-    out: Printer, tag: str, on_step: Any = None,
+    out: Printer, tag: str, on_step: Any = None, rates: dict[int, float] | None = None,
 ) -> dict[int, float]:
+    """Train steps ``first..last``; return each step's loss (``rates``: filled with
+    each step's tokens/s over all ranks)."""
     rank, ws = dist.get_rank(), dist.get_world_size()
     tokens = s.batch * s.seq_len * ws
     losses: dict[int, float] = {}
@@ -93,6 +95,8 @@ def run_steps(
         t0 = time.perf_counter()
         losses[step] = train_step(model, optim, scaler, step, s, rank, ws)
         dt = time.perf_counter() - t0
+        if rates is not None:
+            rates[step] = tokens / dt
         if not math.isfinite(losses[step]):
             raise FloatingPointError(f"[rank {rank}] loss is {losses[step]} at step {step}")
         out(progress_line(step, s.steps, losses[step], tokens / dt, tag))
