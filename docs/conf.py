@@ -25,7 +25,7 @@ import fsdp_wrap  # noqa: E402
 
 project = "fsdp_wrap"
 author = "the fsdp_wrap authors"
-copyright = "the fsdp_wrap authors"  # noqa: A001 (Sphinx's name)
+copyright = "the fsdp_wrap authors"
 release = fsdp_wrap.__version__
 version = release
 
