@@ -61,8 +61,9 @@ napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
 
-# Code in the pages is Python unless it says otherwise.
-highlight_language = "python3"
+# ``::`` blocks are highlighted as Python where they parse as Python and left
+# plain otherwise (shell commands, output), without a warning.
+highlight_language = "default"
 
 
 
