@@ -86,6 +86,26 @@ setup(
     ),
     long_description=LONG_DESCRIPTION,
     long_description_content_type=LONG_DESCRIPTION_TYPE,
+    author="the fsdp_wrap authors",
+    # An SPDX expression (PEP 639); the text is in LICENSE, which setuptools
+    # puts in the wheel.  No licence classifier: the expression replaces it.
+    license="BSD-3-Clause",
+    license_files=["LICENSE"],
+    # No project URLs: there is no public home to point at yet.
+    classifiers=[
+        "Development Status :: 3 - Alpha",
+        "Intended Audience :: Developers",
+        "Intended Audience :: Science/Research",
+        "Operating System :: POSIX :: Linux",
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3 :: Only",
+        # the versions CI and the GPU machine test (python_requires is wider)
+        "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "Topic :: Software Development :: Libraries :: Python Modules",
+    ],
+    keywords=["pytorch", "fsdp", "distributed", "data parallel", "sharding"],
     python_requires=">=3.9",
     packages=find_packages(
         exclude=[
@@ -117,6 +137,9 @@ setup(
         "plot": ["matplotlib"],
         "test": ["pytest", "transformers", "safetensors", "matplotlib"],
         "dev": ["pytest", "ruff", "mypy", "transformers", "safetensors"],
+        # The documentation site (docs/conf.py): Sphinx with its own autodoc and
+        # napoleon, and furo, a maintained theme from the package index.
+        "docs": ["sphinx>=7", "furo"],
     },
     cmdclass=_cmdclass(),
     entry_points={

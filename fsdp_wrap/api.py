@@ -55,6 +55,9 @@ class ShardingStrategy(Enum):
         group whose gradients are all-reduced.
     ``_HYBRID_SHARD_ZERO2``
         ``SHARD_GRAD_OP`` within a shard group, replicated across groups.
+
+    The default is ``FULL_SHARD``.  :doc:`/plan` shows what each one holds
+    per rank for a given model before launch.
     """
 
     FULL_SHARD = auto()
@@ -97,12 +100,26 @@ class BackwardPrefetch(Enum):
 class MixedPrecision:
     """Dtypes used for compute, gradient reduction and buffers.
 
-    The sharded master parameters always stay in their original dtype; the
-    unsharded copy that forward and backward use is cast to ``param_dtype``
-    right after the all-gather of the full-precision shard (so all-gathers move
-    low-precision bytes).  ``reduce_dtype`` defaults to ``param_dtype`` when
-    only that is given.  ``buffer_dtype`` casts buffers at the first forward;
-    state dicts return buffers in their original dtype.
+    The sharded master parameters always stay in their original dtype.  Each
+    unit's shard is cast to ``param_dtype`` *before* its all-gather, so
+    all-gathers move low-precision bytes and forward and backward compute on
+    a low-precision unsharded copy, freed on the strategy's usual schedule.
+    Gradients are reduced in ``reduce_dtype`` (``param_dtype`` when only that
+    is given; set ``torch.float32`` for full-precision sums at twice the
+    bytes of bf16) and the reduced shard is cast back to the master dtype,
+    unless ``keep_low_precision_grads``.  ``buffer_dtype`` casts floating
+    buffers in place at lazy initialisation; FULL and SHARDED state dicts
+    return them in their original dtype.  ``cast_forward_inputs`` casts the
+    floating inputs of every unit, ``cast_root_forward_inputs`` (default) those
+    of the root.  With an ``auto_wrap_policy``, instances of
+    ``_module_classes_to_ignore`` (BatchNorm) become units of their own that
+    compute in full precision.  Inside ``summon_full_params`` and for state
+    dicts parameters are gathered in full precision.  Example, bf16 compute
+    with fp32 gradient sums::
+
+        MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+    Use :class:`~fsdp_wrap.sharded_grad_scaler.ShardedGradScaler` with fp16.
     """
 
     param_dtype: torch.dtype | None = None
@@ -120,14 +137,36 @@ class CPUOffload:
 
     With ``offload_params=True`` the optimizer steps on CPU; each unit's
     shard is copied to the compute device just before its all-gather, and the
-    reduced gradient shard is copied back to CPU after reduction.
+    reduced gradient shard is copied back to CPU after reduction.  Device
+    memory then holds only the units currently unsharded (and activations);
+    each step costs two host-device copies of every shard (three with
+    ``FULL_SHARD``'s backward gather) and a CPU optimizer step.  On CUDA the
+    shards are pinned; a CPU compute device works too (torch's FSDP1 refuses
+    it), which is useful to test scripts that offload on GPUs.
     """
 
     offload_params: bool = False
 
 
 class StateDictType(Enum):
-    """Which format ``state_dict()`` and ``load_state_dict()`` use."""
+    """Which format ``state_dict()`` and ``load_state_dict()`` use.
+
+    ``FULL_STATE_DICT``
+        The unwrapped model's keys with full tensors; saving gathers one unit
+        at a time, loading gathers nothing.  For small models, export, and
+        ``torch.save`` files.
+    ``SHARDED_STATE_DICT``
+        The same keys, each rank holding dim-0 chunks (``ShardedTensor`` or
+        ``DTensor``); nothing is gathered.  For training checkpoints with
+        ``torch.distributed.checkpoint``; loads at another world size.
+    ``LOCAL_STATE_DICT``
+        Each unit's raw flat shard; no collective.  Only the same job layout
+        reads it back.
+
+    Set it with :meth:`FullyShardedDataParallel.state_dict_type
+    <fsdp_wrap.FullyShardedDataParallel.state_dict_type>`; :doc:`/checkpointing`
+    compares them.
+    """
 
     FULL_STATE_DICT = auto()
     LOCAL_STATE_DICT = auto()
@@ -136,54 +175,86 @@ class StateDictType(Enum):
 
 @dataclass
 class StateDictConfig:
-    """Base of the model state-dict configs."""
+    """Base of the model state-dict configs.
+
+    ``offload_to_cpu=True`` copies the values to CPU as they are produced
+    (device memory for one unit at a time instead of the whole dict).
+    """
 
     offload_to_cpu: bool = False
 
 
 @dataclass
 class FullStateDictConfig(StateDictConfig):
-    """``rank0_only=True`` returns the full dict on rank 0 and ``{}`` elsewhere."""
+    """Config of ``FULL_STATE_DICT``.
+
+    ``rank0_only=True`` gathers each unit to rank 0 alone and returns the full
+    dict there and ``{}`` elsewhere; with ``offload_to_cpu=True`` as well,
+    rank 0 holds the model once, in CPU memory.  Loading needs the full dict
+    on every rank, whatever the config (broadcast it from rank 0 yourself).
+    """
 
     rank0_only: bool = False
 
 
 @dataclass
 class LocalStateDictConfig(StateDictConfig):
-    pass
+    """Config of ``LOCAL_STATE_DICT`` (only ``offload_to_cpu``)."""
 
 
 @dataclass
 class ShardedStateDictConfig(StateDictConfig):
-    """``_use_dtensor=True`` returns DTensor values instead of ShardedTensor."""
+    """Config of ``SHARDED_STATE_DICT``.
+
+    ``_use_dtensor=True`` returns ``DTensor`` values instead of
+    ``ShardedTensor`` (the default with a ``device_mesh``).
+    """
 
     _use_dtensor: bool = False
 
 
 @dataclass
 class OptimStateDictConfig:
-    """Base of the optimizer state-dict configs (note: offloads by default)."""
+    """Base of the optimizer state-dict configs.
+
+    Unlike the model's, ``offload_to_cpu`` defaults to ``True`` (torch's
+    default): optimizer states are copied to CPU as they are produced.
+    """
 
     offload_to_cpu: bool = True
 
 
 @dataclass
 class FullOptimStateDictConfig(OptimStateDictConfig):
+    """Config of the FULL optimizer state dict.
+
+    ``rank0_only=True`` keeps the result on rank 0 (``{}`` elsewhere); when
+    loading, rank 0's dict is broadcast to every rank.
+    """
+
     rank0_only: bool = False
 
 
 @dataclass
 class LocalOptimStateDictConfig(OptimStateDictConfig):
+    """Config of the LOCAL optimizer state dict (does not offload by default)."""
+
     offload_to_cpu: bool = False
 
 
 @dataclass
 class ShardedOptimStateDictConfig(OptimStateDictConfig):
+    """Config of the SHARDED optimizer state dict (``_use_dtensor`` as for the model's)."""
+
     _use_dtensor: bool = False
 
 
 @dataclass
 class StateDictSettings:
+    """The state-dict type and both configs of a module's units, as
+    :meth:`FullyShardedDataParallel.get_state_dict_type
+    <fsdp_wrap.FullyShardedDataParallel.get_state_dict_type>` returns them."""
+
     state_dict_type: StateDictType
     state_dict_config: StateDictConfig
     optim_state_dict_config: OptimStateDictConfig

@@ -50,7 +50,13 @@ from fsdp_wrap.runtime.state import TrainingState, UnitState
 __all__ = ["FullyShardedDataParallel", "OptimStateKeyType"]
 
 class OptimStateKeyType(Enum):
-    """Key type of an optimizer state dict's ``"state"``: FQN strings or ids."""
+    """Key type of an optimizer state dict's ``"state"`` (for :meth:`FullyShardedDataParallel.rekey_optim_state_dict`).
+
+    ``PARAM_NAME`` keys by the parameter's clean FQN (what
+    :meth:`~FullyShardedDataParallel.optim_state_dict` returns), ``PARAM_ID``
+    by its position in the optimizer's parameter groups (what
+    ``optimizer.state_dict()`` holds).
+    """
 
     PARAM_NAME = auto()
     PARAM_ID = auto()
@@ -66,16 +72,39 @@ class FullyShardedDataParallel(UnitState):
     ``sharding_strategy`` says, and gradients are reduce-scattered so every rank
     ends with the mean gradient of its shard.
 
-    The arguments, their order and defaults are torch's; see ``docs/`` for what
-    each one gathers or frees, and when.  Two keyword-only additions, whose
-    root's values count for its whole tree (``docs/options.rst``):
-    ``bucket_cap_mb`` (default ``$FSDP_WRAP_BUCKET_CAP_MB``, else 1)
-    reduces the gradients of consecutive units in one collective once their
-    (unsharded, ``reduce_dtype``) bytes reach the cap; 0 reduces each unit on
-    its own.  ``all_gather_batch_mb`` (default
-    ``$FSDP_WRAP_ALL_GATHER_BATCH_MB``, else 1; 0: off) lets a unit whose
-    gather is smaller gather the next units in the same collective, within
-    that many MiB.
+    The arguments, their order and defaults are torch's (:doc:`/options` says
+    what each one gathers or frees, and when).  ``auto_wrap_policy`` makes
+    nested units of the submodules it picks (:mod:`fsdp_wrap.wrap`), each
+    built with this call's arguments; the parameters no nested unit owns form
+    this unit's flat parameter.  Create the optimizer *after* wrapping: it
+    must step the flat (sharded) parameters, or with ``use_orig_params=True``
+    the original parameters, which are then views into them.
+
+    Construction checks the arguments before any collective.  It
+    communicates only for ``sync_module_states=True`` (broadcasts from rank
+    0) and, for hybrid strategies without explicit groups, to create the
+    shard and replicate groups.  The first forward (or state-dict call) runs
+    lazy initialisation: the outermost unit becomes the root and one
+    ``all_gather_object`` checks that every rank built the same units.
+
+    Two keyword-only additions, whose root's values count for its whole tree
+    (:doc:`/options`): ``bucket_cap_mb`` (default
+    ``$FSDP_WRAP_BUCKET_CAP_MB``, else 1) reduces the gradients of
+    consecutive units in one collective once their (unsharded,
+    ``reduce_dtype``) bytes reach the cap; 0 reduces each unit on its own.
+    ``all_gather_batch_mb`` (default ``$FSDP_WRAP_ALL_GATHER_BATCH_MB``, else
+    1; 0: off) lets a unit whose gather is smaller gather the next units in
+    the same collective, within that many MiB.
+
+    Example (under ``torchrun``, after ``dist.init_process_group``)::
+
+        model = FullyShardedDataParallel(
+            MyModel(),
+            auto_wrap_policy=ModuleWrapPolicy({MyBlock}),   # one unit per block
+            mixed_precision=MixedPrecision(param_dtype=torch.bfloat16),
+            device_id=torch.cuda.current_device(),
+        )
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     """
 
     def __init__(
@@ -188,6 +217,18 @@ class FullyShardedDataParallel(UnitState):
         return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Gather this unit's parameters, run the wrapped module, free them as the strategy says.
+
+        The root's first forward runs lazy initialisation (one
+        ``all_gather_object`` comparing every rank's units).  Then: floating
+        inputs are cast to ``mixed_precision.param_dtype`` where torch casts
+        them; this unit's flat parameter is all-gathered (unless a prefetch
+        or ``SHARD_GRAD_OP`` already holds it); the wrapped module runs on the
+        unsharded parameters; ``FULL_SHARD`` and ``HYBRID_SHARD`` free them
+        again, the other strategies keep them until the unit's backward.
+        Hooks on the outputs make backward gather the parameters again (where
+        they were freed) and reduce the gradients.
+        """
         handle = self._handle
         args, kwargs = _runtime.root_pre_forward(self, args, kwargs)
         mp = self.mixed_precision
@@ -209,21 +250,37 @@ class FullyShardedDataParallel(UnitState):
             yield (clean_fqn(name) if clean else name), param
 
     def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """As ``nn.Module``'s; inside ``summon_full_params`` the names are clean FQNs."""
         clean = self.training_state is TrainingState.SUMMON_FULL_PARAMS
         for name, buf in super().named_buffers(*args, **kwargs):
             yield (clean_fqn(name) if clean else name), buf
 
     def check_is_root(self) -> bool:
+        """Whether this unit is the root of its tree (the outermost unit).
+
+        Runs lazy initialisation if the tree has not run it yet; the first
+        time, that is one ``all_gather_object`` over the process group, so call
+        it on every rank.  Called on a nested unit before the root's first
+        forward, it makes that unit a root, as in torch.
+        """
         self._lazy_init()
         return bool(self._is_root)
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
-        """Every FSDP instance in ``module``'s tree (pre-order), ``module`` included."""
+        """Every FSDP instance in ``module``'s tree (pre-order), ``module`` included.
+
+        With ``root_only=True``, only the outermost ones.  No communication.
+        """
         return tree.units_under(module, root_only)  # type: ignore[return-value]
 
     def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:  # type: ignore[override]
-        """``nn.Module.apply`` with this unit's parameters gathered and written back."""
+        """``nn.Module.apply`` with this unit's parameters gathered and written back.
+
+        ``fn`` sees the full, unflattened parameters (as inside
+        :meth:`summon_full_params` with ``writeback=True``), typically to
+        initialise weights.  A collective: call it on every rank.
+        """
         uninitialised = self._is_root is None
         self._assert_state(
             TrainingState.IDLE,
@@ -256,7 +313,20 @@ class FullyShardedDataParallel(UnitState):
 
     @contextlib.contextmanager
     def no_sync(self) -> Generator[None, None, None]:
-        """Accumulate local, unreduced gradients; the next synced backward reduces them."""
+        """Inside the block, backward reduces nothing: gradients accumulate locally.
+
+        Root only, outside forward and backward.  No collective is issued for
+        gradients inside the block; each rank keeps its *unsharded* local
+        gradient per unit (memory the sharded strategies otherwise free), and
+        the first backward after the block reduces the accumulated gradients
+        together with its own.  Example, gradient accumulation::
+
+            with model.no_sync():
+                for batch in micro_batches[:-1]:
+                    loss_fn(model(batch)).backward()    # no communication
+            loss_fn(model(micro_batches[-1])).backward()  # reduces everything
+            optim.step()
+        """
         self._lazy_init()
         if not self._is_root:
             raise RuntimeError(
@@ -294,7 +364,9 @@ class FullyShardedDataParallel(UnitState):
 
         The local norms are computed in fp32, ``norm ** p`` is summed over ranks
         (max for ``inf``), and every gradient is scaled in place by
-        ``min(1, max_norm / (total + 1e-6))``.  Root only; a collective.
+        ``min(1, max_norm / (total + 1e-6))``.  Root only, between backward
+        and the optimizer step; one all-reduce of one scalar (none when no
+        unit is sharded).  Returns the total norm in the gradients' dtype.
         """
         self._lazy_init()
         if not self._is_root:
@@ -361,9 +433,18 @@ class FullyShardedDataParallel(UnitState):
         """Expose full, unflattened parameters inside the context.
 
         Every FSDP unit in ``module`` (only ``module`` itself if not
-        ``recurse``) is all-gathered; original parameters become full
-        ``nn.Parameter`` s.  With ``writeback`` changes are copied back to the
-        local shard on exit.  A collective.
+        ``recurse``) is all-gathered in full precision; original parameters
+        become full ``nn.Parameter`` s with clean names.  On exit each rank
+        copies its slice back into its shard (``writeback=True``) and the full
+        copies are freed.  ``rank0_only=True``: only rank 0 keeps the full
+        parameters (not with ``writeback``).  ``offload_to_cpu=True``: the full
+        copies move to CPU, one unit on the device at a time.
+        ``with_grads=True`` (``use_orig_params=True`` only): the mean gradients
+        are gathered onto ``.grad`` too.  A collective: one all-gather per
+        unit, on every rank; not during forward or backward.  Example::
+
+            with FullyShardedDataParallel.summon_full_params(model, writeback=False):
+                print(model.head.weight.shape)   # full shape on every rank
         """
         if recurse:
             states = FullyShardedDataParallel.fsdp_modules(module)
@@ -381,12 +462,29 @@ class FullyShardedDataParallel(UnitState):
         state_dict_config: StateDictConfig | None = None,
         optim_state_dict_config: OptimStateDictConfig | None = None,
     ) -> StateDictSettings:
+        """Set the state-dict type and configs of every FSDP unit in ``module``; return the old ones.
+
+        They apply to ``module.state_dict()``, ``module.load_state_dict()``,
+        :meth:`optim_state_dict` and :meth:`optim_state_dict_to_load` until set
+        again.  A config left ``None`` is the type's default
+        (:class:`~fsdp_wrap.FullStateDictConfig` and
+        :class:`~fsdp_wrap.FullOptimStateDictConfig` for ``FULL_STATE_DICT``,
+        and so on); a config of another type's class raises ``RuntimeError``.
+        Nothing is gathered or communicated.  :meth:`state_dict_type` does
+        the same for a ``with`` block and restores the old settings.
+        """
         return _state_dict.set_state_dict_type(
             module, state_dict_type, state_dict_config, optim_state_dict_config
         )
 
     @staticmethod
     def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+        """The :class:`~fsdp_wrap.StateDictSettings` every FSDP unit in ``module`` shares.
+
+        ``AssertionError`` if units differ (set them together with
+        :meth:`set_state_dict_type`); ``ValueError`` if ``module`` holds no
+        unit.  No communication.
+        """
         return _state_dict.get_state_dict_type(module)
 
     @staticmethod
@@ -399,7 +497,18 @@ class FullyShardedDataParallel(UnitState):
     ) -> Generator[None, None, None]:
         """Use ``state_dict_type`` for every FSDP unit in ``module`` inside the context.
 
-        Unlike torch's, the previous settings come back even if the body raises.
+        See :meth:`set_state_dict_type`; unlike torch's, the previous settings
+        come back even if the body raises.  What each type gathers and holds:
+        :doc:`/checkpointing`.  Example, a sharded checkpoint with DCP::
+
+            with FullyShardedDataParallel.state_dict_type(
+                model, StateDictType.SHARDED_STATE_DICT
+            ):
+                state = {
+                    "model": model.state_dict(),
+                    "optim": FullyShardedDataParallel.optim_state_dict(model, optim),
+                }
+            torch.distributed.checkpoint.save(state, checkpoint_id=path)
         """
         prev = FullyShardedDataParallel.set_state_dict_type(
             module, state_dict_type, state_dict_config, optim_state_dict_config
@@ -423,7 +532,20 @@ class FullyShardedDataParallel(UnitState):
         optim_state_dict: dict[str, Any] | None = None,
         group: Any = None,
     ) -> dict[str, Any]:
-        """``optim``'s state keyed by clean FQNs, in the model's state-dict type."""
+        """``optim``'s state keyed by clean FQNs, in the model's state-dict type.
+
+        The type and config come from :meth:`state_dict_type`.  FULL: each
+        unit's state tensors are all-gathered one state name at a time and
+        copied out (to CPU by default, ``offload_to_cpu=True``); with
+        ``rank0_only=True`` only rank 0 keeps them and the other ranks get
+        ``{}``.  SHARDED and LOCAL: every rank gets the dim-0 chunks of each
+        state (``ShardedTensor``, or ``DTensor`` with a device mesh), moved
+        between ranks piece by piece (one all-to-all per unit and state
+        name), nothing gathered.  Every rank must call it; it first checks
+        with one small all-gather that all ranks make the same call.
+        ``optim_state_dict`` (default ``optim.state_dict()``) and ``group``
+        are torch's arguments.
+        """
         return _osd.optim_state_dict(model, optim, optim_state_dict, group)
 
     @staticmethod
@@ -435,7 +557,22 @@ class FullyShardedDataParallel(UnitState):
         load_directly: bool = False,
         group: Any = None,
     ) -> dict[str, Any]:
-        """The inverse of :meth:`optim_state_dict`: a dict ``optim.load_state_dict`` takes."""
+        """The inverse of :meth:`optim_state_dict`: a dict ``optim.load_state_dict`` takes.
+
+        ``optim_state_dict`` is in the model's current state-dict type; the
+        result holds this rank's flat shards of every state.  FULL: no
+        collective (every rank holds the full dict and slices its own part),
+        except that with ``rank0_only=True`` rank 0's dict is broadcast.
+        SHARDED: each unit's pieces move to the ranks that own them (one
+        all-to-all), nothing gathered.  Every mismatch with the model and
+        optimizer is reported in one ``ValueError`` before any collective.
+        ``load_directly=True`` also calls ``optim.load_state_dict``.
+        ``is_named_optimizer=True`` raises ``NotImplementedError``.  Example::
+
+            with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+                osd = FullyShardedDataParallel.optim_state_dict_to_load(model, optim, saved)
+            optim.load_state_dict(osd)
+        """
         return _osd.optim_state_dict_to_load(
             model, optim, optim_state_dict, is_named_optimizer, load_directly, group
         )
@@ -448,6 +585,14 @@ class FullyShardedDataParallel(UnitState):
         rank0_only: bool = True,
         group: Any = None,
     ) -> dict[str, Any]:
+        """Legacy: the FULL optimizer state dict, full tensors on CPU (``FutureWarning``).
+
+        Same as :meth:`optim_state_dict` under ``FULL_STATE_DICT`` with
+        ``offload_to_cpu=True``: each unit's states are all-gathered one name
+        at a time; with ``rank0_only=True`` (the default here) only rank 0
+        keeps the result and the others get ``{}``.  A collective.
+        ``optim_input`` is deprecated (pass ``optim``).
+        """
         _warn_legacy_optim("full_optim_state_dict", "optim_state_dict")
         _warn_optim_input(optim_input)
         return _osd.full_optim_state_dict(model, optim, optim_input, rank0_only, group)
@@ -456,6 +601,12 @@ class FullyShardedDataParallel(UnitState):
     def sharded_optim_state_dict(
         model: nn.Module, optim: torch.optim.Optimizer, group: Any = None
     ) -> dict[str, Any]:
+        """Legacy: the SHARDED optimizer state dict (``FutureWarning``).
+
+        Same as :meth:`optim_state_dict` under ``SHARDED_STATE_DICT`` with
+        ``offload_to_cpu=True``: ``ShardedTensor`` chunks, moved piece by
+        piece, nothing gathered.  A collective.
+        """
         _warn_legacy_optim("sharded_optim_state_dict", "optim_state_dict")
         return _osd.sharded_optim_state_dict(model, optim, group)
 
@@ -466,6 +617,14 @@ class FullyShardedDataParallel(UnitState):
         optim_input: Any = None,
         optim: torch.optim.Optimizer | None = None,
     ) -> dict[str, Any]:
+        """Legacy: this rank's part of a FULL optimizer state dict, ready to load (``FutureWarning``).
+
+        Every rank passes the whole full dict (e.g. each ``torch.load`` s the
+        file) and keeps only the slices of its own shards; no communication.
+        Pass ``optim`` (``optim_input`` is deprecated) so the parameter groups
+        are the optimizer's.  Use :meth:`scatter_full_optim_state_dict` when
+        only rank 0 holds the dict.
+        """
         _warn_legacy_optim("shard_full_optim_state_dict", "optim_state_dict_to_load")
         _warn_optim_input(optim_input)
         return _osd.shard_full_optim_state_dict(full_optim_state_dict, model, optim_input, optim)
@@ -478,6 +637,12 @@ class FullyShardedDataParallel(UnitState):
         optim: torch.optim.Optimizer | None = None,
         group: Any = None,
     ) -> dict[str, Any]:
+        """Legacy: like :meth:`shard_full_optim_state_dict`, with the full dict on rank 0 only (``FutureWarning``).
+
+        Rank 0 passes the full dict, the other ranks ``None``; it is broadcast
+        (every rank holds all of it for a moment) and each rank keeps the
+        slices of its own shards.  A collective.
+        """
         _warn_legacy_optim("scatter_full_optim_state_dict", "optim_state_dict_to_load")
         _warn_optim_input(optim_input)
         return _osd.scatter_full_optim_state_dict(
@@ -488,6 +653,13 @@ class FullyShardedDataParallel(UnitState):
     def flatten_sharded_optim_state_dict(
         sharded_optim_state_dict: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
     ) -> dict[str, Any]:
+        """Legacy: a SHARDED optimizer state dict turned into one ``optim`` loads (``FutureWarning``).
+
+        The inverse of :meth:`sharded_optim_state_dict`, as
+        :meth:`optim_state_dict_to_load` under ``SHARDED_STATE_DICT``: each
+        unit's chunk pieces move to the ranks whose flat shards hold them (one
+        all-to-all), nothing gathered.  A collective.
+        """
         _warn_legacy_optim("flatten_sharded_optim_state_dict", "optim_state_dict_to_load")
         return _osd.flatten_sharded_optim_state_dict(sharded_optim_state_dict, model, optim)
 
@@ -499,6 +671,23 @@ class FullyShardedDataParallel(UnitState):
         optim_input: Any = None,
         optim: torch.optim.Optimizer | None = None,
     ) -> dict[str, Any]:
+        """Re-key an optimizer state dict by parameter name or by parameter id.
+
+        ``OptimStateKeyType.PARAM_NAME`` turns the ids of ``optim.state_dict()``
+        into clean FQNs (and ``param_groups``' ``params`` lists with them);
+        ``PARAM_ID`` turns names into the ids of ``optim`` (or of
+        ``model.parameters()`` when no optimizer is given), so a state dict
+        saved by FSDP loads into a plain model's optimizer and back.  A dict
+        already keyed that way is returned as is.  No communication.  An
+        optimizer stepping flat parameters of several originals
+        (``use_orig_params=False``) has no one name per id: that raises
+        ``RuntimeError``.  Example::
+
+            by_id = FullyShardedDataParallel.rekey_optim_state_dict(
+                saved, OptimStateKeyType.PARAM_ID, plain_model, optim=plain_optim
+            )
+            plain_optim.load_state_dict(by_id)
+        """
         _warn_optim_input(optim_input)
         return _osd.rekey_optim_state_dict(
             optim_state_dict, optim_state_key_type, model, optim_input, optim
@@ -512,7 +701,10 @@ class FullyShardedDataParallel(UnitState):
         ``hook(state, grad)`` for NO_SHARD units (reduce ``grad`` in place);
         ``hook(state, padded_unsharded_grad, output)`` for sharded units (write
         this rank's reduced shard into ``output``).  The hook owns the
-        averaging: the default pre/post division is skipped.
+        averaging: the default pre/post division is skipped, and gradient
+        buckets are not used.  Root only, once, not with hybrid strategies
+        (``AssertionError`` as in torch).  No communication itself; the hook
+        issues the reduction in every backward.
         """
         if not self.check_is_root():
             raise AssertionError("register_comm_hook can only be called on a root instance.")
@@ -533,6 +725,15 @@ class FullyShardedDataParallel(UnitState):
                 st._handle.grads.comm_hook = (state, hook)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict`` in the state-dict type set by :meth:`state_dict_type`.
+
+        FULL: every rank passes the full dict and copies its own slices into
+        its shards; nothing gathered, no collective beyond the call check.
+        SHARDED: each unit's chunk pieces move to the ranks owning them (one
+        all-to-all), nothing gathered.  LOCAL: the flat shards are copied in,
+        no collective.  Missing or unexpected keys and shape mismatches are
+        named by clean FQN.
+        """
         try:
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
         except RuntimeError as err:

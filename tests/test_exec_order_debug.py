@@ -174,7 +174,7 @@ def _reused_both() -> dict[str, list[int]]:
 
 
 def test_unit_run_twice_per_forward_is_not_a_change_of_order(pool2: Any) -> None:
-    # Deliberate difference (README): torch records a unit's first run only, so
+    # Deliberate difference (docs/features.rst): torch records a unit's first run only, so
     # the second run of a reused unit warns from the second iteration on,
     # although nothing changed; ours records every run of the first iteration.
     for out in pool2.run(_reused_both):

@@ -88,7 +88,7 @@ def test_transformers_trainer(tmp_path: Any) -> None:
         assert r[full + "/plain_vs_trained"] == 0.0
         # SHARDED: Accelerate loads the optimizer into a fresh optimizer's
         # (empty) state and so drops Adam's moments on torch's FSDP1 as well:
-        # fsdp_wrap resumes step for step as torch does (docs/frameworks.rst).
+        # fsdp_wrap resumes step for step as torch does (docs/frameworks/accelerate.rst).
         sharded = "ours/SHARDED_STATE_DICT/True"
         assert r[sharded + "/resumed"][:3] == r[sharded + "/losses"][:3]
         assert _close(r[sharded + "/resumed"], r[torch_run + "/resumed"]), r

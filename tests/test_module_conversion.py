@@ -88,7 +88,7 @@ def _ckpt_wrapper_run(cfg: dict[str, Any]) -> list[str]:
     gen = torch.Generator().manual_seed(100 + dist.get_rank())
     x = make_input("transformer", gen)
     saved, loaded, outcome = {}, {}, {}
-    torch_cannot = cfg["sd_type"] == "LOCAL_STATE_DICT" and cfg["uop"]  # README: deliberate
+    torch_cannot = cfg["sd_type"] == "LOCAL_STATE_DICT" and cfg["uop"]  # docs/features.rst: deliberate
     for impl in ("torch", "ours"):
         api = fsdp_api(impl)
         kw = fsdp_kwargs(impl, sharding_strategy=cfg["strategy"], use_orig_params=cfg["uop"],

@@ -130,7 +130,7 @@ def save_full_checkpoint(
     so that ``transformers``' ``from_pretrained(path)`` loads the checkpoint.
     ``on_unit(unit_fqn, done, total)`` is called on every rank after each unit
     (progress reporting).  With ``optim``, its state is written too
-    (``optimizer-*.safetensors``, see :mod:`._full_optim`): built as the
+    (``optimizer-*.safetensors``): built as the
     SHARDED optimizer state dict (nothing gathered; each rank holds a copy of
     its own share) and streamed to rank 0 the same way.  ``path`` appears only
     once every rank has finished

@@ -247,7 +247,17 @@ def _has_tensor(obj: Any) -> bool:
 
 
 def inspect(path: str, trust_pickle: bool = False) -> dict[str, Any]:
-    """What a checkpoint is, as a JSON-able dict (see :func:`format_inspection`)."""
+    """What a checkpoint is, as a JSON-able dict: no process group, nothing loaded but metadata.
+
+    ``path`` is a DCP directory, a ``torch.save`` file or a Hugging Face
+    safetensors directory.  The dict says which, who wrote it where that can
+    be told, the world size it was saved at, the optimizer state present, the
+    plain values, and every tensor with shape, dtype, bytes and chunk count
+    (``fsdp-wrap ckpt inspect`` prints it; ``format_inspection`` makes the
+    text).  ``torch.save`` files are read with ``weights_only=True`` unless
+    ``trust_pickle``.  A damaged or foreign input raises ``ValueError`` naming
+    what is wrong.
+    """
     src = open_source(path, trust_pickle)
     try:
         tensors = [lf for lf in src.leaves if lf.shape is not None]
@@ -370,7 +380,14 @@ def convert(
     """Write ``src_path`` as ``fmt`` (``"torch"``, ``"safetensors"`` or ``"dcp"``) at ``out``.
 
     The default format is ``"torch"`` for a DCP source and ``"dcp"`` otherwise.
-    Returns a one-line summary.  Refuses to overwrite ``out``.
+    Streams: one tensor is read, written and freed before the next, so the
+    peak memory is about the largest tensor, not the checkpoint.  A full
+    checkpoint converted to DCP holds each tensor as one chunk and resumes at
+    any world size through the SHARDED recipe.  ``include_optim=False``
+    leaves the optimizer state out; ``max_shard_size`` (bytes) bounds each
+    safetensors file.  Output goes to ``out + ".tmp-fsdp-wrap"`` and is
+    renamed when complete; an existing ``out`` raises ``FileExistsError``.
+    Returns a one-line summary.  No process group needed.
     """
     src = open_source(src_path, trust_pickle)
     try:
@@ -416,7 +433,15 @@ def convert(
 
 
 def consolidate(dcp_dir: str, out: str, fmt: str = "torch", **kwargs: Any) -> str:
-    """A DCP directory to one ``torch.save`` file or a HF safetensors directory, streaming."""
+    """A DCP directory to one ``torch.save`` file or a HF safetensors directory, streaming.
+
+    :func:`convert` with a DCP source: ``fmt="torch"`` writes the nested
+    dict a FULL save gives (``{"model": {...}, "optim": {...}, ...}``),
+    ``fmt="safetensors"`` a Hugging Face directory (model and optimizer
+    files with their indexes).  ``kwargs`` are :func:`convert`'s.  Example::
+
+        consolidate("ckpt/step-1000", "full.pt")     # then torch.load("full.pt")
+    """
     if not _dcp.is_dcp_dir(dcp_dir):
         if os.path.isdir(dcp_dir) or not os.path.exists(dcp_dir):
             _dcp.read_metadata(dcp_dir)  # raises the precise error

@@ -49,6 +49,11 @@ def enable_wrap(
     sharded before the whole model exists in memory.
 
     Nesting blocks is not supported and raises ``NotImplementedError``.
+    Example::
+
+        with enable_wrap(wrapper_cls=FullyShardedDataParallel, device_id=device):
+            blocks = [wrap(Block()) for _ in range(depth)]   # each sharded at once
+            model = FullyShardedDataParallel(Model(blocks))  # the root unit
     """
     if _WRAP_CONTEXT.get() is not None:
         raise NotImplementedError(

@@ -45,7 +45,10 @@ def always_wrap_policy(*args: Any, **kwargs: Any) -> bool:
     """Make every module reached by the traversal a unit of its own.
 
     Every submodule (not the root, which the outer FSDP call wraps) gets its
-    own unit, so each leaf's parameters are gathered and freed separately.
+    own unit, so each leaf's parameters are gathered and freed separately:
+    the lowest memory, and one all-gather and one reduction per module, whose
+    fixed latency dominates for small modules.  Pass the function itself:
+    ``auto_wrap_policy=always_wrap_policy``.
     """
     return True
 
@@ -78,6 +81,12 @@ def lambda_auto_wrap_policy(
 
     Bind ``lambda_fn`` with :func:`functools.partial`.  The traversal always
     descends, so the predicate is asked about every non-ignored submodule.
+    Example::
+
+        policy = functools.partial(
+            lambda_auto_wrap_policy,
+            lambda_fn=lambda m: isinstance(m, nn.Linear) and m.in_features >= 1024,
+        )
     """
     if recurse:
         return True
@@ -92,9 +101,14 @@ def transformer_auto_wrap_policy(
 ) -> bool:
     """Wrap every instance of the given layer classes (e.g. transformer blocks).
 
-    Same rule as :func:`_module_wrap_policy` with ``transformer_layer_cls`` as
-    the class set.  Parameters shared between layers (tied embeddings) must end
-    up in one unit, which is why the layers, not their parents, are wrapped.
+    The traversal always descends; a module becomes a unit when it is an
+    instance of one of ``transformer_layer_cls``.  Parameters shared between
+    layers (tied embeddings) must end up in one unit, which is why the layers,
+    not their parents, are wrapped.  The function form of
+    :class:`ModuleWrapPolicy`; bind the classes with
+    :func:`functools.partial`::
+
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
     """
     return _module_wrap_policy(module, recurse, nonwrapped_numel, transformer_layer_cls)
 
@@ -158,7 +172,10 @@ def size_based_auto_wrap_policy(
             (``{nn.ModuleList, nn.ModuleDict}``, which have no forward).
 
     A subtree smaller than the threshold is neither descended into nor wrapped;
-    its parameters stay with the nearest enclosing unit.
+    its parameters stay with the nearest enclosing unit.  Example, units of
+    at least 20M parameters::
+
+        policy = functools.partial(size_based_auto_wrap_policy, min_num_params=20_000_000)
     """
     leaf_classes: set[type[nn.Module]] = (
         size_based_auto_wrap_policy.FORCE_LEAF_MODULES  # type: ignore[attr-defined]
@@ -207,8 +224,14 @@ class _Policy(ABC):
 class ModuleWrapPolicy(_Policy):
     """Wrap every instance of the given classes, each with the root's kwargs.
 
-    The instance is also usable as a function policy (``__call__``), which is
-    the same rule as :func:`_module_wrap_policy`.
+    The usual policy for transformers: one unit per block, so one block is
+    gathered at a time (two with prefetching), and what is left (embeddings,
+    final norm, head) stays in the root unit.  Example::
+
+        FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
+
+    The instance is also usable as a function policy (``__call__``) with the
+    same rule.
     """
 
     def __init__(self, module_classes: Iterable[type[nn.Module]]) -> None:
@@ -256,7 +279,13 @@ class CustomPolicy(_Policy):
       updated by that dict (e.g. ``{"sharding_strategy": SHARD_GRAD_OP}`` for
       an output head that should stay gathered between forward and backward).
 
-    Any other return value raises ``ValueError``.
+    Any other return value raises ``ValueError``.  Example, blocks as units
+    and the head kept gathered from forward to backward::
+
+        CustomPolicy(
+            lambda m: isinstance(m, Block)
+            or (m is model.head and {"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP})
+        )
     """
 
     def __init__(self, lambda_fn: Callable[[nn.Module], bool | dict[str, Any]]) -> None:
