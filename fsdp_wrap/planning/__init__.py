@@ -77,7 +77,8 @@ def plan(
         bucket_cap_mb: the constructor's gradient bucket cap (default
             ``$FSDP_WRAP_BUCKET_CAP_MB``, else 1; resolved as the constructor
             does): gradients waiting in a bucket and a bucket's buffers in
-            flight add to the backward peak (:mod:`fsdp_wrap.planning._buckets`).
+            flight add to the backward peak (the planner replays the runtime's
+            bucket decisions: see "What is counted" in the plan docs).
         device: what the ranks compute on: ``"cuda"`` (NCCL: no staging
             buffers) or ``"cpu"`` (gloo: its measured staging buffers, and
             ``limit_all_gathers`` decides whether gathers overlap compute).
