@@ -298,11 +298,12 @@ def test_sigkill_midway_keeps_the_previous_checkpoint(pool2: Any, tmp_path: Any)
         assert err.startswith("ValueError: checkpoint ") and f"{step4}.incomplete is incomplete" in err
         assert "rank 1 never finished" in err and "rank 0 failed" in err
         assert f"the last complete one is {step2}" in err
-    # the offline tool says the same and refuses it
+    # the offline tool says the same and refuses it (a failure: exit 1, one line)
     proc = run_bounded(
         [sys.executable, "-m", "fsdp_wrap", "ckpt", "inspect", step4], env=env, cwd=REPO, timeout=120,
     )
-    assert proc.returncode == 2 and "rank 1 never finished" in proc.stderr, proc.stderr
+    assert proc.returncode == 1 and "rank 1 never finished" in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("fsdp-wrap ckpt: error: checkpoint ") and proc.stderr.count("\n") == 1
 
 
 def _load_after_kill(root: str) -> str:
