@@ -188,7 +188,6 @@ class FullyShardedDataParallel(UnitState):
         return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        handle = self._handle
         args, kwargs = _runtime.root_pre_forward(self, args, kwargs)
         mp = self.mixed_precision
         # The root casts for cast_root_forward_inputs; every unit, the root
@@ -198,9 +197,9 @@ class FullyShardedDataParallel(UnitState):
             mp.cast_forward_inputs or (self._is_root and mp.cast_root_forward_inputs)
         ):
             args, kwargs = _runtime.cast_floating((args, kwargs), mp.param_dtype)
-        _runtime.pre_forward(self, handle)
+        _runtime.pre_forward(self, (args, kwargs))
         output = self._fsdp_wrapped_module(*args, **kwargs)
-        return _runtime.post_forward(self, handle, output)
+        return _runtime.post_forward(self, output)
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         """As ``nn.Module``'s; inside ``summon_full_params`` the names are clean FQNs."""
@@ -242,7 +241,9 @@ class FullyShardedDataParallel(UnitState):
         parameter is what gets converted, as in torch."""
         from fsdp_wrap.handle.writeback import flat_param_exposed
 
-        with flat_param_exposed(self.__dict__.get("_handle")):
+        with contextlib.ExitStack() as stack:
+            for h in self.__dict__.get("_handles", []):
+                stack.enter_context(flat_param_exposed(h))
             return super()._apply(*args, **kwargs)
 
     def _lazy_init(self) -> None:
@@ -529,8 +530,8 @@ class FullyShardedDataParallel(UnitState):
                 raise AssertionError("A communication hook is already registered")
         for st in states:
             st._comm_hook, st._comm_hook_state = hook, state
-            if st._handle is not None:
-                st._handle.grads.comm_hook = (state, hook)
+            for h in st._handles:
+                h.grads.comm_hook = (state, hook)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         try:

@@ -87,14 +87,14 @@ def collect_unit_params(
 def check_unit_params(
     params: Sequence[tuple[str, nn.Module, str, nn.Parameter]], where: str, use_orig_params: bool
 ) -> None:
-    """Raise what FSDP raises for parameters that cannot share one flat parameter.
+    """Raise what FSDP raises for parameters no flat parameter can hold.
 
     ``where`` ends each message (e.g. ``"(rank 0, FSDP unit 'blocks.0')"``).
+    Mixed dtypes and mixed ``requires_grad`` are not refused: a unit splits
+    them into several flat parameters (:func:`split_unit_params`).
     """
     if not params:
         raise ValueError(f"Cannot construct a FlatParamHandle with no parameters {where}")
-    first_fqn, *_ = params[0]
-    dtype = params[0][3].dtype
     devices = {p.device for *_, p in params}
     if len(devices) > 1:
         raise RuntimeError(
@@ -110,6 +110,19 @@ def check_unit_params(
             raise ValueError(
                 f"Cannot flatten integer dtype tensors: '{fqn}' is {p.dtype} {where}"
             )
+
+
+def check_flat_group(
+    params: Sequence[tuple[str, nn.Module, str, nn.Parameter]], where: str, use_orig_params: bool
+) -> None:
+    """Raise torch's error for parameters that cannot share *one* flat parameter.
+
+    A unit never hands a handle such a group (it splits first); this guards
+    the handle itself, with torch's sentences.
+    """
+    first_fqn, *_ = params[0]
+    dtype = params[0][3].dtype
+    for fqn, _, _, p in params:
         if p.dtype != dtype:
             raise ValueError(
                 f"Must flatten tensors with uniform dtype but got {dtype} and {p.dtype} "
@@ -119,9 +132,43 @@ def check_unit_params(
         frozen = [fqn for fqn, *_, p in params if not p.requires_grad]
         raise ValueError(
             "Must flatten tensors with uniform `requires_grad` when `use_orig_params=False` "
-            f"{where}: frozen {frozen} sit with trainable parameters. Wrap the frozen "
-            "parameters in their own FSDP unit or pass use_orig_params=True."
+            f"{where}: frozen {frozen} sit with trainable parameters in one flat parameter."
         )
+
+
+def split_unit_params(
+    params: Sequence[tuple[str, nn.Module, str, nn.Parameter]],
+    shared: Sequence[tuple[str, nn.Module, str, int]],
+) -> list[tuple[list[tuple[str, nn.Module, str, nn.Parameter]],
+                list[tuple[str, nn.Module, str, int]]]]:
+    """A unit's parameters as the groups that each make one flat parameter.
+
+    One flat parameter has one dtype and one ``requires_grad``, so a unit
+    mixing them (LoRA adapters beside a frozen base, fp32 adapters beside a
+    bf16 base) gets one group per ``(requires_grad, dtype)``.  Trainable groups
+    come first (the first flat parameter is the one torch's single-flat-param
+    API, ``_flat_param``, shows), then frozen ones; groups and the parameters
+    inside each keep the walk's order.  Shared references follow the
+    parameter they name, with ``index`` into their group.  A uniform unit is
+    one group, exactly as before.
+    """
+    keys: list[tuple[bool, torch.dtype]] = []
+    for *_, p in params:
+        key = (p.requires_grad, p.dtype)
+        if key not in keys:
+            keys.append(key)
+    keys.sort(key=lambda k: not k[0])  # stable: trainable first, walk order kept
+    group_of: dict[int, tuple[int, int]] = {}  # index in params -> (group, index in group)
+    groups: list[tuple[list[tuple[str, nn.Module, str, nn.Parameter]],
+                       list[tuple[str, nn.Module, str, int]]]] = [([], []) for _ in keys]
+    for i, entry in enumerate(params):
+        g = keys.index((entry[3].requires_grad, entry[3].dtype))
+        group_of[i] = (g, len(groups[g][0]))
+        groups[g][0].append(entry)
+    for fqn, mod, name, idx in shared:
+        g, j = group_of[idx]
+        groups[g][1].append((fqn, mod, name, j))
+    return groups
 
 
 def alignment(compute_dtype: torch.dtype, use_orig_params: bool) -> int:
