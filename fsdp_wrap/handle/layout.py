@@ -107,8 +107,40 @@ def check_unit_params(
                 f"{fqn} to a 1D tensor with numel equal to 1. {where}"
             )
         if not (p.is_floating_point() or p.is_complex()):
+            hint = (
+                "; 8-bit quantized weights (bitsandbytes load_in_8bit) cannot be flattened "
+                "(their scales live on the Parameter object): load the base in 4-bit "
+                "(load_in_4bit with bnb_4bit_quant_storage set to the dtype you compute in) or "
+                "leave those modules out of FSDP (ignored_states)"
+            ) if p.dtype == torch.int8 else ""
             raise ValueError(
-                f"Cannot flatten integer dtype tensors: '{fqn}' is {p.dtype} {where}"
+                f"Cannot flatten integer dtype tensors: '{fqn}' is {p.dtype} {where}{hint}"
+            )
+
+
+def is_quantized(param: nn.Parameter) -> bool:
+    """A bitsandbytes 4-bit weight: packed integers stored in ``param.dtype``
+    (``bnb_4bit_quant_storage``), with its quantization state on the object."""
+    return bool(getattr(param, "bnb_quantized", False)) or getattr(param, "quant_state", None) is not None
+
+
+def check_quantized_storage(
+    params: Sequence[tuple[str, nn.Module, str, nn.Parameter]], param_dtype: torch.dtype | None,
+    where: str,
+) -> None:
+    """Refuse a compute dtype that would cast packed quantized weights.
+
+    A 4-bit weight's elements are packed integers that only look like
+    ``bnb_4bit_quant_storage`` values: casting them (``MixedPrecision.param_dtype``)
+    turns the weights into noise without any error, so it is refused here.
+    """
+    for fqn, _, _, p in params:
+        if param_dtype is not None and param_dtype != p.dtype and is_quantized(p):
+            raise ValueError(
+                f"MixedPrecision(param_dtype={param_dtype}) would cast the quantized weight "
+                f"'{fqn}', whose {p.dtype} storage holds packed 4-bit values, and corrupt it "
+                f"{where}. Quantize with bnb_4bit_quant_storage={param_dtype} (the dtype you "
+                f"compute in), or use param_dtype={p.dtype}"
             )
 
 

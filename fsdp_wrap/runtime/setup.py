@@ -28,7 +28,12 @@ from fsdp_wrap.comm.bucket import GradBuckets
 from fsdp_wrap.handle.config import HandleConfig
 from fsdp_wrap.handle.flat_param import FlatParamHandle
 from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME
-from fsdp_wrap.handle.layout import check_unit_params, collect_unit_params, split_unit_params
+from fsdp_wrap.handle.layout import (
+    check_quantized_storage,
+    check_unit_params,
+    collect_unit_params,
+    split_unit_params,
+)
 from fsdp_wrap.runtime.exec_order import ExecOrder
 from fsdp_wrap.runtime.state import TrainingState, UnitState, is_unit
 
@@ -144,9 +149,10 @@ def build_handle(
     construct.check_no_cross_unit_sharing(module, params, state.rank)
     state._handles = []
     if params:
-        check_unit_params(params, f"(rank {state.rank}, FSDP unit '<root>')",
-                          state._use_orig_params)
+        where = f"(rank {state.rank}, FSDP unit '<root>')"
+        check_unit_params(params, where, state._use_orig_params)
         mp = state.mixed_precision
+        check_quantized_storage(params, mp.param_dtype, where)
         config = HandleConfig(
             device=state.compute_device,
             strategy=state.sharding_strategy,
