@@ -112,6 +112,10 @@ setup(
         # The frameworks fsdp_wrap.install() is tested against (tests/test_frameworks.py):
         # Accelerate and the transformers Trainer, Lightning Fabric and Trainer.
         "frameworks": ["accelerate", "transformers", "lightning"],
+        # Fine-tuning (docs/fine_tuning.rst, tests/test_peft.py): PEFT's LoRA on a
+        # Hugging Face model, and bitsandbytes >= 0.50, the first release that
+        # quantizes NF4 and runs Linear4bit on CPU, for QLoRA.
+        "finetune": ["peft", "bitsandbytes>=0.50", "transformers"],
         "test": ["pytest", "transformers", "safetensors"],
         "dev": ["pytest", "ruff", "mypy", "transformers", "safetensors"],
     },
