@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp_wrap
+from tests._dist import DistPool, progress
 
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
@@ -134,7 +135,10 @@ def test_lora_trains_like_torch_with_only_adapter_gradients(pool2: Any) -> None:
 
 
 def _qlora_rows() -> list[Any]:
-    out: list[Any] = [_train("torch", True, True), _train("ours", True, True), _train("ours", False, True)]
+    out: list[Any] = []
+    for impl, uop in (("torch", True), ("ours", True), ("ours", False)):
+        out.append(_train(impl, uop, True))
+        progress()
     try:
         _wrap("ours", tiny_llama(True), False,
               mixed_precision=fsdp_wrap.MixedPrecision(param_dtype=torch.float32))
@@ -153,9 +157,16 @@ def _qlora_rows() -> list[Any]:
 
 
 @pytest.mark.slow
-def test_qlora_nf4_on_cpu(pool2: Any) -> None:
+def test_qlora_nf4_on_cpu() -> None:
     pytest.importorskip("bitsandbytes")
-    for (ref, torch_ratio), *ours, refusal, int8 in pool2.run(_qlora_rows):
+    # Importing bitsandbytes alone takes over a minute on a busy 2-core machine:
+    # a pool of its own with a longer no-progress timeout.
+    pool = DistPool(2, timeout=600)
+    try:
+        results = pool.run(_qlora_rows)
+    finally:
+        pool.close()
+    for (ref, torch_ratio), *ours, refusal, int8 in results:
         for losses, ratio in ours:
             # bf16 compute, the same kernels on the same packed weights: equal
             assert losses == pytest.approx(ref, rel=2**-8), (losses, ref)
