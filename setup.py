@@ -135,6 +135,10 @@ setup(
         # matplotlib: `fsdp-wrap plan --plot` and the demo's loss plot (pictures only;
         # the library never needs it).  The tests check the pictures, hence "test".
         "plot": ["matplotlib"],
+        # Fine-tuning (docs/fine_tuning.rst, tests/test_peft.py): PEFT's LoRA on a
+        # Hugging Face model, and bitsandbytes >= 0.50, the first release that
+        # quantizes NF4 and runs Linear4bit on CPU, for QLoRA.
+        "finetune": ["peft", "bitsandbytes>=0.50", "transformers"],
         "test": ["pytest", "transformers", "safetensors", "matplotlib"],
         "dev": ["pytest", "ruff", "mypy", "transformers", "safetensors"],
         # The documentation site (docs/conf.py): Sphinx with its own autodoc and

@@ -222,14 +222,13 @@ class FullyShardedDataParallel(UnitState):
         The root's first forward runs lazy initialisation (one
         ``all_gather_object`` comparing every rank's units).  Then: floating
         inputs are cast to ``mixed_precision.param_dtype`` where torch casts
-        them; this unit's flat parameter is all-gathered (unless a prefetch
+        them; this unit's flat parameters are all-gathered (unless a prefetch
         or ``SHARD_GRAD_OP`` already holds it); the wrapped module runs on the
         unsharded parameters; ``FULL_SHARD`` and ``HYBRID_SHARD`` free them
         again, the other strategies keep them until the unit's backward.
         Hooks on the outputs make backward gather the parameters again (where
         they were freed) and reduce the gradients.
         """
-        handle = self._handle
         args, kwargs = _runtime.root_pre_forward(self, args, kwargs)
         mp = self.mixed_precision
         # The root casts for cast_root_forward_inputs; every unit, the root
@@ -239,9 +238,9 @@ class FullyShardedDataParallel(UnitState):
             mp.cast_forward_inputs or (self._is_root and mp.cast_root_forward_inputs)
         ):
             args, kwargs = _runtime.cast_floating((args, kwargs), mp.param_dtype)
-        _runtime.pre_forward(self, handle)
+        _runtime.pre_forward(self, (args, kwargs))
         output = self._fsdp_wrapped_module(*args, **kwargs)
-        return _runtime.post_forward(self, handle, output)
+        return _runtime.post_forward(self, output)
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         """As ``nn.Module``'s; inside ``summon_full_params`` the names are clean FQNs."""
@@ -299,7 +298,9 @@ class FullyShardedDataParallel(UnitState):
         parameter is what gets converted, as in torch."""
         from fsdp_wrap.handle.writeback import flat_param_exposed
 
-        with flat_param_exposed(self.__dict__.get("_handle")):
+        with contextlib.ExitStack() as stack:
+            for h in self.__dict__.get("_handles", []):
+                stack.enter_context(flat_param_exposed(h))
             return super()._apply(*args, **kwargs)
 
     def _lazy_init(self) -> None:
@@ -721,8 +722,8 @@ class FullyShardedDataParallel(UnitState):
                 raise AssertionError("A communication hook is already registered")
         for st in states:
             st._comm_hook, st._comm_hook_state = hook, state
-            if st._handle is not None:
-                st._handle.grads.comm_hook = (state, hook)
+            for h in st._handles:
+                h.grads.comm_hook = (state, hook)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """``nn.Module.load_state_dict`` in the state-dict type set by :meth:`state_dict_type`.

@@ -54,12 +54,20 @@ def make_model(kind: str, seed: int = 0) -> nn.Module:
         return m
     if kind == "tied":
         return Tied()
+    if kind == "lora":  # units mixing frozen and trainable parameters (split by fsdp_wrap)
+        from tests.models import LoraNet
+
+        return LoraNet()
     raise ValueError(kind)
 
 
 def policy(kind: str) -> Any:
     if kind == "seq":
         return ModuleWrapPolicy({nn.Linear})
+    if kind == "lora":
+        from tests.models import LoraBlock
+
+        return ModuleWrapPolicy({LoraBlock})
     return ModuleWrapPolicy({nn.Sequential})
 
 
@@ -83,6 +91,8 @@ def batch(kind: str, step: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
     if kind == "seq":
         return torch.randn(5, 4, generator=g)
+    if kind == "lora":
+        return torch.randn(3, 4, 5, generator=g)
     return torch.randint(0, 10, (3, 2), generator=g)
 
 

@@ -232,6 +232,75 @@ def wrap_deep(impl: str, model: DeepNest, **kw: Any) -> nn.Module:
 
 
 # ---------------------------------------------------------------------------
+# 4. LoRA-shaped units: frozen base weights beside small trainable adapters
+# ---------------------------------------------------------------------------
+
+
+class LoraLinear(nn.Module):
+    """A frozen base ``Linear`` (in ``base_dtype``) plus a trainable rank-``r``
+    update in float32, as PEFT's LoRA layer: ``base(x) + B(A(x))``.  A base in
+    another dtype computes in its own dtype (as a quantized base does)."""
+
+    def __init__(self, d_in: int, d_out: int, r: int = 2,
+                 base_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.base = nn.Linear(d_in, d_out).to(base_dtype).requires_grad_(False)
+        self.lora_A = nn.Linear(d_in, r, bias=False)
+        self.lora_B = nn.Linear(r, d_out, bias=False)
+        nn.init.normal_(self.lora_B.weight, std=0.3)  # (PEFT starts it at 0: A would get no grad)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = self.base(x.to(self.base.weight.dtype)).to(x.dtype)
+        return base + self.lora_B(self.lora_A(x))
+
+
+class LoraBlock(nn.Module):
+    """A frozen norm, a LoRA projection, a frozen up-projection and a LoRA
+    down-projection: one unit holding frozen and trainable parameters (and,
+    with ``base_dtype`` float64, two dtypes)."""
+
+    def __init__(self, d: int = DIM, h: int = HIDDEN,
+                 base_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d).requires_grad_(False)
+        self.q = LoraLinear(d, d, base_dtype=base_dtype)
+        self.up = nn.Linear(d, h).requires_grad_(False)
+        self.down = LoraLinear(h, d, base_dtype=base_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.q(self.norm(x))
+        x = x + self.down(torch.relu(self.up(x)))
+        gain = getattr(self, "gain", None)  # (LoraNet(tiny_trainable=True))
+        return x if gain is None else x * gain
+
+
+class LoraNet(nn.Module):
+    """Frozen input projection (so the first block's input needs no grad), two
+    LoRA blocks, a trainable head.  ``tiny_trainable``: only one element per
+    block trains (a rank's shard of every trainable flat parameter is empty
+    at 2+ ranks)."""
+
+    def __init__(self, base_dtype: torch.dtype = torch.float32,
+                 tiny_trainable: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, DIM).requires_grad_(False)
+        self.b0 = LoraBlock(base_dtype=base_dtype)
+        self.b1 = LoraBlock(base_dtype=base_dtype)
+        self.out = nn.Linear(DIM, 3)
+        if tiny_trainable:
+            self.requires_grad_(False)
+            for b in (self.b0, self.b1):
+                b.register_parameter("gain", nn.Parameter(torch.ones(1)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.b1(self.b0(self.inp(x))))
+
+
+def lora_policy(impl: str) -> Any:
+    return wrap_api(impl).ModuleWrapPolicy({LoraBlock})
+
+
+# ---------------------------------------------------------------------------
 # registry used by the sweeps
 # ---------------------------------------------------------------------------
 

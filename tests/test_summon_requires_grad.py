@@ -121,14 +121,26 @@ def _with_grads_run(cfg: dict[str, Any]) -> list[str]:
     gen = torch.Generator().manual_seed(100 + dist.get_rank())
     fails: list[str] = []
 
+    # fsdp_wrap splits a unit mixing frozen and trainable parameters
+    # (docs/fine_tuning.rst): frozen ones never get a gradient, where torch's
+    # one flat parameter shows zeros for them, and each rank's 1-D pieces
+    # (which parameters have a local gradient outside summon) follow the split.
+    frozen = {n.replace("_fsdp_wrapped_module.", "") for n, p in base.named_parameters()
+              if not p.requires_grad}
+
     def look(when: str) -> None:
         inside = {}
         for impl, m in models.items():
             with fsdp_api(impl).FullyShardedDataParallel.summon_full_params(m, with_grads=True):
                 inside[impl] = _grads(m)
+        for n, g in inside["torch"]:
+            if n in frozen and g is not None and bool(g.abs().max() > 0):
+                fails.append(f"{tag} {when}: torch's gradient of frozen {n} is not zero")
+        inside["torch"] = [(n, None if n in frozen else g) for n, g in inside["torch"]]
         fails.extend(f"{tag} {when}, inside: {e}" for e in _cmp_grads("", *inside.values()))
-        after = {impl: _grads(m) for impl, m in models.items()}
-        fails.extend(f"{tag} {when}, after: {e}" for e in _cmp_grads("", *after.values()))
+        if not frozen:
+            after = {impl: _grads(m) for impl, m in models.items()}
+            fails.extend(f"{tag} {when}, after: {e}" for e in _cmp_grads("", *after.values()))
 
     look("before any forward")
     for step in range(3):

@@ -119,6 +119,8 @@ SWEEPS: dict[str, tuple[str, str, int, Callable[[], list[Any]]]] = {
                            lambda: importlib.import_module("tests.test_state_dict_buffers")._configs()[:2]),
     "summon-full-params": ("tests.test_summon_full_params", "_sweep", 2,
                            lambda: importlib.import_module("tests.test_summon_full_params")._configs()[:2]),
+    "split-flat": ("tests.test_split_flat", "_sweep", 2,
+                   lambda: importlib.import_module("tests.test_split_flat")._configs(2)[:2]),
     "summon-frozen": ("tests.test_summon_requires_grad", "_frozen_sweep", 2,
                       lambda: importlib.import_module("tests.test_summon_requires_grad")._frozen_configs()[:2]),
     "summon-with-grads": ("tests.test_summon_requires_grad", "_with_grads_sweep", 2,

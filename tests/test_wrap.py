@@ -981,9 +981,11 @@ def run_frozen(
 
 
 def test_frozen_params_error() -> None:
-    ours = run_frozen("ours", "object", use_orig_params=False)
-    assert ours == run_frozen("torch", "object", use_orig_params=False)
-    assert ours[0] == (
+    """torch refuses a unit mixing frozen and trainable parameters without
+    use_orig_params; fsdp_wrap splits it into two flat parameters instead."""
+    assert run_frozen("ours", "object", use_orig_params=False) == (None, [])
+    theirs = run_frozen("torch", "object", use_orig_params=False)
+    assert theirs[0] == (
         "1 has both parameters with requires_grad=True and False. FSDP does not support wrapping such modules "
         "when use_orig_params=False. If possible, wrap the frozen parameters with FSDP separately.\n"
         "The following parameters have requires_grad=True:\n['1.fc1.bias', '1.fc2.weight', '1.fc2.bias']\n"
@@ -992,10 +994,12 @@ def test_frozen_params_error() -> None:
 
 
 def test_frozen_params_warning() -> None:
-    ours = run_frozen("ours", "object", use_orig_params=True)
-    assert ours == run_frozen("torch", "object", use_orig_params=True)
-    assert ours[0] is None
-    assert ours[1] == [
+    """torch warns that the frozen part costs gradient memory; with the split
+    it costs none, so fsdp_wrap does not warn."""
+    assert run_frozen("ours", "object", use_orig_params=True) == (None, [])
+    theirs = run_frozen("torch", "object", use_orig_params=True)
+    assert theirs[0] is None
+    assert theirs[1] == [
         (
             "1 has both parameters with requires_grad=True and False. We do not recommend wrapping such modules "
             "since the gradient memory usage will be higher than expected (144 numel instead of 80 numel before "
@@ -1012,44 +1016,32 @@ def test_frozen_params_not_checked_for_function_policies() -> None:
 
 
 def test_frozen_params_root_unit_and_nested_units() -> None:
-    """The root is checked only if the policy picked it; inner units take their params first."""
-    model = section4_model()
-    model[0].weight.requires_grad_(False)
-    policy = our_wrap.ModuleWrapPolicy({Block})
-    our_wrap._auto_wrap(
-        model, policy, set(), set(), our_root_kwargs(policy), FakeWrap
-    )  # root not picked: OK
+    """torch's check (kept as ``_check_frozen_params``, no longer run by the
+    auto-wrap pass, which splits such units) looks at the root only if the
+    policy picked it; inner units take their params first."""
     model = section4_model()
     model[0].weight.requires_grad_(False)
     policy = our_wrap.ModuleWrapPolicy({Block, nn.Sequential})
-    with pytest.raises(ValueError, match=r"^ has both parameters") as info:
-        our_wrap._auto_wrap(
-            model, policy, set(), set(), our_root_kwargs(policy), FakeWrap
-        )
-    assert "requires_grad=True:\n['3.weight', '3.bias']" in str(info.value)
-    # An ignored frozen param does not count.
+    our_wrap._auto_wrap(model, policy, set(), set(), our_root_kwargs(policy), FakeWrap)
+    assert set(structure(model)) == {"1", "2"}  # (no refusal: the root unit splits)
     model = section4_model()
     model[0].weight.requires_grad_(False)
-    ignored_modules, ignored_params = ignored_of(model, "0")
-    our_wrap._auto_wrap(
-        model,
-        policy,
-        ignored_modules,
-        ignored_params,
-        our_root_kwargs(policy),
-        FakeWrap,
-    )
-    assert set(structure(model)) == {"1", "2"}
+    our_wrap._check_frozen_params(model, {model[1], model[2]}, set(), False, stacklevel=1)
+    with pytest.raises(ValueError, match=r"^ has both parameters") as info:
+        our_wrap._check_frozen_params(model, {model, model[1], model[2]}, set(), False,
+                                      stacklevel=1)
+    assert "requires_grad=True:\n['3.weight', '3.bias']" in str(info.value)
+    # An ignored frozen param does not count.
+    our_wrap._check_frozen_params(model, {model, model[1], model[2]}, {model[0].weight}, False,
+                                  stacklevel=1)
 
 
 def test_auto_wrap_accepts_torch_policy_object() -> None:
     """A policy object from torch's module takes the one-pass path (duck typing)."""
     model = frozen_model(section4_model())
     policy = torch_wrap.ModuleWrapPolicy({Block})
-    with pytest.raises(ValueError, match="has both parameters"):
-        our_wrap._auto_wrap(
-            model, policy, set(), set(), our_root_kwargs(policy), FakeWrap
-        )
+    our_wrap._auto_wrap(model, policy, set(), set(), our_root_kwargs(policy), FakeWrap)
+    assert set(structure(model)) == {"1", "2"}  # (a mixed unit is split, not refused)
     model = section4_model()
     our_wrap._auto_wrap(model, policy, set(), set(), our_root_kwargs(policy), FakeWrap)
     assert set(structure(model)) == {"1", "2"}

@@ -35,7 +35,6 @@ import fsdp_wrap.checkpoint._full_optim as _full_optim
 import fsdp_wrap.checkpoint._safetensors as _safetensors
 from fsdp_wrap.checkpoint._safetensors import Entry, ShardedWriter
 from fsdp_wrap.comm.collectives import global_rank
-from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME
 from fsdp_wrap.handle.layout import walk_unit_modules
 from fsdp_wrap.runtime.names import clean_fqn
 
@@ -94,8 +93,7 @@ def plan_entries(model: FSDP) -> dict[str, Entry]:
     """
     out: dict[str, Entry] = {}
     for unit_name, st in _units(model):
-        h = st._handle
-        if h is not None:
+        for h in st._handles:
             for i, info in enumerate(h.infos):
                 for key in _names(h, unit_name, i):
                     out[key] = Entry(key, tuple(info.shape), h.orig_dtype)
@@ -236,8 +234,8 @@ def _stream_units(
 ) -> None:
     units = _units(root)
     for done, (unit_name, st) in enumerate(units, start=1):
-        if st._handle is not None:
-            _stream_handle(st._handle, unit_name, sink, window_bytes)
+        for h in st._handles:
+            _stream_handle(h, unit_name, sink, window_bytes)
         if sink.writer is not None:
             for name, tensor, dtype in _unmanaged_tensors(unit_name, st):
                 flat = tensor.detach().to(dtype).reshape(-1)
@@ -300,13 +298,14 @@ def _unmanaged_tensors(unit_name: str, st: FSDP) -> list[tuple[str, torch.Tensor
     """Persistent buffers (in their original dtype) and parameters FSDP does not manage
     of the modules this unit owns: every rank holds them whole."""
     cls = _fsdp_cls()
-    h = st._handle
-    managed = set() if h is None else {id(i.param) for i in h.infos} | {id(h.flat_param)}
+    managed = {id(i.param) for h in st._handles for i in h.infos}
+    managed |= {id(h.flat_param) for h in st._handles}
+    flat_names = {h.flat_name for h in st._handles}
     out: list[tuple[str, torch.Tensor, torch.dtype]] = []
     for mod_fqn, mod in walk_unit_modules(st._fsdp_wrapped_module, lambda m: isinstance(m, cls)):
         rel_mod = clean_fqn(mod_fqn + "." if mod_fqn else "").rstrip(".")
         for n, p in mod._parameters.items():
-            if p is not None and id(p) not in managed and n != FLAT_PARAM_NAME:
+            if p is not None and id(p) not in managed and n not in flat_names:
                 out.append((_join(unit_name, _join(rel_mod, n)), p, p.dtype))
         for n, b in mod._buffers.items():
             if b is not None and n not in mod._non_persistent_buffers_set:
@@ -396,8 +395,7 @@ def _tied_groups(root: FSDP) -> list[list[str]]:
     """The clean names of every flattened parameter that has tied aliases."""
     groups = []
     for unit_name, st in _units(root):
-        h = st._handle
-        if h is not None:
+        for h in st._handles:
             for index in sorted({s.index for s in h.shared}):
                 groups.append(_names(h, unit_name, index))
     return groups
@@ -437,8 +435,7 @@ def load_full_checkpoint(
 
         with torch.no_grad():
             for unit_name, st in _units(root):
-                h = st._handle
-                if h is not None:
+                for h in st._handles:
                     h.invalidate_unsharded()
                     for i, info in enumerate(h.infos):
                         sl = h.param_shard_slice(i)

@@ -38,6 +38,7 @@ from fsdp_wrap.handle.layout import (
     ParamInfo,
     SharedParamInfo,
     alignment,
+    check_flat_group,
     check_unit_params,
 )
 from fsdp_wrap.handle.views import ParamViews
@@ -66,8 +67,13 @@ class FlatParamHandle:
         shared: Sequence[tuple[str, nn.Module, str, int]],
         config: HandleConfig,
         unit_fqn: str = "",
+        flat_name: str = FLAT_PARAM_NAME,
     ) -> None:
         self.config = config
+        # The name the flat parameter is registered under on the unit's module
+        # (``_flat_param``; a unit split into several flat parameters numbers
+        # the others ``_flat_param_1``, ...).
+        self.flat_name = flat_name
         self.module = module  # the unit's wrapped module
         self.unit_fqn = unit_fqn
         self.device, self.strategy = config.device, config.strategy
@@ -86,14 +92,15 @@ class FlatParamHandle:
         self.async_gathers = config.device.type != "cpu" or not config.limit_all_gathers
         self._skip_writeback_check = os.environ.get("FSDP_SKIP_WRITEBACK_CHECK", "") == "1"
         self._use_full_prec_in_eval = config.use_full_prec_in_eval  # FSDP_USE_FULL_PREC_IN_EVAL
-        check_unit_params(params, f"(rank {self.rank}, FSDP unit '{unit_fqn or '<root>'}')",
-                          self.use_orig_params)
+        where = f"(rank {self.rank}, FSDP unit '{unit_fqn or '<root>'}')"
+        check_unit_params(params, where, self.use_orig_params)
+        check_flat_group(params, where, self.use_orig_params)
         self._init_layout(params, shared)
         flat = self._init_flat_param(params)
         self._init_parts()
         self._release_original_storage()
         if not self.use_orig_params:
-            module._parameters[FLAT_PARAM_NAME] = self.flat_param
+            module._parameters[self.flat_name] = self.flat_param
             self.views.install_stale(flat)
         if flat.untyped_storage().data_ptr() != self.local_shard.untyped_storage().data_ptr():
             flat.untyped_storage().resize_(0)
@@ -175,6 +182,7 @@ class FlatParamHandle:
         self.views = ParamViews(
             self.module, self.infos, self.shared, self.layout, self._shard_slices,
             use_orig_params=self.use_orig_params, sharded=self.uses_sharded_strategy,
+            flat_name=self.flat_name,
         )
 
     def adopt_flat_param_data(self) -> None:

@@ -87,14 +87,14 @@ def collect_unit_params(
 def check_unit_params(
     params: Sequence[tuple[str, nn.Module, str, nn.Parameter]], where: str, use_orig_params: bool
 ) -> None:
-    """Raise what FSDP raises for parameters that cannot share one flat parameter.
+    """Raise what FSDP raises for parameters no flat parameter can hold.
 
     ``where`` ends each message (e.g. ``"(rank 0, FSDP unit 'blocks.0')"``).
+    Mixed dtypes and mixed ``requires_grad`` are not refused: a unit splits
+    them into several flat parameters (:func:`split_unit_params`).
     """
     if not params:
         raise ValueError(f"Cannot construct a FlatParamHandle with no parameters {where}")
-    first_fqn, *_ = params[0]
-    dtype = params[0][3].dtype
     devices = {p.device for *_, p in params}
     if len(devices) > 1:
         raise RuntimeError(
@@ -107,9 +107,54 @@ def check_unit_params(
                 f"{fqn} to a 1D tensor with numel equal to 1. {where}"
             )
         if not (p.is_floating_point() or p.is_complex()):
+            hint = (
+                "; 8-bit quantized weights (bitsandbytes load_in_8bit) cannot be flattened "
+                "(their scales live on the Parameter object): load the base in 4-bit "
+                "(load_in_4bit with bnb_4bit_quant_storage set to the dtype you compute in) or "
+                "leave those modules out of FSDP (ignored_states)"
+            ) if p.dtype == torch.int8 else ""
             raise ValueError(
-                f"Cannot flatten integer dtype tensors: '{fqn}' is {p.dtype} {where}"
+                f"Cannot flatten integer dtype tensors: '{fqn}' is {p.dtype} {where}{hint}"
             )
+
+
+def is_quantized(param: nn.Parameter) -> bool:
+    """A bitsandbytes 4-bit weight: packed integers stored in ``param.dtype``
+    (``bnb_4bit_quant_storage``), with its quantization state on the object."""
+    return bool(getattr(param, "bnb_quantized", False)) or getattr(param, "quant_state", None) is not None
+
+
+def check_quantized_storage(
+    params: Sequence[tuple[str, nn.Module, str, nn.Parameter]], param_dtype: torch.dtype | None,
+    where: str,
+) -> None:
+    """Refuse a compute dtype that would cast packed quantized weights.
+
+    A 4-bit weight's elements are packed integers that only look like
+    ``bnb_4bit_quant_storage`` values: casting them (``MixedPrecision.param_dtype``)
+    turns the weights into noise without any error, so it is refused here.
+    """
+    for fqn, _, _, p in params:
+        if param_dtype is not None and param_dtype != p.dtype and is_quantized(p):
+            raise ValueError(
+                f"MixedPrecision(param_dtype={param_dtype}) would cast the quantized weight "
+                f"'{fqn}', whose {p.dtype} storage holds packed 4-bit values, and corrupt it "
+                f"{where}. Quantize with bnb_4bit_quant_storage={param_dtype} (the dtype you "
+                f"compute in), or use param_dtype={p.dtype}"
+            )
+
+
+def check_flat_group(
+    params: Sequence[tuple[str, nn.Module, str, nn.Parameter]], where: str, use_orig_params: bool
+) -> None:
+    """Raise torch's error for parameters that cannot share *one* flat parameter.
+
+    A unit never hands a handle such a group (it splits first); this guards
+    the handle itself, with torch's sentences.
+    """
+    first_fqn, *_ = params[0]
+    dtype = params[0][3].dtype
+    for fqn, _, _, p in params:
         if p.dtype != dtype:
             raise ValueError(
                 f"Must flatten tensors with uniform dtype but got {dtype} and {p.dtype} "
@@ -119,9 +164,43 @@ def check_unit_params(
         frozen = [fqn for fqn, *_, p in params if not p.requires_grad]
         raise ValueError(
             "Must flatten tensors with uniform `requires_grad` when `use_orig_params=False` "
-            f"{where}: frozen {frozen} sit with trainable parameters. Wrap the frozen "
-            "parameters in their own FSDP unit or pass use_orig_params=True."
+            f"{where}: frozen {frozen} sit with trainable parameters in one flat parameter."
         )
+
+
+def split_unit_params(
+    params: Sequence[tuple[str, nn.Module, str, nn.Parameter]],
+    shared: Sequence[tuple[str, nn.Module, str, int]],
+) -> list[tuple[list[tuple[str, nn.Module, str, nn.Parameter]],
+                list[tuple[str, nn.Module, str, int]]]]:
+    """A unit's parameters as the groups that each make one flat parameter.
+
+    One flat parameter has one dtype and one ``requires_grad``, so a unit
+    mixing them (LoRA adapters beside a frozen base, fp32 adapters beside a
+    bf16 base) gets one group per ``(requires_grad, dtype)``.  Trainable groups
+    come first (the first flat parameter is the one torch's single-flat-param
+    API, ``_flat_param``, shows), then frozen ones; groups and the parameters
+    inside each keep the walk's order.  Shared references follow the
+    parameter they name, with ``index`` into their group.  A uniform unit is
+    one group, exactly as before.
+    """
+    keys: list[tuple[bool, torch.dtype]] = []
+    for *_, p in params:
+        key = (p.requires_grad, p.dtype)
+        if key not in keys:
+            keys.append(key)
+    keys.sort(key=lambda k: not k[0])  # stable: trainable first, walk order kept
+    group_of: dict[int, tuple[int, int]] = {}  # index in params -> (group, index in group)
+    groups: list[tuple[list[tuple[str, nn.Module, str, nn.Parameter]],
+                       list[tuple[str, nn.Module, str, int]]]] = [([], []) for _ in keys]
+    for i, entry in enumerate(params):
+        g = keys.index((entry[3].requires_grad, entry[3].dtype))
+        group_of[i] = (g, len(groups[g][0]))
+        groups[g][0].append(entry)
+    for fqn, mod, name, idx in shared:
+        g, j = group_of[idx]
+        groups[g][1].append((fqn, mod, name, j))
+    return groups
 
 
 def alignment(compute_dtype: torch.dtype, use_orig_params: bool) -> int:

@@ -39,7 +39,9 @@ class ParamViews:
         *,
         use_orig_params: bool,
         sharded: bool,
+        flat_name: str = FLAT_PARAM_NAME,
     ) -> None:
+        self.flat_name = flat_name  # registered under this name on ``module``
         self.module = module  # the unit's wrapped module (holds the flat parameter)
         self.infos, self.shared = infos, shared
         self._segments, self._info_segment = layout.segments, layout.info_segment
@@ -271,7 +273,7 @@ class ParamViews:
                     info.param.data = info.param.data.new_empty(0)
                 for shared in self.shared:
                     shared.module._parameters.pop(shared.name, None)
-                self.module._parameters[FLAT_PARAM_NAME] = flat_param
+                self.module._parameters[self.flat_name] = flat_param
                 self._install_views(self._stale_views)
                 self.params_registered = False
             return
@@ -314,7 +316,7 @@ class ParamViews:
             self._set_param(info.module, info.name, info.param)
         for shared in self.shared:
             self._set_param(shared.module, shared.name, self.infos[shared.index].param)
-        self.module._parameters.pop(FLAT_PARAM_NAME, None)
+        self.module._parameters.pop(self.flat_name, None)
         self.params_registered = True
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_wrap.api import ShardingStrategy
-from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME, HandleState
+from fsdp_wrap.handle.flat_tensor import HandleState
 from fsdp_wrap.handle.grads import FlatGrads, _assign_grad
 from fsdp_wrap.handle.layout import ParamInfo, SharedParamInfo
 
@@ -43,6 +43,7 @@ class OwningHandle(Protocol):
     infos: list[ParamInfo]
     shared: list[SharedParamInfo]
     module: nn.Module
+    flat_name: str
     rank: int
     unit_fqn: str
     strategy: ShardingStrategy
@@ -246,10 +247,10 @@ def flat_param_exposed(handle: OwningHandle | None) -> Generator[None, None, Non
         info.module._parameters.pop(info.name, None)
     for shared in handle.shared:
         shared.module._parameters.pop(shared.name, None)
-    params[FLAT_PARAM_NAME] = handle.flat_param
+    params[handle.flat_name] = handle.flat_param
     try:
         yield
     finally:
-        params.pop(FLAT_PARAM_NAME, None)
+        params.pop(handle.flat_name, None)
         handle.adopt_flat_param_data()
         handle.use_sharded_views()

@@ -369,8 +369,8 @@ def check_no_cross_unit_sharing(
     """A parameter owned by a nested unit cannot also belong to this unit."""
     owned: dict[nn.Parameter, str] = {}
     for name, sub in module.named_modules():
-        if isinstance(sub, UnitState) and sub._handle is not None:
-            for info in sub._handle.infos:
+        if isinstance(sub, UnitState):
+            for info in (i for h in sub._handles for i in h.infos):
                 owned[info.param] = f"{name}.{info.fqn}"
     for fqn, *_, p in params:
         if p in owned:

@@ -43,17 +43,19 @@ if TYPE_CHECKING:
 
 
 def register_handle_hooks(state: UnitState) -> None:
-    """The unit's gradient hooks: reduce when the flat gradient is complete and,
-    for sharded strategies, free the unsharded data once every view's gradient
-    arrived.  A fully frozen unit gets none (the end-of-backward callback
-    reshards it)."""
-    handle = state._handle
-    if handle is None or not handle.flat_param.requires_grad:
-        return
-    handle.flat_param.register_post_accumulate_grad_hook(make_post_backward_hook(state, handle))
-    if handle.uses_sharded_strategy:
-        # (NO_SHARD's unsharded data is the parameter: nothing to free early)
-        handle.views.on_view_grads_ready = make_early_free_hook(state, handle)
+    """The unit's gradient hooks, per trainable flat parameter: reduce when its
+    flat gradient is complete and, for sharded strategies, free its unsharded
+    data once every view's gradient arrived.  Frozen flat parameters get none:
+    they are freed once the unit's input gradients are computed
+    (:func:`_register_frozen_free`), else by the end-of-backward callback."""
+    for handle in state._handles:
+        if not handle.flat_param.requires_grad:
+            continue
+        handle.flat_param.register_post_accumulate_grad_hook(
+            make_post_backward_hook(state, handle))
+        if handle.uses_sharded_strategy:
+            # (NO_SHARD's unsharded data is the parameter: nothing to free early)
+            handle.views.on_view_grads_ready = make_early_free_hook(state, handle)
 
 
 # ----------------------------------------------------------------- forward
@@ -101,7 +103,7 @@ def _buffers_for_eval(root: UnitState) -> None:
     (torch decides on the root's unit, or on any unit if the root has none)."""
     if not root._use_full_prec_in_eval:
         return  # (the flag is the same on every unit: checked at lazy init)
-    handles = [root._handle] if root._handle is not None else root._all_handles
+    handles = root._handles or root._all_handles
     full = any(h.computes_in_full_precision for h in handles)
     if full == root._buffers_in_full_precision:
         return
@@ -113,34 +115,95 @@ def _buffers_for_eval(root: UnitState) -> None:
     root._buffers_in_full_precision = full
 
 
-def pre_forward(state: UnitState, handle: FlatParamHandle | None) -> None:
-    """Gather this unit's parameters and expose them as unsharded views."""
+def pre_forward(state: UnitState, inputs: Any = None) -> None:
+    """Gather this unit's parameters (all its flat parameters) and expose them
+    as unsharded views; ``inputs`` (the forward's arguments) tell when a
+    frozen flat parameter's backward is over."""
     state.training_state = TrainingState.FORWARD_BACKWARD
-    if handle is None:
+    handles = state._handles
+    if not handles:
         return
     root = state._root
-    if root._exec_order.order_check is not None and state.training:
-        root._exec_order.order_check.check(handle)
-    root._exec_order.record_pre_forward(handle)
+    order = root._exec_order
+    for handle in handles:
+        if order.order_check is not None and state.training:
+            order.order_check.check(handle)
+        order.record_pre_forward(handle)
     # No batching in a forward without grad (see fsdp_wrap.comm.gather_batch), nor
     # in a checkpointed forward recomputed in backward: the forward order's
     # next units are then the ones whose backward is already done.
     batch_bytes = (root._all_gather_batch_bytes
                    if torch.is_grad_enabled() and not in_backward() else 0)
-    gather_ahead(handle, batch_bytes, root._exec_order.next_in_forward)
-    handle.finish_unshard(full_precision=handle.computes_in_full_precision)
+    chain = functools.partial(_next_in_forward, root)
+    gather_ahead(handles[0], batch_bytes, chain)
+    for handle in handles:
+        handle.finish_unshard(full_precision=handle.computes_in_full_precision)
     if state.forward_prefetch:
-        nxt = root._exec_order.next_in_forward(handle)
+        nxt = order.next_in_forward(handles[-1])
         if nxt is not None:
-            gather_ahead(nxt, batch_bytes, root._exec_order.next_in_forward)
-            nxt.start_unshard(full_precision=nxt.computes_in_full_precision)
-    handle.use_unsharded_views(track_graph=True)
+            _start_unit_gathers(root._state_of[nxt], batch_bytes, chain)
+    for handle in handles:
+        handle.use_unsharded_views(track_graph=True)
+    _register_frozen_free(state, inputs)
 
 
-def post_forward(state: UnitState, handle: FlatParamHandle | None, output: Any) -> Any:
+def _next_in_forward(root: UnitState, handle: FlatParamHandle) -> FlatParamHandle | None:
+    """The flat parameter gathered after ``handle``'s: the next of its own unit,
+    else the first of the unit after it in the recorded forward order."""
+    siblings = root._state_of[handle]._handles
+    i = siblings.index(handle)
+    if i + 1 < len(siblings):
+        return siblings[i + 1]
+    return root._exec_order.next_in_forward(handle)
+
+
+def _start_unit_gathers(state: UnitState, batch_bytes: int,
+                        chain: Callable[[FlatParamHandle], FlatParamHandle | None]) -> None:
+    """Start gathering every flat parameter of ``state`` (a prefetch)."""
+    gather_ahead(state._handles[0], batch_bytes, chain)
+    for h in state._handles:
+        h.start_unshard(full_precision=h.computes_in_full_precision)
+
+
+def _register_frozen_free(state: UnitState, inputs: Any) -> None:
+    """A unit with frozen flat parameters frees them once the gradients of its
+    forward's inputs are computed: its backward no longer needs them (torch's
+    reshard-only hook).  Inputs without grad: the end-of-backward callback
+    frees them.  Several forwards before one backward: the last one frees."""
+    if (not torch.is_grad_enabled() or inputs is None
+            or all(h.flat_param.requires_grad for h in state._handles)):
+        return
+    tensors: list[torch.Tensor] = []
+
+    def collect(t: torch.Tensor) -> torch.Tensor:
+        if t.requires_grad:
+            tensors.append(t)
+        return t
+
+    map_tensors(collect, inputs)
+    if not tensors:
+        return
+    state._frozen_open_graphs += 1
+    registered: list[Any] = []
+
+    def free_frozen(grads: Any) -> None:
+        for r in registered:
+            r.remove()
+        state._frozen_open_graphs -= 1
+        if state._frozen_open_graphs > 0:
+            return
+        sync = state._sync_gradients
+        for h in state._handles:
+            if not h.flat_param.requires_grad and (h.is_unsharded or h.holds_unsharded_storage):
+                h.reshard(free=h.uses_sharded_strategy and (sync or h.reshard_after_forward))
+
+    registered.append(torch.autograd.graph.register_multi_grad_hook(tensors, free_frozen))
+
+
+def post_forward(state: UnitState, output: Any) -> Any:
     """Reshard as the strategy says and hook the outputs for backward."""
     grad_enabled = torch.is_grad_enabled()
-    if handle is not None:
+    for handle in state._handles:
         state._root._exec_order.record_post_forward(handle)
         if not grad_enabled or handle.frees_copy_after_forward:
             handle.reshard(free=True)
@@ -148,13 +211,13 @@ def post_forward(state: UnitState, handle: FlatParamHandle | None, output: Any) 
             handle.reshard(free=True)
     if grad_enabled:
         state._root._forward_pending_backward = True
-        output = _register_pre_backward_hooks(state, handle, output)
+        output = _register_pre_backward_hooks(state, output)
     state.training_state = TrainingState.IDLE
     return output
 
 
-def _register_pre_backward_hooks(state: UnitState, handle: FlatParamHandle | None, output: Any) -> Any:
-    hook = functools.partial(_pre_backward_hook, state, handle)
+def _register_pre_backward_hooks(state: UnitState, output: Any) -> Any:
+    hook = functools.partial(_pre_backward_hook, state)
 
     def register(t: torch.Tensor) -> torch.Tensor:
         if t.requires_grad:
@@ -167,9 +230,7 @@ def _register_pre_backward_hooks(state: UnitState, handle: FlatParamHandle | Non
 # ---------------------------------------------------------------- backward
 
 
-def _pre_backward_hook(
-    state: UnitState, handle: FlatParamHandle | None, grad: torch.Tensor
-) -> torch.Tensor | None:
+def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor | None:
     """Runs when the gradient of one of the unit's outputs is ready.
 
     Idempotent within a backward: only the first output to arrive acts.
@@ -182,14 +243,19 @@ def _pre_backward_hook(
         return None
     state._ran_pre_backward = True
     state.training_state = TrainingState.FORWARD_BACKWARD
-    if handle is not None:
+    handles = state._handles
+    if not handles:
+        return None
+    for handle in handles:
         if (handle.use_orig_params and handle.is_unsharded and handle.uses_sharded_strategy
                 and not handle.reshard_after_forward):
             # Kept unsharded since forward: the views must be the forward's.
             check_unchanged_since_forward(handle, handle.views.compute_views)
-        root = state._root
-        gather_ahead(handle, root._all_gather_batch_bytes,
-                     functools.partial(_next_backward_pending, root))
+    root = state._root
+    # (backward order: the unit's flat parameters last to first, then the unit before)
+    gather_ahead(handles[-1], root._all_gather_batch_bytes,
+                 functools.partial(_next_backward_pending, root))
+    for handle in handles:
         handle.finish_unshard(full_precision=handle.computes_in_full_precision)
         # Hooks run with grad disabled; reentrant activation checkpointing
         # recomputes the forward through these views and needs them tracked
@@ -198,8 +264,9 @@ def _pre_backward_hook(
         if not handle.forward_views_reusable():
             with torch.enable_grad():
                 handle.use_unsharded_views()
-        if state.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-            _prefetch_backward(state, handle)
+    if state.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+        _prefetch_backward(state)
+    for handle in handles:
         handle.grads.prepare_gradient_for_backward()
     return None
 
@@ -216,7 +283,7 @@ def make_post_backward_hook(state: UnitState, handle: FlatParamHandle) -> Callab
         sync = state._sync_gradients
         handle.reshard(free=handle.uses_sharded_strategy and (sync or handle.reshard_after_forward))
         if state.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-            _prefetch_backward(state, handle)
+            _prefetch_backward(state)
         if sync and state._optims_in_backward:
             # The optimizers step right after this unit's own reduction: alone.
             state._root._grad_buckets.reduce(handle.grads, sync, alone=True)
@@ -254,21 +321,28 @@ def make_early_free_hook(state: UnitState, handle: FlatParamHandle) -> Callable[
 
 
 def _next_backward_pending(root: UnitState, handle: FlatParamHandle) -> FlatParamHandle | None:
-    """The unit whose backward comes after ``handle``'s, unless it already began."""
+    """The flat parameter whose backward comes after ``handle``'s (the one before
+    it in its unit, else the unit before), unless that other unit's backward
+    already began."""
     nxt = root._exec_order.next_in_backward(handle)
-    if nxt is None or root._state_of[nxt]._ran_pre_backward:
+    if nxt is None:
+        return None
+    unit = root._state_of[nxt]
+    if unit is not root._state_of[handle] and unit._ran_pre_backward:
         return None
     return nxt
 
 
-def _prefetch_backward(state: UnitState, handle: FlatParamHandle) -> None:
+def _prefetch_backward(state: UnitState) -> None:
     """Start gathering the unit whose backward comes next, if it has not begun."""
     root = state._root
-    nxt = _next_backward_pending(root, handle)
+    nxt = _next_backward_pending(root, state._handles[0])
     if nxt is not None:
-        gather_ahead(nxt, root._all_gather_batch_bytes,
+        unit = root._state_of[nxt]
+        gather_ahead(unit._handles[-1], root._all_gather_batch_bytes,
                      functools.partial(_next_backward_pending, root))
-        nxt.start_unshard(full_precision=nxt.computes_in_full_precision)
+        for h in unit._handles:
+            h.start_unshard(full_precision=h.computes_in_full_precision)
 
 
 def _queue_final_callback(root: UnitState) -> None:
@@ -294,8 +368,7 @@ def finalize_units(root: UnitState, free_all: bool) -> None:
     # which restore_parked_grad below would take for "no gradient this step".
     root._grad_buckets.finish()
     for state in root._all_fsdp_states:
-        handle = state._handle
-        if handle is not None:
+        for handle in state._handles:
             keep = not free_all and not state._sync_gradients and not handle.reshard_after_forward
             if handle.is_unsharded or handle.holds_unsharded_storage:
                 handle.reshard(free=not keep)
@@ -305,6 +378,8 @@ def finalize_units(root: UnitState, free_all: bool) -> None:
                 # forward still awaiting its backward (several forwards before
                 # one backward) keeps its count, so nothing is freed early.
                 handle.views.forget_graphs()
+        if not free_all:
+            state._frozen_open_graphs = 0
         state._ran_pre_backward = False
         state.training_state = TrainingState.IDLE
     root._final_callback_queued = False

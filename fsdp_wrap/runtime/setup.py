@@ -27,7 +27,13 @@ from fsdp_wrap.api import (
 from fsdp_wrap.comm.bucket import GradBuckets
 from fsdp_wrap.handle.config import HandleConfig
 from fsdp_wrap.handle.flat_param import FlatParamHandle
-from fsdp_wrap.handle.layout import collect_unit_params
+from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME
+from fsdp_wrap.handle.layout import (
+    check_quantized_storage,
+    check_unit_params,
+    collect_unit_params,
+    split_unit_params,
+)
 from fsdp_wrap.runtime.exec_order import ExecOrder
 from fsdp_wrap.runtime.state import TrainingState, UnitState, is_unit
 
@@ -97,6 +103,7 @@ def init_runtime_state(state: UnitState, bucket_cap_mb: float, batch_mb: float) 
     state._ran_pre_backward = False
     state._final_callback_queued = False
     state._forward_pending_backward = False
+    state._frozen_open_graphs = 0
     state._exec_order = ExecOrder()
     # Used at the root only (the root's value counts for the whole tree).
     state._grad_buckets = GradBuckets(int(bucket_cap_mb * 1024 * 1024))
@@ -135,13 +142,17 @@ def place_module(
 def build_handle(
     state: UnitState, module: nn.Module, pg_state: construct.ProcessGroupState
 ) -> None:
-    """Flatten the unit's own parameters into one :class:`FlatParamHandle`
-    (none for a unit without parameters)."""
+    """Flatten the unit's own parameters into its :class:`FlatParamHandle` s:
+    none for a unit without parameters, one per ``(requires_grad, dtype)``
+    group otherwise (``handle.layout.split_unit_params``; docs/fine_tuning.rst)."""
     params, shared = collect_unit_params(module, _stops_walk(state), state._ignored_params)
     construct.check_no_cross_unit_sharing(module, params, state.rank)
-    state._handle = None
+    state._handles = []
     if params:
+        where = f"(rank {state.rank}, FSDP unit '<root>')"
+        check_unit_params(params, where, state._use_orig_params)
         mp = state.mixed_precision
+        check_quantized_storage(params, mp.param_dtype, where)
         config = HandleConfig(
             device=state.compute_device,
             strategy=state.sharding_strategy,
@@ -160,5 +171,9 @@ def build_handle(
             limit_all_gathers=state.limit_all_gathers,
             use_full_prec_in_eval=state._use_full_prec_in_eval,
         )
-        state._handle = FlatParamHandle(module, params, shared, config)  # FQN set at lazy init
-    state.params = [state._handle.flat_param] if state._handle is not None else []
+        for i, (group, group_shared) in enumerate(split_unit_params(params, shared)):
+            name = FLAT_PARAM_NAME if i == 0 else f"{FLAT_PARAM_NAME}_{i}"
+            # (FQNs set at lazy init)
+            state._handles.append(FlatParamHandle(module, group, group_shared, config,
+                                                  flat_name=name))
+    state.params = [h.flat_param for h in state._handles]

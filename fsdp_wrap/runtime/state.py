@@ -47,15 +47,17 @@ class UnitState(nn.Module):
     A module (the façade is one): lower layers may register hooks on it and
     walk its tree.
 
-    Per unit: the wrapped module, the handle of its flat parameter (``None``
-    for a unit without parameters), its process groups and options.  Per tree,
+    Per unit: the wrapped module, the handles of its flat parameters (none for
+    a unit without parameters; several where the unit mixes dtypes or frozen
+    and trainable parameters, trainable first), its process groups and
+    options.  Per tree,
     kept on the root only: every unit and handle (``_all_fsdp_states``,
     ``_all_handles``, ``_state_of``), the execution order, the gradient buckets.
     """
 
     # the wrapped module and its flat parameter
     _fsdp_wrapped_module: nn.Module
-    _handle: FlatParamHandle | None
+    _handles: list[FlatParamHandle]
     params: list[nn.Parameter]
     _ignored_modules: set[nn.Module]
     _ignored_params: set[nn.Parameter]
@@ -91,6 +93,7 @@ class UnitState(nn.Module):
     _ran_pre_backward: bool
     _final_callback_queued: bool
     _forward_pending_backward: bool
+    _frozen_open_graphs: int  # forwards whose frozen flat parameters await their backward
     _buffers_in_full_precision: bool
     _optims_in_backward: bool
     # the tree (root bookkeeping)
@@ -102,6 +105,13 @@ class UnitState(nn.Module):
     _exec_order: ExecOrder
     _grad_buckets: GradBuckets
     _all_gather_batch_bytes: int
+
+    @property
+    def _handle(self) -> FlatParamHandle | None:
+        """The unit's first flat parameter's handle (torch's one-handle name,
+        which frameworks read); the library itself walks ``_handles``."""
+        handles = self.__dict__.get("_handles")
+        return handles[0] if handles else None
 
 
 def is_unit(module: object) -> bool:

@@ -36,7 +36,7 @@ def check_options(
                 f"with_grads={with_grads}, use_orig_params={uop}, offload_to_cpu={offload_to_cpu} "
                 "is not supported yet"
             )
-        if offload_to_cpu and st._handle is not None and not st._handle.uses_sharded_strategy:
+        if offload_to_cpu and st._handles and not st._handles[0].uses_sharded_strategy:
             raise NotImplementedError("offload_to_cpu=True and NO_SHARD is not supported yet")
         if writeback and rank0_only:
             raise NotImplementedError("writeback=True and rank0_only=True is not supported yet")
@@ -67,38 +67,24 @@ def summon(
 ) -> Generator[None, None, None]:
     check_options(states, writeback, rank0_only, offload_to_cpu, with_grads)
     for st in states:
-        if st._handle is not None:
-            if st._handle.use_orig_params:
+        for h in st._handles:
+            if h.use_orig_params:
                 # zero_grad(set_to_none=True) on every original parameter
                 # drops the flat gradient (as torch does here)
-                st._handle.grads.sync_flat_grad_from_orig()
-            st._handle.pre_unshard()  # write-back checks before any collective
-    entered: list[tuple[UnitState, torch.Tensor | None, bool]] = []
+                h.grads.sync_flat_grad_from_orig()
+            h.pre_unshard()  # write-back checks before any collective
+    entered: list[tuple[UnitState, FlatParamHandle | None, torch.Tensor | None, bool]] = []
     try:
         for st in states:
             st.training_state = TrainingState.SUMMON_FULL_PARAMS
-            handle = st._handle
-            if handle is None:
-                entered.append((st, None, False))
-                continue
-            full_grad = _gather_full_grad(handle) if with_grads else None
-            handle.finish_unshard(full_precision=True)
-            cpu_copy: torch.Tensor | None = None
-            shown = not (rank0_only and st.rank != 0)
-            if not shown:
-                handle.reshard(free=True)
-            elif offload_to_cpu:
-                cpu_copy = handle.flat_param.detach().to("cpu", copy=True)
-                handle.use_unsharded_views(as_params=True, source=cpu_copy)
-            else:
-                handle.use_unsharded_views(as_params=True)
-            if with_grads and shown:
-                _show_full_grads(handle, full_grad)
-            entered.append((st, cpu_copy, shown))
+            if not st._handles:
+                entered.append((st, None, None, False))
+            for h in st._handles:
+                entered.append((st, h, *_summon_handle(h, st.rank, rank0_only,
+                                                       offload_to_cpu, with_grads)))
         yield
     finally:
-        for st, cpu_copy, shown in reversed(entered):
-            handle = st._handle
+        for st, handle, cpu_copy, shown in reversed(entered):
             if handle is not None and shown:
                 if writeback:
                     if cpu_copy is not None:
@@ -109,6 +95,26 @@ def summon(
                 if with_grads:
                     _show_sharded_grads(handle)
             st.training_state = TrainingState.IDLE
+
+
+def _summon_handle(handle: FlatParamHandle, rank: int, rank0_only: bool, offload_to_cpu: bool,
+                   with_grads: bool) -> tuple[torch.Tensor | None, bool]:
+    """Gather one flat parameter and show its original parameters at full
+    size; returns its CPU copy (``offload_to_cpu``) and whether it is shown."""
+    full_grad = _gather_full_grad(handle) if with_grads else None
+    handle.finish_unshard(full_precision=True)
+    cpu_copy: torch.Tensor | None = None
+    shown = not (rank0_only and rank != 0)
+    if not shown:
+        handle.reshard(free=True)
+    elif offload_to_cpu:
+        cpu_copy = handle.flat_param.detach().to("cpu", copy=True)
+        handle.use_unsharded_views(as_params=True, source=cpu_copy)
+    else:
+        handle.use_unsharded_views(as_params=True)
+    if with_grads and shown:
+        _show_full_grads(handle, full_grad)
+    return cpu_copy, shown
 
 
 # ------------------------------------------------------------ with_grads

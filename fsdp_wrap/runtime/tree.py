@@ -55,14 +55,14 @@ def lazy_init(state: UnitState) -> None:
             st._is_root = False
             object.__setattr__(st, "_root", state)
             st._all_fsdp_states = []
-        if st._handle is not None:
-            st._handle.unit_fqn = fqn_of.get(id(st), "")
+        for h in st._handles:
+            h.unit_fqn = fqn_of.get(id(st), "")
     state._all_fsdp_states = states
-    state._all_handles = [st._handle for st in states if st._handle is not None]
-    state._state_of = {st._handle: st for st in states if st._handle is not None}
+    state._all_handles = [h for st in states for h in st._handles]
+    state._state_of = {h: st for st in states for h in st._handles}
     for st in states:
-        st._optims_in_backward = st._handle is not None and any(
-            hasattr(p, "_in_backward_optimizers") for p in st._handle.params
+        st._optims_in_backward = any(
+            hasattr(p, "_in_backward_optimizers") for h in st._handles for p in h.params
         )
     if state.world_size > 1:
         # Compares the flat parameters' dtype and shape too: data replaced on
@@ -82,24 +82,26 @@ def unit_signature(state: UnitState) -> tuple[Any, ...]:
     """What every rank's unit must agree on for the collectives to line up:
     shapes, dtype and strategy, not names (as torch, ranks may ignore
     different modules when what remains has the same shapes)."""
-    h = state._handle
-    if h is None:
-        return (h,)
-    return (
-        tuple(tuple(i.shape) for i in h.infos),
-        str(h.flat_param.dtype),
-        tuple(h.flat_param.shape),
-        state.sharding_strategy.name,
-        state._use_orig_params,
+    if not state._handles:
+        return (None,)
+    return tuple(
+        (
+            tuple(tuple(i.shape) for i in h.infos),
+            str(h.flat_param.dtype),
+            tuple(h.flat_param.shape),
+            state.sharding_strategy.name,
+            state._use_orig_params,
+        )
+        for h in state._handles
     )
 
 
 def unit_names(state: UnitState) -> tuple[str, tuple[str, ...]]:
     """The unit's and its parameters' names, for messages."""
-    h = state._handle
-    if h is None:
+    if not state._handles:
         return ("<no parameters>", ())
-    return (h.unit_fqn or "<root>", tuple(i.fqn for i in h.infos))
+    return (state._handles[0].unit_fqn or "<root>",
+            tuple(i.fqn for h in state._handles for i in h.infos))
 
 
 def all_gather_unit_signatures(state: UnitState) -> None:
@@ -132,13 +134,15 @@ def _describe_unit(entry: Any) -> str:
     """One rank's unit for the mismatch message: names with shapes, dtype, strategy."""
     if entry is None:
         return "no such unit"
-    sig, (unit, names) = entry
-    if sig[0] is None:
+    sigs, (unit, names) = entry
+    if sigs[0] is None:
         return f"{unit} (no parameters)"
-    params = ", ".join(f"{n!r} {shape}" for n, shape in zip(names, sig[0]))
+    shapes = [shape for sig in sigs for shape in sig[0]]
+    params = ", ".join(f"{n!r} {shape}" for n, shape in zip(names, shapes))
+    flats = ", ".join(f"{sig[2]} {sig[1]}" for sig in sigs)
     return (
-        f"unit {unit!r} [{params}] flat {sig[2]} {sig[1]} {sig[3]} "
-        f"use_orig_params={sig[4]}"
+        f"unit {unit!r} [{params}] flat {flats} {sigs[0][3]} "
+        f"use_orig_params={sigs[0][4]}"
     )
 
 
@@ -170,7 +174,7 @@ def _check_optim_in_backward(states: list[UnitState], fqn_of: dict[int, str]) ->
     flat = [
         f"'{fqn_of.get(id(st), '') or '<root>'}'"
         for st in states
-        if st._handle is not None and hasattr(st._handle.flat_param, "_in_backward_optimizers")
+        if any(hasattr(h.flat_param, "_in_backward_optimizers") for h in st._handles)
     ]
     if flat:
         raise RuntimeError(

@@ -28,7 +28,6 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_wrap.comm.collectives as _collectives
 from fsdp_wrap.comm.collectives import global_rank
-from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME
 from fsdp_wrap.runtime.names import clean_fqn
 from fsdp_wrap.runtime.state import UnitState
 
@@ -255,4 +254,4 @@ def claim_shared_and_flat(h: Any, state_dict: dict[str, Any], wrapped: str) -> N
         if key in state_dict:
             claim(state_dict, key, h.infos[shared.index].param, h.use_orig_params)
     if not h.use_orig_params:
-        state_dict[wrapped + FLAT_PARAM_NAME] = h.flat_param
+        state_dict[wrapped + h.flat_name] = h.flat_param

@@ -26,7 +26,7 @@ FQNs (no ``_fsdp_wrapped_module.``), exactly the unwrapped model's keys.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -57,12 +57,14 @@ from fsdp_wrap.api import (
     StateDictType,
 )
 from fsdp_wrap.comm.collectives import global_rank
-from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME
 from fsdp_wrap.handle.layout import walk_unit_modules
 from fsdp_wrap.runtime.names import WRAPPED, clean_fqn
 from fsdp_wrap.runtime.state import TrainingState, UnitState
 from fsdp_wrap.runtime.tree import lazy_init, units_under
 from fsdp_wrap.state_dict.buffers import buffers_in_original_dtype
+
+if TYPE_CHECKING:
+    from fsdp_wrap.handle.flat_param import FlatParamHandle
 
 _CONFIG_CLASSES: dict[StateDictType, tuple[type[StateDictConfig], type[OptimStateDictConfig]]] = {
     StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
@@ -212,13 +214,11 @@ def effective_type(state: UnitState, warn: bool = True) -> StateDictType:
 
 def _param_rels(state: UnitState) -> list[str]:
     """Keys (relative to the wrapped module) of the unit's flattened parameters."""
-    h = state._handle
-    return [] if h is None else [clean_fqn(i.fqn) for i in h.infos]
+    return [clean_fqn(i.fqn) for h in state._handles for i in h.infos]
 
 
 def _shared_rels(state: UnitState) -> list[str]:
-    h = state._handle
-    return [] if h is None else [clean_fqn(s.fqn) for s in h.shared]
+    return [clean_fqn(s.fqn) for h in state._handles for s in h.shared]
 
 
 def _pre_state_dict_hook(state: UnitState, prefix: str, keep_vars: bool) -> None:
@@ -233,25 +233,25 @@ def _pre_state_dict_hook(state: UnitState, prefix: str, keep_vars: bool) -> None
         return
     if state._is_root:
         check_same_call(state.process_group, state.rank, f"state_dict({sd_type.name})")
-    handle = state._handle
-    if handle is None:
-        return
-    handle.pre_unshard()  # replaced original parameters are taken up first (as torch)
-    if sd_type is StateDictType.FULL_STATE_DICT:
-        # Stream: copy this unit's parameters and free it again before any
-        # nested unit is gathered, so at most one unit is unsharded at a time
-        # (with rank0_only the other ranks never hold a whole unit).
-        cfg = state._state_dict_config
-        rank0_only = isinstance(cfg, FullStateDictConfig) and cfg.rank0_only
-        copies = handle.full_param_copies(to_rank0_only=rank0_only, to_cpu=cfg.offload_to_cpu)
-        if copies is not None:
-            handle.register_params(copies)
-        return
-    # SHARDED: register this rank's dim-0 chunks, moved point to point from the flat
-    # shards (one all-to-all, nothing gathered); the post-hook wraps them.
-    import fsdp_wrap.state_dict.sharded_io as _sharded_io
+    for handle in state._handles:
+        handle.pre_unshard()  # replaced original parameters are taken up first (as torch)
+    for handle in state._handles:
+        if sd_type is StateDictType.FULL_STATE_DICT:
+            # Stream: copy this flat parameter's parameters and free it again
+            # before the next is gathered, so at most one is unsharded at a time
+            # (with rank0_only the other ranks never hold a whole one).
+            cfg = state._state_dict_config
+            rank0_only = isinstance(cfg, FullStateDictConfig) and cfg.rank0_only
+            copies = handle.full_param_copies(to_rank0_only=rank0_only,
+                                              to_cpu=cfg.offload_to_cpu)
+            if copies is not None:
+                handle.register_params(copies)
+            continue
+        # SHARDED: register this rank's dim-0 chunks, moved point to point from the
+        # flat shards (one all-to-all, nothing gathered); the post-hook wraps them.
+        import fsdp_wrap.state_dict.sharded_io as _sharded_io
 
-    handle.register_params(_sharded_io.local_chunks(handle))
+        handle.register_params(_sharded_io.local_chunks(handle))
 
 
 def _unit_keys(state: UnitState) -> list[str]:
@@ -289,8 +289,9 @@ def _post_state_dict_hook(
         for key in [k for k in state_dict if k.startswith(old)]:
             state_dict[prefix + key[len(old) :]] = state_dict.pop(key)
     finally:
-        if state._handle is not None and sd_type is not StateDictType.LOCAL_STATE_DICT:
-            state._handle.use_sharded_views()  # copies/chunks were registered by the pre-hook
+        if sd_type is not StateDictType.LOCAL_STATE_DICT:
+            for h in state._handles:
+                h.use_sharded_views()  # copies/chunks were registered by the pre-hook
 
 
 def _full_post_state_dict(state: UnitState, state_dict: dict[str, Any], prefix: str) -> None:
@@ -318,11 +319,9 @@ def _sharded_post_state_dict(state: UnitState, state_dict: dict[str, Any], prefi
     """
     cfg = state._state_dict_config
     layout = CH.chunk_layout(state, CH.uses_dtensor(state))
-    h = state._handle
-    if h is None:
-        return
-    shapes = {clean_fqn(i.fqn): i.shape for i in h.infos}
-    shapes.update({clean_fqn(s.fqn): h.infos[s.index].shape for s in h.shared})
+    shapes = {clean_fqn(i.fqn): i.shape for h in state._handles for i in h.infos}
+    shapes.update({clean_fqn(s.fqn): h.infos[s.index].shape
+                   for h in state._handles for s in h.shared})
     for rel, shape in shapes.items():
         key = prefix + WRAPPED + rel
         if key in state_dict:
@@ -330,11 +329,8 @@ def _sharded_post_state_dict(state: UnitState, state_dict: dict[str, Any], prefi
             state_dict[key] = CH.wrap_chunk(local, shape, local.dtype, layout, cfg.offload_to_cpu)
 
 
-def local_flat_value(state: UnitState, offload_to_cpu: bool) -> ShardedTensor:
+def local_flat_value(h: FlatParamHandle, offload_to_cpu: bool) -> ShardedTensor:
     """This rank's flat shard without right padding as a 1-D ShardedTensor (a view)."""
-    h = state._handle
-    if h is None:
-        raise RuntimeError(f"[rank {global_rank()}] FSDP unit has no flat parameter")
     local = h.local_shard[: h.shard_valid_numel]
     if offload_to_cpu:
         local = local.cpu()
@@ -363,15 +359,15 @@ def local_flat_value(state: UnitState, offload_to_cpu: bool) -> ShardedTensor:
 
 
 def _local_post_state_dict(state: UnitState, state_dict: dict[str, Any], prefix: str) -> None:
-    """One ``_flat_param`` key per unit; the 1-D original views (use_orig_params) are dropped."""
-    if state._handle is None:
-        return
+    """One ``_flat_param`` key per flat parameter (``_flat_param_1``, ... for a
+    split unit's others); the 1-D original views (use_orig_params) are dropped."""
     base = prefix + WRAPPED
-    for rel in [*_param_rels(state), *_shared_rels(state), FLAT_PARAM_NAME]:
+    for rel in [*_param_rels(state), *_shared_rels(state), *(h.flat_name for h in state._handles)]:
         state_dict.pop(base + rel, None)
-    state_dict[base + FLAT_PARAM_NAME] = local_flat_value(
-        state, state._state_dict_config.offload_to_cpu
-    )
+    for h in state._handles:
+        state_dict[base + h.flat_name] = local_flat_value(
+            h, state._state_dict_config.offload_to_cpu
+        )
 
 
 def _pre_load_state_dict_hook(
@@ -385,16 +381,17 @@ def _pre_load_state_dict_hook(
     error_msgs: list[str] | None = None,
 ) -> None:
     _pre_load_for_type(state, state_dict, prefix, missing_keys, error_msgs)
-    h = state._handle
-    if h is not None and not h.use_orig_params and "_checkpoint_wrapped_module" in h.module._modules:
+    for h in state._handles:
+        if h.use_orig_params or "_checkpoint_wrapped_module" not in h.module._modules:
+            continue
         # FSDP(checkpoint_wrapper(m)): the wrapper's load hook would move the key
         # away from the flat parameter; load it here, hidden until the post-hook.
-        value = state_dict.pop(prefix + WRAPPED + FLAT_PARAM_NAME, None)
+        value = state_dict.pop(prefix + WRAPPED + h.flat_name, None)
         if (isinstance(value, torch.Tensor) and value.shape == h.local_shard.shape
                 and value.data_ptr() != h.local_shard.data_ptr()):
             with torch.no_grad():
                 h.local_shard.copy_(value)
-        h.module._parameters.pop(FLAT_PARAM_NAME, None)
+        h.module._parameters.pop(h.flat_name, None)
         state.__dict__["_sd_flat_param_hidden"] = True
 
 
@@ -416,16 +413,16 @@ def _pre_load_for_type(
     if state._is_root:
         check_same_call(state.process_group, state.rank, f"load_state_dict({sd_type.name})")
     if sd_type is StateDictType.FULL_STATE_DICT:
-        if state._handle is not None:
+        for h in state._handles:
             _full_pre_load(
-                state,
+                h,
                 state_dict,
                 wrapped,
                 missing_keys if missing_keys is not None else [],
                 error_msgs if error_msgs is not None else [],
             )
         return
-    if sd_type is StateDictType.SHARDED_STATE_DICT and state._handle is not None:
+    if sd_type is StateDictType.SHARDED_STATE_DICT and state._handles:
         import fsdp_wrap.state_dict.sharded_io as _sharded_io
 
         _sharded_io.load_sharded_unit(
@@ -436,7 +433,7 @@ def _pre_load_for_type(
 
 
 def _full_pre_load(
-    state: UnitState,
+    h: FlatParamHandle,
     state_dict: dict[str, Any],
     wrapped: str,
     missing_keys: list[str],
@@ -452,9 +449,6 @@ def _full_pre_load(
     themselves, otherwise they are removed and ``_flat_param`` points at
     itself.  Missing and mis-shaped parameters are reported here, by name.
     """
-    h = state._handle
-    if h is None:
-        return
     h.invalidate_unsharded()  # any gathered copy is stale from here on
     with torch.no_grad():
         for i, info in enumerate(h.infos):
@@ -495,17 +489,25 @@ def _as_tensor(value: Any) -> Any:
 def _local_pre_load(
     state: UnitState, state_dict: dict[str, Any], wrapped: str, error_msgs: list[str]
 ) -> None:
-    h = state._handle
-    state.__dict__["_sd_local_load"] = None
-    if h is None:
-        return
-    key = wrapped + FLAT_PARAM_NAME
-    originals = [wrapped + rel for rel in [*_param_rels(state), *_shared_rels(state)]]
+    pending: list[tuple[list[str], str | None]] = []
+    state.__dict__["_sd_local_load"] = pending
+    for h in state._handles:
+        _local_pre_load_flat(h, state_dict, wrapped, error_msgs, pending)
+
+
+def _local_pre_load_flat(
+    h: FlatParamHandle, state_dict: dict[str, Any], wrapped: str, error_msgs: list[str],
+    pending: list[tuple[list[str], str | None]],
+) -> None:
+    """:func:`_local_pre_load` for one flat parameter (key ``h.flat_name``)."""
+    key = wrapped + h.flat_name
+    originals = [wrapped + clean_fqn(x.fqn) for x in h.infos]
+    originals += [wrapped + clean_fqn(x.fqn) for x in h.shared]
     if h.use_orig_params:
         # The original names are registered (1-D views); the flat key carries the data.
         for k in originals:
             state_dict.pop(k, None)
-        state.__dict__["_sd_local_load"] = (originals, key if key not in state_dict else None)
+        pending.append((originals, key if key not in state_dict else None))
     if key not in state_dict:
         return
     value = state_dict[key]
@@ -542,13 +544,13 @@ def _local_pre_load(
 
 
 def _post_load_state_dict_hook(state: UnitState, incompatible_keys: Any) -> None:
-    if state.__dict__.pop("_sd_flat_param_hidden", False) and state._handle is not None:
-        state._handle.module._parameters[FLAT_PARAM_NAME] = state._handle.flat_param
+    if state.__dict__.pop("_sd_flat_param_hidden", False):
+        for h in state._handles:
+            if not h.use_orig_params:
+                h.module._parameters[h.flat_name] = h.flat_param
     sd_type = effective_type(state, warn=False)
     if sd_type is StateDictType.LOCAL_STATE_DICT:
-        pending = state.__dict__.pop("_sd_local_load", None)
-        if pending is not None:
-            originals, missing_flat = pending
+        for originals, missing_flat in state.__dict__.pop("_sd_local_load", None) or []:
             # (an inner unit's hook may already have cleaned the shared list)
             handled = {clean_fqn(k) for k in originals}
             incompatible_keys.missing_keys[:] = [
@@ -556,8 +558,8 @@ def _post_load_state_dict_hook(state: UnitState, incompatible_keys: Any) -> None
             ]
             if missing_flat is not None:
                 incompatible_keys.missing_keys.append(missing_flat)
-        if state._handle is not None:
-            state._handle.invalidate_unsharded()
+        for h in state._handles:
+            h.invalidate_unsharded()
     # FULL and SHARDED loads wrote straight into the local shard in the pre-hook.
     for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
         keys[:] = [clean_fqn(k) for k in keys]

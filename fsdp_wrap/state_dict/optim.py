@@ -399,7 +399,7 @@ def optim_state_dict(
 ) -> dict[str, Any]:
     sd_type, cfg = _settings(model)
     full = sd_type is StateDictType.FULL_STATE_DICT
-    units = [m for m in units_under(model) if m._handle is not None]
+    units = [m for m in units_under(model) if m._handles]
     return _gather_optim(
         model,
         optim,

@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class _Unit:
-    """One FSDP unit's handle and the clean FQNs of its original parameters."""
+    """One flat parameter's handle, its FSDP unit and the clean FQNs of its
+    original parameters (a unit split into several flat parameters has one
+    entry per flat parameter)."""
 
     state: UnitState
     handle: FlatParamHandle
@@ -56,16 +58,16 @@ def _index(model: nn.Module) -> _Index:
         raise ValueError(f"{type(model).__name__} contains no FullyShardedDataParallel unit")
     index = _Index()
     for name, mod in model.named_modules():
-        if not isinstance(mod, UnitState) or mod._handle is None:
+        if not isinstance(mod, UnitState):
             continue
-        h = mod._handle
         base = clean_fqn(name + ".").rstrip(".")
-        fqns = [_join(base, clean_fqn(i.fqn)) for i in h.infos]
-        u = len(index.units)
-        index.units.append(_Unit(mod, h, fqns))
-        index.where[id(h.flat_param)] = (u, -1, fqns)
-        for k, info in enumerate(h.infos):
-            index.where[id(info.param)] = (u, k, [fqns[k]])
+        for h in mod._handles:  # (one entry per flat parameter: a unit may hold several)
+            fqns = [_join(base, clean_fqn(i.fqn)) for i in h.infos]
+            u = len(index.units)
+            index.units.append(_Unit(mod, h, fqns))
+            index.where[id(h.flat_param)] = (u, -1, fqns)
+            for k, info in enumerate(h.infos):
+                index.where[id(info.param)] = (u, k, [fqns[k]])
     for name, p in model.named_parameters():
         index.where.setdefault(id(p), (-1, -1, [clean_fqn(name)]))
     return index

@@ -197,10 +197,20 @@ def load_sharded_unit(
     parameters are reported by name.  Every rank decides the same exchange
     from the same keys and global shapes.
     """
-    h = state._handle
-    if h is None:
-        return
     layout = CH.chunk_layout(state, CH.uses_dtensor(state))
+    for h in state._handles:
+        _load_sharded_handle(h, layout, state_dict, wrapped, missing_keys, error_msgs)
+
+
+def _load_sharded_handle(
+    h: FlatParamHandle,
+    layout: CH.ChunkLayout,
+    state_dict: dict[str, Any],
+    wrapped: str,
+    missing_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """:func:`load_sharded_unit` for one of the unit's flat parameters."""
     if layout.world_size != h.world_size:
         raise RuntimeError(
             f"[rank {global_rank()}] FSDP unit '{h.unit_fqn or '<root>'}': sharded state-dict values are "

@@ -99,7 +99,9 @@ def _check_frozen_params(
     *,
     stacklevel: int,
 ) -> None:
-    """Reject (or warn about) a unit mixing trainable and frozen parameters.
+    """torch's check: reject (or warn about) a unit mixing trainable and frozen
+    parameters.  Kept for code that calls it; :func:`_auto_wrap` no longer
+    does, since a unit splits them into separate flat parameters.
 
     One flat parameter has one ``requires_grad``, so with
     ``use_orig_params=False`` such a unit cannot be built (``ValueError``).
@@ -215,13 +217,10 @@ def _wrap_with_object_policy(
         _warn_mixed_precision_overrides(
             _override_mixed_precision(root_module, mp_classes), stacklevel=_AT_AUTO_WRAP_CALLER
         )
-    _check_frozen_params(
-        root_module,
-        set(targets),
-        ignored_params,
-        bool(unit_kwargs.get("use_orig_params", False)),
-        stacklevel=_AT_AUTO_WRAP_CALLER,
-    )
+    # torch refuses (use_orig_params=False) or warns about (True) a unit mixing
+    # frozen and trainable parameters here (``_check_frozen_params``); fsdp_wrap
+    # gives such a unit one flat parameter per kind instead (docs/fine_tuning.rst),
+    # so there is nothing to refuse and no wasted gradient memory to warn about.
 
     def wrap_target(module: nn.Module) -> nn.Module | None:
         if module is root_module or module not in targets:
