@@ -116,8 +116,7 @@ def measure(cfg: dict[str, Any], device: str = "cpu") -> dict[str, Any]:
         model, x = model.cuda(), x.cuda()
     real = fw.FullyShardedDataParallel(model, **kw)
     opt = torch.optim.Adam(real.parameters(), lr=1e-4)
-    handles = [u._handle for u in fw.FullyShardedDataParallel.fsdp_modules(real)
-               if u._handle is not None]
+    handles = [h for u in fw.FullyShardedDataParallel.fsdp_modules(real) for h in u._handles]
     peak = 0
     for _ in range(3):
         opt.zero_grad(set_to_none=True)

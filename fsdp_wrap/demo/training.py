@@ -111,10 +111,7 @@ def memory_report(model: nn.Module, out: Printer) -> None:
 
     units = fsdp.FullyShardedDataParallel.fsdp_modules(model)
     sharded = full = 0
-    for unit in units:
-        handle = unit._handle
-        if handle is None:
-            continue
+    for handle in (h for unit in units for h in unit._handles):  # every flat parameter
         itemsize = handle.flat_param.element_size()
         sharded += handle.flat_param.numel() * itemsize  # between steps: the local shard
         full += sum(info.numel for info in handle.infos) * itemsize
