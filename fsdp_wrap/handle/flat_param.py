@@ -523,6 +523,33 @@ class FlatParamHandle:
             self.reshard(free=True)
         return copies
 
+    def gather_full_flat(self, to_rank0_only: bool) -> torch.Tensor | None:
+        """The whole flat parameter in the original dtype, in a buffer of the
+        caller's (a collective over the unit's group; the handle's own state and
+        buffers are left as they are).
+
+        Padded (``padded_numel`` elements) when sharded; ``to_rank0_only``: only
+        group rank 0 receives it (the others send their shard and get ``None``).
+        NO_SHARD returns the shard itself, not a copy.  Use
+        :meth:`param_views` to read the original parameters out of it.
+        """
+        self.pre_unshard()
+        src = self._gather_source(self.orig_dtype)
+        if not self.uses_sharded_strategy:
+            return src if not to_rank0_only or self.rank == 0 else None
+        if to_rank0_only:
+            out = src.new_empty(self.padded_numel) if self.rank == 0 else None
+            C.gather_into(out, src, 0, self.process_group)
+            return out
+        full = src.new_empty(self.padded_numel)
+        C.all_gather_into(full, src, self.process_group)
+        return full
+
+    def param_views(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """The original parameters as views of a whole flat parameter ``full``."""
+        views = full[: self.unpadded_numel].split(self._segments)
+        return [views[seg].view(info.shape) for info, seg in zip(self.infos, self._info_segment)]
+
     def write_back_from(self, unsharded: torch.Tensor) -> None:
         """Write ``unsharded`` (a full flat copy, e.g. on CPU) into the local shard."""
         with torch.no_grad():
