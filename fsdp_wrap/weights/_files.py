@@ -6,6 +6,7 @@ import os
 
 import fsdp_wrap.checkpoint._safetensors as _st
 from fsdp_wrap.checkpoint._safetensors import StoredTensor
+from fsdp_wrap.comm.collectives import global_rank
 
 __all__ = ["stored_tensors"]
 
@@ -14,24 +15,25 @@ def stored_tensors(path: str) -> dict[str, StoredTensor]:
     """Every tensor of ``path``: a directory as ``save_pretrained`` writes it
     (``model.safetensors``, or ``model.safetensors.index.json`` and the files it
     names) or one ``.safetensors`` file."""
+    tag = f"[rank {global_rank()}]"
     if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"expected a checkpoint path (str) but got {type(path).__name__}")
+        raise TypeError(f"{tag} expected a checkpoint path (str) but got {type(path).__name__}")
     path = os.fspath(path)
     if os.path.isfile(path):
         if not path.endswith(".safetensors"):
             raise ValueError(
-                f"{path} is not a .safetensors file; pass the directory save_pretrained wrote "
+                f"{tag} {path} is not a .safetensors file; pass the directory save_pretrained wrote "
                 "or one .safetensors file"
             )
         return _st.read_header(path)[0]
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"no checkpoint at {path}: neither a directory nor a file")
+        raise FileNotFoundError(f"{tag} no checkpoint at {path}: neither a directory nor a file")
     try:
         return _st.stored_tensors(path)
     except FileNotFoundError:
         if any(n.endswith(".bin") for n in os.listdir(path)):
             raise FileNotFoundError(
-                f"{path} holds a PyTorch .bin checkpoint, not safetensors; save it again with "
+                f"{tag} {path} holds a PyTorch .bin checkpoint, not safetensors; save it again with "
                 "save_pretrained(..., safe_serialization=True) (the default)"
             ) from None
         raise

@@ -11,7 +11,9 @@ state dict (clean names, no FSDP prefixes), are:
   model's keys carry that prefix and the checkpoint's do not, both are dropped:
   ``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`` reads
   ``model.layers.0.self_attn.q_proj.weight``.  The adapters themselves
-  (``lora_A``, ``lora_B``, ...) are not in a base checkpoint.
+  (``lora_A``, ``lora_B``, ...: names with a part starting with the tuner's
+  prefix) are not in a base checkpoint: they are expected to be missing, not
+  refused (``pretrained_init`` gives them PEFT's own init).
 * **The base model's prefix.**  A Hugging Face model with a head keeps its
   body under ``base_model_prefix`` (``model`` for LLaMA, ``transformer`` for
   GPT-2, ``bert`` for BERT).  Loading the body alone (``LlamaModel``) from a
@@ -38,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-__all__ = ["NameMap", "PEFT_PREFIX", "hf_hints", "match_names"]
+__all__ = ["NameMap", "PEFT_PREFIX", "adapter_prefix", "hf_hints", "match_names"]
 
 PEFT_PREFIX = "base_model.model."
 _PEFT_LAYER = ".base_layer."
@@ -53,6 +55,15 @@ class NameMap:
     unexpected: list[str]  # stored names nothing reads
     rule: str  # the rule chosen, in words (for messages)
     ignored: list[str] = field(default_factory=list)  # stored names left aside on purpose
+    adapters: list[str] = field(default_factory=list)  # missing PEFT adapter keys (expected)
+
+
+def adapter_prefix(module: nn.Module) -> str | None:
+    """The name prefix of a ``peft`` model's adapter tensors (``lora_`` for LoRA)."""
+    if getattr(module, "peft_config", None) is None:
+        return None
+    prefix = getattr(getattr(module, "base_model", None), "prefix", None)
+    return prefix if isinstance(prefix, str) and prefix else None
 
 
 def hf_hints(module: nn.Module) -> tuple[list[str], list[str]]:
@@ -85,12 +96,15 @@ def match_names(
     tied: Sequence[Sequence[str]] = (),
     computed: Collection[str] = (),
     ignore_unexpected: Sequence[str] = (),
+    adapters: str | None = None,
 ) -> NameMap:
     """Match ``model_keys`` (the FULL state dict's, clean) to ``stored`` names.
 
     ``tied``: groups of model keys naming one tensor; ``computed``: the model's
     non-persistent buffers; ``ignore_unexpected``: regular expressions of stored
-    names to leave aside (the model's ``_keys_to_ignore_on_load_unexpected``).
+    names to leave aside (the model's ``_keys_to_ignore_on_load_unexpected``);
+    ``adapters``: a PEFT model's adapter prefix (``lora_``): its keys missing
+    from a base checkpoint are listed apart, as expected.
     """
     stored_set = set(stored)
     peft = bool(model_keys) and all(k.startswith(PEFT_PREFIX) for k in model_keys) and not any(
@@ -125,6 +139,8 @@ def match_names(
             for k in group:
                 stored_for.setdefault(k, found[0])
     missing = [k for k in model_keys if k not in stored_for]
+    adapter_keys = [k for k in missing if peft and adapters is not None
+                    and any(part.startswith(adapters) for part in k.split("."))]
 
     used = set(stored_for.values())
     outside = best[1] + "." if best[0] == "add" else None
@@ -139,4 +155,4 @@ def match_names(
         else:
             unexpected.append(s)
     words = best[2] + ("; PEFT's 'base_model.model.' and '.base_layer' dropped" if peft else "")
-    return NameMap(stored_for, missing, unexpected, words, ignored)
+    return NameMap(stored_for, missing, unexpected, words, ignored, adapter_keys)

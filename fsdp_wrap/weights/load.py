@@ -34,7 +34,7 @@ from fsdp_wrap.checkpoint.full import _fsdp_cls, _join, _names, _units, _unmanag
 from fsdp_wrap.comm.collectives import global_rank
 from fsdp_wrap.runtime.names import clean_fqn
 from fsdp_wrap.weights._files import stored_tensors
-from fsdp_wrap.weights._names import NameMap, hf_hints, match_names
+from fsdp_wrap.weights._names import NameMap, adapter_prefix, hf_hints, match_names
 
 if TYPE_CHECKING:
     from fsdp_wrap.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
@@ -48,7 +48,8 @@ class PretrainedLoad(NamedTuple):
     """What :func:`load_pretrained` did not fill from the checkpoint.
 
     ``missing_keys``: model keys the checkpoint lacks (buffers, which keep the
-    values the model's init computed, and, with ``strict=False``, parameters);
+    values the model's init computed; a PEFT model's adapters, which keep
+    PEFT's init from ``pretrained_init``; with ``strict=False``, parameters);
     ``unexpected_keys``: checkpoint tensors nothing read (``strict=False``).
     """
 
@@ -105,13 +106,14 @@ def _check(
     problem.  Local: no collective, nothing touched."""
     stored = stored_tensors(path)
     want, tied, computed = _wanted(root)
-    prefixes, patterns = hf_hints(root._fsdp_wrapped_module)
+    inner = root._fsdp_wrapped_module
+    prefixes, patterns = hf_hints(inner)
     nm = match_names([w.key for w in want], stored, prefixes=prefixes, tied=tied,
-                     computed=computed, ignore_unexpected=patterns)
+                     computed=computed, ignore_unexpected=patterns, adapters=adapter_prefix(inner))
     cls = type(root._fsdp_wrapped_module).__name__
     head = f"Error(s) in loading state_dict for {cls}:\n\t"
     where = f"\n[rank {global_rank()}] checkpoint {path} ({nm.rule})"
-    missing_set = set(nm.missing)
+    missing_set = set(nm.missing) - set(nm.adapters)
     missing_params = [w.key for w in want if w.is_param and w.key in missing_set]
     if strict and missing_params:
         shown = ", ".join(f'"{k}"' for k in missing_params[:8])
