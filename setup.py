@@ -112,7 +112,9 @@ setup(
         # The frameworks fsdp_wrap.install() is tested against (tests/test_frameworks.py):
         # Accelerate and the transformers Trainer, Lightning Fabric and Trainer.
         "frameworks": ["accelerate", "transformers", "lightning"],
-        "test": ["pytest", "transformers", "safetensors"],
+        # peft: load_pretrained maps a LoRA model's names onto a base checkpoint;
+        # tests/test_load_pretrained.py checks it with real peft models.
+        "test": ["pytest", "transformers", "safetensors", "peft"],
         "dev": ["pytest", "ruff", "mypy", "transformers", "safetensors"],
     },
     cmdclass=_cmdclass(),

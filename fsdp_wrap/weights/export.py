@@ -111,13 +111,15 @@ def _stream(
         if h is not None:
             take_part, only0 = _gather_plan(h, rank0_only)
             full = h.gather_full_flat(to_rank0_only=only0) if take_part else None
-            if full is not None and mine:
-                for i, view in enumerate(h.param_views(full)):
-                    value = _out(view, dtype, to_cpu)
-                    for name in _names(h, unit_name, i):
-                        yield name, value
-                    del value
-            del full  # the unit's gathered copy goes before the next unit's comes
+            views = h.param_views(full) if full is not None and mine else []
+            del full  # (the views hold the gathered unit from here on)
+            for i in range(len(views)):
+                value = _out(views[i], dtype, to_cpu)
+                if i == len(views) - 1:
+                    views = []  # the unit's gathered copy goes before its last copy is handed out
+                for name in _names(h, unit_name, i):
+                    yield name, value
+                del value
         if mine:
             for key, t, orig in _unmanaged_tensors(unit_name, st):
                 yield key, _out(t.detach().to(orig), dtype, to_cpu)
