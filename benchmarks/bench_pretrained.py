@@ -23,7 +23,8 @@ one decoder layer per unit, three ways, each in fresh processes:
 Per rank: peak RSS growth (``VmHWM`` after a reset through
 ``/proc/self/clear_refs``, minus ``VmRSS`` at the start; imports, the process
 group and a warm-up done before) and wall time from the first line of the
-recipe to the last rank's barrier.  Against: the raw time to read every byte of
+recipe to the last rank's barrier, and the rank's own CPU time over the
+same lines (less sensitive to a machine shared with other work).  Against: the raw time to read every byte of
 the checkpoint once (one process, ``readinto``), and the rank's fp32 shard and
 largest unit.  Each is measured with the files in the page cache ("warm") and
 evicted first (``posix_fadvise(DONTNEED)``, "cold").
@@ -109,16 +110,16 @@ def evict(path: str) -> None:
             os.close(fd)
 
 
-def read_once(path: str) -> float:
-    """Seconds to read every byte of the checkpoint once, into one reused buffer."""
+def read_once(path: str) -> tuple[float, float]:
+    """Wall and CPU seconds to read every byte of the checkpoint once, into one reused buffer."""
     buf = bytearray(64 * MiB)
     view = memoryview(buf)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for f in _files(path):
         with open(f, "rb", buffering=0) as fh:
             while fh.readinto(view):
                 pass
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 # ------------------------------------------------------------------ rank side
@@ -189,8 +190,9 @@ def job_load(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
-    import fsdp_wrap  # noqa: F401  (imports outside the window)
     from torch.distributed.fsdp import FullyShardedDataParallel  # noqa: F401
+
+    import fsdp_wrap  # noqa: F401  (imports outside the window)
 
     mem = PeakMemory(CPU)
     # warm-up: the same recipe on a toy checkpoint, so that the window below
@@ -203,13 +205,14 @@ def job_load(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     malloc_trim()
     before = mem.current()
     mem.start_window()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     model = _load(cfg["how"], cfg["path"])
+    cpu = time.process_time() - c0
     dist.barrier()
     wall = time.perf_counter() - t0
     peak = mem.peak() - before
     shard, unit = _shard_and_unit(model)
-    out = dict(peak=peak, wall=wall, shard=shard, unit=unit)
+    out = dict(peak=peak, wall=wall, cpu=cpu, shard=shard, unit=unit)
     if cfg["how"] == "fsdp_wrap" and cfg["export"]:
         out.update(_export(model, mem))
     return out
@@ -314,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-shard-size", default="200MB")
-    ap.add_argument("--repeat", type=int, default=2, help="runs per recipe (the best time is kept)")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per recipe (the best time is kept)")
     ap.add_argument("--tiny", action="store_true", help="toy sizes (smoke test)")
     ap.add_argument("--dir", default=None, help="where the checkpoint goes (default: a temp dir)")
     ap.add_argument("--json", default=None)
@@ -342,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
                 if cold:
                     evict(path)
                 reads.append(read_once(path))
-            results[f"read_{temp}"] = min(reads)
+            results[f"read_{temp}"] = min(r[0] for r in reads)
+            results[f"read_cpu_{temp}"] = min(r[1] for r in reads)
             for how in HOWS:
                 runs = [launch({**base, "how": how, "cold": cold,
                                 "export": how == "fsdp_wrap" and not cold})
@@ -356,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
           f"checkpoint {_mib(on_disk)} MiB bf16 in {n_files} files; "
           f"{args.nproc} gloo ranks on CPU, {args.threads} thread(s) each\n")
     for temp in ("warm", "cold"):
-        read = results[f"read_{temp}"]
+        read, read_cpu = results[f"read_{temp}"], results[f"read_cpu_{temp}"]
         rows = []
         for how, label in HOWS.items():
             runs = results["runs"][f"{how}/{temp}"]
@@ -367,11 +371,12 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append([label if rank == 0 else "", str(rank), _mib(peak),
                              _mib(r["shard"]), _mib(r["unit"]),
                              f"{wall:.2f}" if rank == 0 else "",
-                             f"{wall / read:.2f}" if rank == 0 else ""])
-        print(f"loading, files {temp} (read once: {read:.2f} s); peak RSS growth per rank, "
-              "MiB; wall s\n")
+                             f"{wall / read:.2f}" if rank == 0 else "",
+                             f"{r['cpu']:.2f}", f"{r['cpu'] / read_cpu:.2f}"])
+        print(f"loading, files {temp} (read once: {read:.2f} s wall, {read_cpu:.2f} s CPU); "
+              "peak RSS growth per rank, MiB; seconds\n")
         print(_table(["recipe", "rank", "peak RSS growth", "fp32 shard", "largest unit",
-                      "wall", "x read"], rows))
+                      "wall", "x read", "CPU (rank)", "x read CPU"], rows))
         print()
     runs = results["runs"]["fsdp_wrap/warm"]
     rows = []

@@ -91,7 +91,7 @@ def pretrained_init(
     path: str | os.PathLike[str] | None = None,
     *,
     device: torch.device | str | None = None,
-) -> Callable[[nn.Module], None]:
+) -> Callable[[nn.Module], nn.Module]:
     """A ``param_init_fn`` for wrapping the meta-device ``model`` before
     :func:`~fsdp_wrap.load_pretrained` fills it (see the module docstring).
 
@@ -169,12 +169,13 @@ def pretrained_init(
             cfg = peft_config.get(adapter) if isinstance(peft_config, dict) else None
             m.reset_lora_parameters(adapter, getattr(cfg, "init_lora_weights", True))  # type: ignore[operator]
 
-    def param_init_fn(m: nn.Module) -> None:
+    def param_init_fn(m: nn.Module) -> nn.Module:
         with torch.no_grad():
             if callable(getattr(m, "reset_lora_parameters", None)) and _has_meta(m, skip="base_layer"):
                 lora_init(m)
             if materialize(m):
                 own_init(m)
+        return m  # (as to_empty does: Accelerate's re-tying wrapper uses the return value)
 
     return param_init_fn
 
