@@ -139,7 +139,10 @@ setup(
         # Hugging Face model, and bitsandbytes >= 0.50, the first release that
         # quantizes NF4 and runs Linear4bit on CPU, for QLoRA.
         "finetune": ["peft", "bitsandbytes>=0.50", "transformers"],
-        "test": ["pytest", "transformers", "safetensors", "matplotlib"],
+        # peft: load_pretrained maps a LoRA model's names onto a base checkpoint
+        # (tests/test_load_pretrained.py) and the LoRA tests (tests/test_peft.py)
+        # run real peft models.
+        "test": ["pytest", "transformers", "safetensors", "matplotlib", "peft"],
         "dev": ["pytest", "ruff", "mypy", "transformers", "safetensors"],
         # The documentation site (docs/conf.py): Sphinx with its own autodoc and
         # napoleon, and furo, a maintained theme from the package index.

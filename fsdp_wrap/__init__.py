@@ -25,6 +25,7 @@ from fsdp_wrap.fully_sharded_data_parallel import FullyShardedDataParallel, Opti
 from fsdp_wrap.handle.flat_tensor import FlatParameter
 from fsdp_wrap.installer import install, installed, uninstall
 from fsdp_wrap.planning import Plan, plan
+from fsdp_wrap.weights import PretrainedLoad, iter_full_weights, load_pretrained, pretrained_init
 
 __all__ = [
     "BackwardPrefetch",
@@ -39,6 +40,7 @@ __all__ = [
     "OptimStateDictConfig",
     "OptimStateKeyType",
     "Plan",
+    "PretrainedLoad",
     "ShardedOptimStateDictConfig",
     "ShardedStateDictConfig",
     "ShardingStrategy",
@@ -47,6 +49,9 @@ __all__ = [
     "StateDictType",
     "install",
     "installed",
+    "iter_full_weights",
+    "load_pretrained",
     "plan",
+    "pretrained_init",
     "uninstall",
 ]

@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("state dicts", ["fsdp_wrap.state_dict"]),
     ("wrap policies and the auto-wrap pass", ["fsdp_wrap.wrap"]),
     ("the façade", ["fsdp_wrap.fully_sharded_data_parallel", "fsdp_wrap.sharded_grad_scaler"]),
-    ("checkpoints and planning", ["fsdp_wrap.checkpoint", "fsdp_wrap.planning"]),
+    ("checkpoints and planning", ["fsdp_wrap.checkpoint", "fsdp_wrap.planning", "fsdp_wrap.weights"]),
     (
         "the install step and the applications",
         ["fsdp_wrap.installer", "fsdp_wrap.cli", "fsdp_wrap.demo",

@@ -153,8 +153,13 @@ class FlatParamHandle:
         tensor (its storage is freed by the caller once views are installed)."""
         requires_grad = any(p.requires_grad for *_, p in params)
         with torch.no_grad():
-            flat = self._flatten(self.orig_dtype)
-            self.local_shard = self._shard(flat)
+            if self.uses_sharded_strategy:
+                # Only this rank's part is copied: the unsharded flat tensor never
+                # exists (its stand-in below is shape only and never written).
+                self.local_shard = self._shard_from_params(self.orig_dtype)
+                flat = torch.empty(self.unpadded_numel, dtype=self.orig_dtype, device=self.device)
+            else:
+                flat = self.local_shard = self._flatten(self.orig_dtype)
             if self.offload_params:
                 self.local_shard = self._to_shard_device(self.local_shard, pin=True)
         self.flat_param = FlatParameter.make(self.local_shard, requires_grad, self.infos)
@@ -239,13 +244,18 @@ class FlatParamHandle:
             flat[info.offset : info.offset + info.numel].copy_(info.param.detach().reshape(-1))
         return flat
 
-    def _shard(self, flat: torch.Tensor) -> torch.Tensor:
-        if not self.uses_sharded_strategy:
-            return flat
-        shard = flat.new_zeros(self.shard_numel)
-        shard[: self.shard_valid_numel].copy_(
-            flat[self.shard_offset : self.shard_offset + self.shard_valid_numel]
-        )
+    def _shard_from_params(self, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's shard of the flat parameter, copied from the original
+        parameters' elements it holds: what ``_flatten`` then slicing would give
+        (padding ``PADDING_VALUE``, right padding zeros) at a shard's cost."""
+        shard = torch.zeros(self.shard_numel, dtype=dtype, device=self.device)
+        if self.layout.has_padding and self.shard_valid_numel:
+            shard[: self.shard_valid_numel].fill_(PADDING_VALUE)
+        for info, sl in zip(self.infos, self._shard_slices):
+            if sl is not None:
+                start = sl[0] + self.shard_offset - info.offset
+                src = info.param.detach().reshape(-1)[start : start + sl[1] - sl[0]]
+                shard[sl[0] : sl[1]].copy_(src)
         return shard
 
     def _release_original_storage(self) -> None:
@@ -530,6 +540,33 @@ class FlatParamHandle:
         if not to_rank0_only:
             self.reshard(free=True)
         return copies
+
+    def gather_full_flat(self, to_rank0_only: bool) -> torch.Tensor | None:
+        """The whole flat parameter in the original dtype, in a buffer of the
+        caller's (a collective over the unit's group; the handle's own state and
+        buffers are left as they are).
+
+        Padded (``padded_numel`` elements) when sharded; ``to_rank0_only``: only
+        group rank 0 receives it (the others send their shard and get ``None``).
+        NO_SHARD returns the shard itself, not a copy.  Use
+        :meth:`param_views` to read the original parameters out of it.
+        """
+        self.pre_unshard()
+        src = self._gather_source(self.orig_dtype)
+        if not self.uses_sharded_strategy:
+            return src if not to_rank0_only or self.rank == 0 else None
+        if to_rank0_only:
+            out = src.new_empty(self.padded_numel) if self.rank == 0 else None
+            C.gather_into(out, src, 0, self.process_group)
+            return out
+        full = src.new_empty(self.padded_numel)
+        C.all_gather_into(full, src, self.process_group)
+        return full
+
+    def param_views(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """The original parameters as views of a whole flat parameter ``full``."""
+        views = full[: self.unpadded_numel].split(self._segments)
+        return [views[seg].view(info.shape) for info, seg in zip(self.infos, self._info_segment)]
 
     def write_back_from(self, unsharded: torch.Tensor) -> None:
         """Write ``unsharded`` (a full flat copy, e.g. on CPU) into the local shard."""

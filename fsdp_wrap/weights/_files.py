@@ -1,0 +1,39 @@
+"""Finding the tensors of a Hugging Face checkpoint: headers only, no data read."""
+
+from __future__ import annotations
+
+import os
+
+import fsdp_wrap.checkpoint._safetensors as _st
+from fsdp_wrap.checkpoint._safetensors import StoredTensor
+from fsdp_wrap.comm.collectives import global_rank
+
+__all__ = ["stored_tensors"]
+
+
+def stored_tensors(path: str) -> dict[str, StoredTensor]:
+    """Every tensor of ``path``: a directory as ``save_pretrained`` writes it
+    (``model.safetensors``, or ``model.safetensors.index.json`` and the files it
+    names) or one ``.safetensors`` file."""
+    tag = f"[rank {global_rank()}]"
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{tag} expected a checkpoint path (str) but got {type(path).__name__}")
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        if not path.endswith(".safetensors"):
+            raise ValueError(
+                f"{tag} {path} is not a .safetensors file; pass the directory save_pretrained wrote "
+                "or one .safetensors file"
+            )
+        return _st.read_header(path)[0]
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{tag} no checkpoint at {path}: neither a directory nor a file")
+    try:
+        return _st.stored_tensors(path)
+    except FileNotFoundError:
+        if any(n.endswith(".bin") for n in os.listdir(path)):
+            raise FileNotFoundError(
+                f"{tag} {path} holds a PyTorch .bin checkpoint, not safetensors; save it again with "
+                "save_pretrained(..., safe_serialization=True) (the default)"
+            ) from None
+        raise
