@@ -418,6 +418,10 @@ def test_misuse_matches_torch(pool2: Any, case: str) -> None:
         }[ours[0]]
         with pytest.raises(exc_type, match=re.escape(text) if text else None):
             raise exc_type(ours[1])
+        if text and text in torch_out[1]:
+            # torch's sentence first, filled as torch fills it (tests match its start)
+            start = torch_out[1][: torch_out[1].index(text) + len(text)]
+            assert ours[1].startswith(start), (rank, ours[1], start)
         assert "_fsdp_wrapped_module" not in ours[1], f"{case}: internals leak: {ours[1]}"
         for extra in extras:
             assert extra in ours[1], f"{case}: our message should name {extra!r}: {ours[1]}"

@@ -33,7 +33,8 @@ class ProcessGroupState(NamedTuple):
 
 
 def _rank_tag() -> str:
-    return f"[rank {dist.get_rank()}] " if dist.is_initialized() else ""
+    """`` [rank N]`` to follow torch's sentence (empty before init_process_group)."""
+    return f" [rank {dist.get_rank()}]" if dist.is_initialized() else ""
 
 
 def check_not_wrapped(
@@ -41,7 +42,10 @@ def check_not_wrapped(
 ) -> None:
     """ValueError naming every ``wrapper_cls`` instance already in ``root``'s tree.
 
-    ``key_phrase`` (torch's wording) is formatted with ``names`` and ``cls``.
+    ``key_phrase`` (torch's wording, which starts the message) is formatted
+    with ``first`` (the first such module's name, as torch names it),
+    ``root`` (the class of ``root``) and ``cls``; the rank and every such
+    module's name follow it.
 
     Names are clean FQNs (``''`` is ``root`` itself); module reprs are not
     printed, since those of wrapped units spell out FSDP's internals.
@@ -55,8 +59,9 @@ def check_not_wrapped(
     if found:
         names = ", ".join(f"'{n}'" if n else "the root module itself" for n in found)
         cls_name = getattr(wrapper_cls, "__name__", str(wrapper_cls))
+        phrase = key_phrase.format(first=found[0], root=type(root).__name__, cls=cls_name)
         raise ValueError(
-            f"{_rank_tag()}{key_phrase.format(names=names, cls=cls_name)}. Either give "
+            f"{phrase}{_rank_tag()} (every {cls_name} in it: {names}). Either give "
             "auto_wrap_policy a module with no FSDP inside (let the policy make those units), "
             "or wrap every unit by hand and the root without auto_wrap_policy."
         )
@@ -191,7 +196,7 @@ def _default_hybrid_groups() -> tuple[ProcessGroup, ProcessGroup]:
     )
     if local <= 0 or world % local:
         raise ValueError(
-            f"{_rank_tag()}cannot build hybrid-sharding groups: world size {world} is not a "
+            f"cannot build hybrid-sharding groups{_rank_tag()}: world size {world} is not a "
             f"multiple of the ranks per node ({local}); pass (shard_group, replicate_group) or a "
             "2-D device_mesh"
         )
@@ -253,12 +258,12 @@ def resolve_device(
     non_cpu = {d for d in devices if d.type != "cpu"}
     if len(non_cpu) > 1:
         raise RuntimeError(
-            f"{_rank_tag()}FSDP only supports single device modules but got params on {non_cpu}"
+            f"FSDP only supports single device modules but got params on {non_cpu}{_rank_tag()}"
         )
     if non_cpu and "cpu" in {d.type for d in devices}:
         raise RuntimeError(
-            f"{_rank_tag()}To support a module with both CPU and GPU params, please pass in "
-            "device_id argument."
+            "To support a module with both CPU and GPU params, please pass in "
+            f"device_id argument.{_rank_tag()}"
         )
     return next(iter(non_cpu)) if non_cpu else torch.device("cpu")
 
@@ -282,8 +287,8 @@ def materialize_meta(
         # Checked on every construction, meta-device or not (torch only checks
         # when it would call it): a typo should not wait for the meta model.
         raise ValueError(
-            f"[rank {rank}] Expected {param_init_fn} to be callable but got "
-            f"{type(param_init_fn)}: pass param_init_fn as a function of one module "
+            f"Expected {param_init_fn} to be callable but got "
+            f"{type(param_init_fn)} [rank {rank}]: pass param_init_fn as a function of one module "
             "(e.g. lambda m: m.to_empty(device=..., recurse=False)), or None"
         )
     if not any(t.is_meta for _, t in _unit_tensors(module, stop, ignored)):

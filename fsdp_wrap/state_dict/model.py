@@ -203,9 +203,10 @@ def effective_type(state: UnitState, warn: bool = True) -> StateDictType:
         return StateDictType.FULL_STATE_DICT
     if sd_type is StateDictType.LOCAL_STATE_DICT and state._device_mesh is not None:
         raise RuntimeError(
-            f"[rank {global_rank()}] Found state_dict_type LOCAL_STATE_DICT. DeviceMesh is not "
+            "Found state_dict_type LOCAL_STATE_DICT. DeviceMesh is not "
             "compatible with LOCAL_STATE_DICT. Please set state_dict_type to SHARDED_STATE_DICT "
-            "to get DTensor state_dict (the model was wrapped with a device_mesh)."
+            f"to get DTensor state_dict. [rank {global_rank()}] The model was wrapped with a "
+            "device_mesh."
         )
     return sd_type
 

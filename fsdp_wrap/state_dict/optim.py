@@ -255,9 +255,9 @@ def _check_rank0_states_everywhere(orders: list[list[tuple[str, ...]]], rank: in
     lines = [f"rank {r} has none for {keys}" for r, keys in missing.items() if keys]
     if lines:
         raise RuntimeError(
-            f"[rank {rank}] FSDP currently requires each rank to have at least the optimizer "
+            "FSDP currently requires each rank to have at least the optimizer "
             "states needed by rank 0's optimizer but some ranks are missing some of those "
-            f"states: {'; '.join(lines)}. Give every rank's optimizer the same parameters and "
+            f"states [rank {rank}]: {'; '.join(lines)}. Give every rank's optimizer the same parameters and "
             "let each get a gradient before the first step (a parameter never stepped has no "
             "state), or wrap with use_orig_params=True, where the states are merged across "
             "ranks."
@@ -535,8 +535,8 @@ def rekey_optim_state_dict(
     key_type = getattr(optim_state_key_type, "name", None)
     if key_type not in ("PARAM_NAME", "PARAM_ID"):
         raise AssertionError(
-            f"[rank {global_rank()}] Expected optim_state_key_type to be PARAM_NAME or PARAM_ID, got "
-            f"{optim_state_key_type}; pass OptimStateKeyType.PARAM_NAME or "
+            "Expected optim_state_key_type to be PARAM_NAME or PARAM_ID, got "
+            f"{optim_state_key_type} [rank {global_rank()}]; pass OptimStateKeyType.PARAM_NAME or "
             "OptimStateKeyType.PARAM_ID"
         )
     osd = optim_state_dict
@@ -545,7 +545,7 @@ def rekey_optim_state_dict(
     ids = [type(k) is int for k in keys]
     if (any(names) and not all(names)) or (any(ids) and not all(ids)):
         raise ValueError(
-            f"[rank {global_rank()}] Invalid parameter keys: {osd['state'].keys()}; an optimizer "
+            f"Invalid parameter keys: {osd['state'].keys()} [rank {global_rank()}]; an optimizer "
             "state dict is keyed either all by parameter id (int) or all by name (str): "
             "rekey the parts separately or drop the foreign entries"
         )
