@@ -568,7 +568,8 @@ class FullyShardedDataParallel(UnitState):
         all-to-all), nothing gathered.  Every mismatch with the model and
         optimizer is reported in one ``ValueError`` before any collective.
         ``load_directly=True`` also calls ``optim.load_state_dict``.
-        ``is_named_optimizer=True`` raises ``NotImplementedError``.  Example::
+        ``is_named_optimizer=True`` keys the result by the model's parameter
+        names (``model.named_parameters()``), for ``_NamedOptimizer``.  Example::
 
             with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT):
                 osd = FullyShardedDataParallel.optim_state_dict_to_load(model, optim, saved)

@@ -421,20 +421,46 @@ def optim_state_dict_to_load(
     load_directly: bool = False,
     group: Any = None,
 ) -> dict[str, Any]:
-    if is_named_optimizer:
-        raise NotImplementedError(
-            "optim_state_dict_to_load(is_named_optimizer=True) is not implemented in fsdp_wrap"
-        )
     sd_type, cfg = _settings(model)
     check: str | None = "optim_state_dict_to_load"
     if sd_type is StateDictType.FULL_STATE_DICT:
         if isinstance(cfg, FullOptimStateDictConfig) and cfg.rank0_only:
             optim_state_dict = _broadcast_osd(optim_state_dict, model, group)
         check = None  # full values on every rank: no collective
-    result = _flatten_optim(model, _optim_params(optim), optim_state_dict, collective_check=check)
+    groups = _optim_params(optim)
+    result = _flatten_optim(model, groups, optim_state_dict, collective_check=check)
+    if is_named_optimizer:
+        result = _keyed_by_model_names(model, groups, result)
     if load_directly:
         optim.load_state_dict(result)
     return result
+
+
+def _keyed_by_model_names(
+    model: nn.Module, groups: list[list[torch.Tensor]], osd: dict[str, Any]
+) -> dict[str, Any]:
+    """An id-keyed state dict re-keyed for a ``NamedOptimizer``: each parameter
+    by its name in ``model.named_parameters()`` (the first, for a shared one;
+    a flat parameter by its own), as torch's ``is_named_optimizer=True`` gives."""
+    name_of: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        name_of.setdefault(id(p), name)
+    flat = [p for params in groups for p in params]
+    missing = [i for i, p in enumerate(flat) if id(p) not in name_of]
+    if missing:
+        raise ValueError(
+            "optim_state_dict_to_load(is_named_optimizer=True) needs every optimizer parameter "
+            f"to be a parameter of the model [rank {global_rank()}]: parameter ids {missing} of "
+            "the optimizer are not in model.named_parameters(); pass the model the "
+            "NamedOptimizer was built from"
+        )
+    key = [name_of[id(p)] for p in flat]
+    out: dict[str, Any] = {"state": {key[i]: v for i, v in osd["state"].items()}}
+    if "param_groups" in osd:
+        out["param_groups"] = [
+            {**g, "params": sorted(key[i] for i in g["params"])} for g in osd["param_groups"]
+        ]
+    return out
 
 
 def full_optim_state_dict(
