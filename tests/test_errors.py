@@ -127,12 +127,12 @@ def _case_ignored_both(impl: str) -> None:
 
 def _case_ignored_states_mixed_types(impl: str) -> None:
     m = _lin_pair()
-    fsdp_cls(impl)(m, ignored_states=[m[0], m[2].weight], **fsdp_kwargs(impl))
+    fsdp_cls(impl)(m, ignored_states={m[0], m[2].weight, m[2].bias, m[2]}, **fsdp_kwargs(impl))
 
 
 def _case_ignored_modules_not_modules(impl: str) -> None:
     m = _lin_pair()
-    fsdp_cls(impl)(m, ignored_modules=[m[0].weight], **fsdp_kwargs(impl))
+    fsdp_cls(impl)(m, ignored_modules={m[0].weight, m[0].bias}, **fsdp_kwargs(impl))
 
 
 def _case_ignored_modules_not_iterable(impl: str) -> None:
@@ -341,12 +341,14 @@ EXPECTED: dict[str, tuple[str, list[str]]] = {
         [],
     ),
     "ignored_states_mixed_types": (
-        "ignored_states expects all nn.Parameter or all nn.Module list elements but got types",
-        [],
+        "ignored_states expects all nn.Parameter or all nn.Module list elements but got types "
+        "[<class 'torch.nn.modules.linear.Linear'>, <class 'torch.nn.parameter.Parameter'>]",
+        ["rank"],
     ),
     "ignored_modules_not_modules": (
-        "ignored_modules expects nn.Module list elements but got types",
-        [],
+        "ignored_modules expects nn.Module list elements but got types "
+        "[<class 'torch.nn.parameter.Parameter'>]",
+        ["rank"],
     ),
     # torch's text here is Python's own ("'int' object is not iterable"); we only
     # require the type, and that ours names the argument.
@@ -427,39 +429,6 @@ def test_misuse_matches_torch(pool2: Any, case: str) -> None:
             assert extra in ours[1], f"{case}: our message should name {extra!r}: {ours[1]}"
             if extra == "rank":
                 assert f"rank {rank}" in ours[1], ours[1]
-
-
-# ---------------------------------------------------------------------------
-# options not implemented yet: NotImplementedError naming the option
-# ---------------------------------------------------------------------------
-
-
-def _not_implemented() -> dict[str, Outcome]:
-    import fsdp_wrap as fw
-
-    warnings.simplefilter("ignore")
-    model = fw.FullyShardedDataParallel(_lin_pair())
-    opt = torch.optim.Adam(model.parameters())
-    cases: dict[str, Callable[[], Any]] = {
-        "is_named_optimizer": lambda: fw.FullyShardedDataParallel.optim_state_dict_to_load(
-            model, opt, {"state": {}, "param_groups": []}, is_named_optimizer=True
-        ),
-    }
-    out: dict[str, Outcome] = {}
-    for name, fn in cases.items():
-        try:
-            fn()
-            out[name] = None
-        except Exception as e:  # noqa: BLE001
-            out[name] = (type(e).__name__, str(e))
-    return out
-
-
-def test_not_implemented_options_name_the_option(pool2: Any) -> None:
-    for rank, res in enumerate(pool2.run(_not_implemented)):
-        for name, out in res.items():
-            assert out is not None and out[0] == "NotImplementedError", (rank, name, out)
-            assert name in out[1], (rank, name, out)
 
 
 # ---------------------------------------------------------------------------

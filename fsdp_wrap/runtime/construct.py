@@ -37,6 +37,11 @@ def _rank_tag() -> str:
     return f" [rank {dist.get_rank()}]" if dist.is_initialized() else ""
 
 
+def _sorted_types(items: Iterable[Any]) -> list[type]:
+    """The distinct types of ``items``, sorted by repr (as torch's messages list them)."""
+    return sorted({type(x) for x in items}, key=repr)
+
+
 def check_not_wrapped(
     root: nn.Module, wrapper_cls: Any, ignored: Iterable[nn.Module], key_phrase: str
 ) -> None:
@@ -89,7 +94,8 @@ def resolve_ignored(
         elif states:
             raise ValueError(
                 "ignored_states expects all nn.Parameter or all nn.Module list elements but got "
-                f"types {[type(s) for s in states]}"
+                f"types {_sorted_types(states)}{_rank_tag()}: pass either the parameters or the "
+                "modules to ignore (a module's parameters are ignored with it)"
             )
     elif ignored_modules is not None:
         try:
@@ -99,9 +105,12 @@ def resolve_ignored(
                 "`ignored_modules` should be an iterable of `torch.nn.Module`s but got "
                 f"{type(ignored_modules)}"
             ) from None
-        bad = [type(m) for m in roots if not isinstance(m, nn.Module)]
-        if bad:
-            raise ValueError(f"ignored_modules expects nn.Module list elements but got types {bad}")
+        if not all(isinstance(m, nn.Module) for m in roots):
+            raise ValueError(
+                f"ignored_modules expects nn.Module list elements but got types "
+                f"{_sorted_types(roots)}{_rank_tag()}: pass parameters as ignored_states "
+                "instead, or their modules as ignored_modules"
+            )
     if any(isinstance(m, UnitState) for m in roots):
         raise ValueError("`ignored_modules` should not include FSDP modules")
     if module in roots:
