@@ -258,3 +258,44 @@ def _unmanaged_one(cfg: dict[str, Any]) -> list[str]:
 
 def test_parameters_the_checkpoint_does_not_know(pool2: Any) -> None:
     assert pool2.run(_unmanaged, _unmanaged_configs()) == [[], []]
+
+
+# ------------------------------------------------- with_grads and writeback
+
+
+def _grads_configs() -> list[dict[str, Any]]:
+    return [dict(writeback=w, strategy=s) for w in (False, True)
+            for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")]
+
+
+def _grads_writeback(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
+    return run_sweep(configs, _grads_writeback_one, inject=inject)
+
+
+def _grads_writeback_one(cfg: dict[str, Any]) -> list[str]:
+    """``summon_full_params(with_grads=True, writeback=...)``: gradients changed
+    inside persist in the sharded gradients exactly when torch's do (torch's
+    ``test_with_grads_core``), with torch's values after the context."""
+    after: dict[str, list[Any]] = {}
+    for impl in ("ours", "torch"):
+        api = fsdp_api(impl)
+        F = api.FullyShardedDataParallel
+        torch.manual_seed(0)
+        inner = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+        inner[2] = F(inner[2], use_orig_params=True, device_id=C.CPU,
+                     sharding_strategy=api.ShardingStrategy[cfg["strategy"]])
+        model = F(inner, use_orig_params=True, device_id=C.CPU,
+                  sharding_strategy=api.ShardingStrategy[cfg["strategy"]])
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+        model(x).pow(2).sum().backward()
+        with F.summon_full_params(model, writeback=cfg["writeback"], with_grads=True):
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad *= 2
+        after[impl] = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    d = _diff(after["ours"], after["torch"])
+    return C.problem(f"{cfg}: gradients after the context differ from torch's: {d}", bool(d))
+
+
+def test_summon_with_grads_writes_gradients_back_as_torch(pool2: Any) -> None:
+    assert pool2.run(_grads_writeback, _grads_configs()) == [[], []]

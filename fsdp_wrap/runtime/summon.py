@@ -73,13 +73,13 @@ def summon(
                 # drops the flat gradient (as torch does here)
                 st._handle.grads.sync_flat_grad_from_orig()
             st._handle.pre_unshard()  # write-back checks before any collective
-    entered: list[tuple[UnitState, torch.Tensor | None, bool]] = []
+    entered: list[tuple[UnitState, torch.Tensor | None, bool, torch.Tensor | None]] = []
     try:
         for st in states:
             st.training_state = TrainingState.SUMMON_FULL_PARAMS
             handle = st._handle
             if handle is None:
-                entered.append((st, None, False))
+                entered.append((st, None, False, None))
                 continue
             full_grad = _gather_full_grad(handle) if with_grads else None
             handle.finish_unshard(full_precision=True)
@@ -94,10 +94,10 @@ def summon(
                 handle.use_unsharded_views(as_params=True)
             if with_grads and shown:
                 _show_full_grads(handle, full_grad)
-            entered.append((st, cpu_copy, shown))
+            entered.append((st, cpu_copy, shown, full_grad if shown else None))
         yield
     finally:
-        for st, cpu_copy, shown in reversed(entered):
+        for st, cpu_copy, shown, full_grad in reversed(entered):
             handle = st._handle
             if handle is not None and shown:
                 if writeback:
@@ -105,6 +105,8 @@ def summon(
                         handle.write_back_from(cpu_copy)
                     else:
                         handle.write_back_unsharded()
+                    if full_grad is not None:
+                        _write_back_grad(handle, full_grad)
                 handle.reshard(free=True)
                 if with_grads:
                     _show_sharded_grads(handle)
@@ -145,6 +147,18 @@ def _show_full_grads(handle: FlatParamHandle, full_grad: torch.Tensor | None) ->
             info.param.grad = None
     else:
         handle.grads.set_unsharded_grad_views(full_grad, frozen_too=True)
+
+
+def _write_back_grad(handle: FlatParamHandle, full_grad: torch.Tensor) -> None:
+    """``writeback=True``: this rank's part of the shown (maybe changed) full
+    gradient goes into its sharded gradient, as torch writes it back (only where
+    that gradient exists; NO_SHARD shows the gradient itself)."""
+    grad = handle.flat_param.grad
+    if grad is None or not handle.uses_sharded_strategy or handle.grads.has_unreduced_grad:
+        return
+    start = handle.shard_offset
+    piece = full_grad[start : min(start + handle.shard_numel, full_grad.numel())]
+    grad[: piece.numel()].copy_(piece.to(grad.dtype))
 
 
 def _show_sharded_grads(handle: FlatParamHandle) -> None:
