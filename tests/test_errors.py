@@ -244,6 +244,17 @@ def _case_local_state_dict_with_mesh(impl: str) -> None:
         m.state_dict()
 
 
+def _case_local_optim_state_dict_with_mesh(impl: str) -> None:
+    """torch's test_raises_warning_or_errors: the optimizer API refuses it too."""
+    api = fsdp_api(impl)
+    m = fsdp_cls(impl)(_lin_pair(), device_mesh=_MESH, **fsdp_kwargs(impl))
+    opt = torch.optim.Adam(m.parameters(), lr=0.1)
+    m(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    with api.FullyShardedDataParallel.state_dict_type(m, api.StateDictType.LOCAL_STATE_DICT):
+        api.FullyShardedDataParallel.optim_state_dict(m, opt)
+
+
 def _case_optim_in_backward_flat(impl: str) -> None:
     from torch.distributed.optim import _apply_optimizer_in_backward
 
@@ -301,6 +312,11 @@ EXPECTED: dict[str, tuple[str, list[str]]] = {
         ["rank", "'2': True", "FSDP_USE_FULL_PREC_IN_EVAL"],
     ),
     "local_state_dict_with_mesh": (
+        "Found state_dict_type LOCAL_STATE_DICT. DeviceMesh is not compatible with "
+        "LOCAL_STATE_DICT. Please set state_dict_type to SHARDED_STATE_DICT",
+        ["rank", "device_mesh"],
+    ),
+    "local_optim_state_dict_with_mesh": (
         "Found state_dict_type LOCAL_STATE_DICT. DeviceMesh is not compatible with "
         "LOCAL_STATE_DICT. Please set state_dict_type to SHARDED_STATE_DICT",
         ["rank", "device_mesh"],
