@@ -181,8 +181,9 @@ class FullyShardedDataParallel(UnitState):
             # Names, not the repr: a child unit's repr spells out FSDP's internals.
             children = [clean_fqn(n) for n, _ in module.named_children()]
             warnings.warn(
-                f"[rank {global_rank()}] FSDP will not all-gather parameters for containers that do "
-                f"not implement forward: {type(module).__name__} (children {children}); wrap its "
+                "FSDP will not all-gather parameters for containers that do "
+                f"not implement forward: {type(module).__name__} (children {children}) "
+                f"[rank {global_rank()}]; wrap its "
                 "children, or a module whose forward uses them, instead",
                 stacklevel=2,
             )
@@ -352,8 +353,8 @@ class FullyShardedDataParallel(UnitState):
             fqn = self._handle.unit_fqn if self._handle is not None else ""
             unit = "root FSDP unit" if self._is_root else f"FSDP unit '{fqn}'" if fqn else "FSDP unit"
             raise ValueError(
-                f"[rank {global_rank()}] {unit} expected to be in states "
-                f"{allowed} but current state is {self.training_state}"
+                f"expected to be in states {allowed} but current state is "
+                f"{self.training_state} [rank {global_rank()}, {unit}]"
                 + (f"; {fix}" if fix else "")
             )
 
@@ -568,7 +569,8 @@ class FullyShardedDataParallel(UnitState):
         all-to-all), nothing gathered.  Every mismatch with the model and
         optimizer is reported in one ``ValueError`` before any collective.
         ``load_directly=True`` also calls ``optim.load_state_dict``.
-        ``is_named_optimizer=True`` raises ``NotImplementedError``.  Example::
+        ``is_named_optimizer=True`` keys the result by the model's parameter
+        names (``model.named_parameters()``), for ``_NamedOptimizer``.  Example::
 
             with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT):
                 osd = FullyShardedDataParallel.optim_state_dict_to_load(model, optim, saved)

@@ -246,8 +246,12 @@ def _loads_beside_params_outside_fsdp() -> list[str]:
         for name in _LOADERS:
             # (no try/except around the collectives: see _none_state_loads)
             flat = _load_with(name, F, full, sharded, dst, dopt)
-            results[(ours, name)] = _desc(flat["state"])
+            # As torch: the groups list only what the checkpoint names ("extra" is
+            # left for the caller to add, as torch's own test does)
+            results[(ours, name)] = (_desc(flat["state"]), [g["params"] for g in flat["param_groups"]])
             if ours:
+                n = sum(len(g["params"]) for g in dopt.param_groups)
+                flat["param_groups"][0]["params"] = list(range(n))
                 dopt.load_state_dict(flat)
     for name in _LOADERS:
         if results[(True, name)] != results[(False, name)]:

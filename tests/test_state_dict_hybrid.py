@@ -142,11 +142,11 @@ def _formats_one(c: dict[str, Any], mesh: Any) -> list[str]:
             except RuntimeError as e:
                 msgs.append(str(e))
         # torch < 2.13 shows its message as a tuple of strings;
-        # compare the words, not the punctuation.  Ours says torch's
-        # words and adds the rank and the cause.
+        # compare the words, not the punctuation.  Ours starts with torch's
+        # words, then adds the rank and the cause.
         words = [" ".join(re.sub(r"[()',.]", " ", m).split()) for m in msgs]
         problems += C.problem(f"{tag}: LOCAL with a mesh: {msgs}", (
-            words[1] not in words[0] or not msgs[0].startswith(f"[rank {dist.get_rank()}]")
+            not words[0].startswith(words[1]) or f"[rank {dist.get_rank()}]" not in msgs[0]
             or "DeviceMesh is not compatible" not in msgs[1]))
     return problems
 

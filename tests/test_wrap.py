@@ -930,13 +930,16 @@ def test_auto_wrap_already_wrapped_raises() -> None:
         our_wrap._auto_wrap(
             model, policy, set(), set(), our_root_kwargs(policy), FakeWrap
         )
-    # Named by FQN, with the fix; no module repr (a unit's spells out FSDP internals).
+    # torch's sentence first, filled as torch fills it (the first wrapped module's name
+    # after "found", then " in"); then every one by FQN and the fix; no module repr
+    # (a unit's spells out FSDP internals).
     assert str(info.value).startswith(
-        "FSDP auto wrapping requires modules to not already have FSDP applied but found '1.fc2' "
-        "(FakeWrap). Either give auto_wrap_policy a module with no FSDP inside"
+        "FSDP auto wrapping requires modules to not already have FSDP applied but found 1.fc2 "
+        "in Sequential (every FakeWrap in it: '1.fc2'). Either give auto_wrap_policy a module "
+        "with no FSDP inside"
     ), str(info.value)
     assert "\n" not in str(info.value) and "without auto_wrap_policy" in str(info.value)
-    with pytest.raises(ValueError, match="found '1.fc2'"):
+    with pytest.raises(ValueError, match="found 1.fc2 in"):
         our_wrap._auto_wrap(
             model,
             our_wrap.always_wrap_policy,

@@ -33,7 +33,13 @@ class ProcessGroupState(NamedTuple):
 
 
 def _rank_tag() -> str:
-    return f"[rank {dist.get_rank()}] " if dist.is_initialized() else ""
+    """`` [rank N]`` to follow torch's sentence (empty before init_process_group)."""
+    return f" [rank {dist.get_rank()}]" if dist.is_initialized() else ""
+
+
+def _sorted_types(items: Iterable[Any]) -> list[type]:
+    """The distinct types of ``items``, sorted by repr (as torch's messages list them)."""
+    return sorted({type(x) for x in items}, key=repr)
 
 
 def check_not_wrapped(
@@ -41,7 +47,10 @@ def check_not_wrapped(
 ) -> None:
     """ValueError naming every ``wrapper_cls`` instance already in ``root``'s tree.
 
-    ``key_phrase`` (torch's wording) is formatted with ``names`` and ``cls``.
+    ``key_phrase`` (torch's wording, which starts the message) is formatted
+    with ``first`` (the first such module's name, as torch names it),
+    ``root`` (the class of ``root``) and ``cls``; the rank and every such
+    module's name follow it.
 
     Names are clean FQNs (``''`` is ``root`` itself); module reprs are not
     printed, since those of wrapped units spell out FSDP's internals.
@@ -55,8 +64,9 @@ def check_not_wrapped(
     if found:
         names = ", ".join(f"'{n}'" if n else "the root module itself" for n in found)
         cls_name = getattr(wrapper_cls, "__name__", str(wrapper_cls))
+        phrase = key_phrase.format(first=found[0], root=type(root).__name__, cls=cls_name)
         raise ValueError(
-            f"{_rank_tag()}{key_phrase.format(names=names, cls=cls_name)}. Either give "
+            f"{phrase}{_rank_tag()} (every {cls_name} in it: {names}). Either give "
             "auto_wrap_policy a module with no FSDP inside (let the policy make those units), "
             "or wrap every unit by hand and the root without auto_wrap_policy."
         )
@@ -84,7 +94,8 @@ def resolve_ignored(
         elif states:
             raise ValueError(
                 "ignored_states expects all nn.Parameter or all nn.Module list elements but got "
-                f"types {[type(s) for s in states]}"
+                f"types {_sorted_types(states)}{_rank_tag()}: pass either the parameters or the "
+                "modules to ignore (a module's parameters are ignored with it)"
             )
     elif ignored_modules is not None:
         try:
@@ -94,9 +105,12 @@ def resolve_ignored(
                 "`ignored_modules` should be an iterable of `torch.nn.Module`s but got "
                 f"{type(ignored_modules)}"
             ) from None
-        bad = [type(m) for m in roots if not isinstance(m, nn.Module)]
-        if bad:
-            raise ValueError(f"ignored_modules expects nn.Module list elements but got types {bad}")
+        if not all(isinstance(m, nn.Module) for m in roots):
+            raise ValueError(
+                f"ignored_modules expects nn.Module list elements but got types "
+                f"{_sorted_types(roots)}{_rank_tag()}: pass parameters as ignored_states "
+                "instead, or their modules as ignored_modules"
+            )
     if any(isinstance(m, UnitState) for m in roots):
         raise ValueError("`ignored_modules` should not include FSDP modules")
     if module in roots:
@@ -191,7 +205,7 @@ def _default_hybrid_groups() -> tuple[ProcessGroup, ProcessGroup]:
     )
     if local <= 0 or world % local:
         raise ValueError(
-            f"{_rank_tag()}cannot build hybrid-sharding groups: world size {world} is not a "
+            f"cannot build hybrid-sharding groups{_rank_tag()}: world size {world} is not a "
             f"multiple of the ranks per node ({local}); pass (shard_group, replicate_group) or a "
             "2-D device_mesh"
         )
@@ -253,12 +267,12 @@ def resolve_device(
     non_cpu = {d for d in devices if d.type != "cpu"}
     if len(non_cpu) > 1:
         raise RuntimeError(
-            f"{_rank_tag()}FSDP only supports single device modules but got params on {non_cpu}"
+            f"FSDP only supports single device modules but got params on {non_cpu}{_rank_tag()}"
         )
     if non_cpu and "cpu" in {d.type for d in devices}:
         raise RuntimeError(
-            f"{_rank_tag()}To support a module with both CPU and GPU params, please pass in "
-            "device_id argument."
+            "To support a module with both CPU and GPU params, please pass in "
+            f"device_id argument.{_rank_tag()}"
         )
     return next(iter(non_cpu)) if non_cpu else torch.device("cpu")
 
@@ -282,8 +296,8 @@ def materialize_meta(
         # Checked on every construction, meta-device or not (torch only checks
         # when it would call it): a typo should not wait for the meta model.
         raise ValueError(
-            f"[rank {rank}] Expected {param_init_fn} to be callable but got "
-            f"{type(param_init_fn)}: pass param_init_fn as a function of one module "
+            f"Expected {param_init_fn} to be callable but got "
+            f"{type(param_init_fn)} [rank {rank}]: pass param_init_fn as a function of one module "
             "(e.g. lambda m: m.to_empty(device=..., recurse=False)), or None"
         )
     if not any(t.is_meta for _, t in _unit_tensors(module, stop, ignored)):

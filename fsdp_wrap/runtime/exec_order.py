@@ -104,6 +104,13 @@ class ForwardOrderCheck:
         names = [f"{unit}.{i.fqn}" if unit else i.fqn for i in handle.infos]
         return f"unit '{unit or '<root>'}' (parameters {names})"
 
+    def names(self, handle: FlatParamHandle | None) -> list[list[str]]:
+        """torch's naming of a unit in these messages: its parameters' FQNs, one list."""
+        if handle is None:
+            return []
+        unit = handle.unit_fqn
+        return [[f"{unit}.{i.fqn}" if unit else i.fqn for i in handle.infos]]
+
     def check(self, handle: FlatParamHandle) -> None:
         if self.first_iteration:
             self._check_across_ranks(handle)
@@ -118,13 +125,18 @@ class ForwardOrderCheck:
         indices = gathered.tolist()
         if len(set(indices)) == 1:
             return
+        # torch's sentence names the first pair of group ranks that differ
+        r1 = next(r for r in range(len(indices)) if any(i != indices[r] for i in indices))
+        r2 = next(r for r in range(r1 + 1, len(indices)) if indices[r] != indices[r1])
         mine = indices[self.rank]
         other = next(r for r, i in enumerate(indices) if i != mine)
         raise RuntimeError(
-            f"[rank {global_rank()}] Forward order differs across ranks: rank {global_rank()} "
-            f"is all-gathering parameters for {self.describe(self._handle_at(mine))} while rank "
-            f"{dist.get_global_rank(self.group, other)} is all-gathering parameters for "
-            f"{self.describe(self._handle_at(indices[other]))} (all ranks' unit indices in "
+            f"Forward order differs across ranks: rank {r1} is all-gathering parameters for "
+            f"{self.names(self._handle_at(indices[r1]))} while rank {r2} is all-gathering "
+            f"parameters for {self.names(self._handle_at(indices[r2]))}. [rank {global_rank()}] "
+            f"This rank is all-gathering parameters for {self.describe(self._handle_at(mine))} "
+            f"while rank {dist.get_global_rank(self.group, other)} is all-gathering parameters "
+            f"for {self.describe(self._handle_at(indices[other]))} (all ranks' unit indices in "
             f"order of construction: {indices}). Every rank must run the FSDP units in the "
             "same order in forward (same control flow on every rank); otherwise the units' "
             "all-gathers mix different parameters or hang."
@@ -137,17 +149,19 @@ class ForwardOrderCheck:
         if self.position >= len(self.first_order):
             prefix = "Expected to not all-gather any more parameters in the forward but trying "
         elif self.first_order[self.position] is not handle:
-            expected = self.describe(self.first_order[self.position])
+            expected = self.names(self.first_order[self.position])
             prefix = f"Expected to all-gather for {expected} but trying "
         else:
             prefix = ""
         self.position += 1
         if prefix:  # every deviation of the first deviating iteration, as torch
             self.warned = True
+            got = self.names(handle) or "a newly-added parameter since construction time"
             warnings.warn(
-                f"[rank {global_rank()}] Forward order differs from that of the first iteration "
-                f"on rank {global_rank()}. Collectives are unchecked and may give incorrect results "
-                f"or hang.\n{prefix}to all-gather parameters for {self.describe(handle)}. "
+                "Forward order differs from that of the first iteration "
+                f"on rank {self.rank}. Collectives are unchecked and may give incorrect results "
+                f"or hang.\n{prefix}to all-gather parameters for {got}. [rank {global_rank()}] "
+                f"This rank all-gathers {self.describe(handle)}. "
                 "Keep the units' forward order the same every iteration (forward_prefetch "
                 "follows the first iteration's order).",
                 stacklevel=2,

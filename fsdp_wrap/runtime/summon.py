@@ -73,24 +73,27 @@ def summon(
                 # drops the flat gradient (as torch does here)
                 h.grads.sync_flat_grad_from_orig()
             h.pre_unshard()  # write-back checks before any collective
-    entered: list[tuple[UnitState, FlatParamHandle | None, torch.Tensor | None, bool]] = []
+    entered: list[tuple[UnitState, FlatParamHandle | None, torch.Tensor | None, bool,
+                        torch.Tensor | None]] = []
     try:
         for st in states:
             st.training_state = TrainingState.SUMMON_FULL_PARAMS
             if not st._handles:
-                entered.append((st, None, None, False))
+                entered.append((st, None, None, False, None))
             for h in st._handles:
                 entered.append((st, h, *_summon_handle(h, st.rank, rank0_only,
                                                        offload_to_cpu, with_grads)))
         yield
     finally:
-        for st, handle, cpu_copy, shown in reversed(entered):
+        for st, handle, cpu_copy, shown, full_grad in reversed(entered):
             if handle is not None and shown:
                 if writeback:
                     if cpu_copy is not None:
                         handle.write_back_from(cpu_copy)
                     else:
                         handle.write_back_unsharded()
+                    if full_grad is not None:
+                        _write_back_grad(handle, full_grad)
                 handle.reshard(free=True)
                 if with_grads:
                     _show_sharded_grads(handle)
@@ -98,9 +101,10 @@ def summon(
 
 
 def _summon_handle(handle: FlatParamHandle, rank: int, rank0_only: bool, offload_to_cpu: bool,
-                   with_grads: bool) -> tuple[torch.Tensor | None, bool]:
+                   with_grads: bool) -> tuple[torch.Tensor | None, bool, torch.Tensor | None]:
     """Gather one flat parameter and show its original parameters at full
-    size; returns its CPU copy (``offload_to_cpu``) and whether it is shown."""
+    size; returns its CPU copy (``offload_to_cpu``), whether it is shown, and
+    the full gradient shown (``with_grads``; written back at the exit)."""
     full_grad = _gather_full_grad(handle) if with_grads else None
     handle.finish_unshard(full_precision=True)
     cpu_copy: torch.Tensor | None = None
@@ -114,7 +118,7 @@ def _summon_handle(handle: FlatParamHandle, rank: int, rank0_only: bool, offload
         handle.use_unsharded_views(as_params=True)
     if with_grads and shown:
         _show_full_grads(handle, full_grad)
-    return cpu_copy, shown
+    return cpu_copy, shown, full_grad if shown else None
 
 
 # ------------------------------------------------------------ with_grads
@@ -151,6 +155,18 @@ def _show_full_grads(handle: FlatParamHandle, full_grad: torch.Tensor | None) ->
             info.param.grad = None
     else:
         handle.grads.set_unsharded_grad_views(full_grad, frozen_too=True)
+
+
+def _write_back_grad(handle: FlatParamHandle, full_grad: torch.Tensor) -> None:
+    """``writeback=True``: this rank's part of the shown (maybe changed) full
+    gradient goes into its sharded gradient, as torch writes it back (only where
+    that gradient exists; NO_SHARD shows the gradient itself)."""
+    grad = handle.flat_param.grad
+    if grad is None or not handle.uses_sharded_strategy or handle.grads.has_unreduced_grad:
+        return
+    start = handle.shard_offset
+    piece = full_grad[start : min(start + handle.shard_numel, full_grad.numel())]
+    grad[: piece.numel()].copy_(piece.to(grad.dtype))
 
 
 def _show_sharded_grads(handle: FlatParamHandle) -> None:

@@ -163,7 +163,7 @@ def _check_homogeneous(states: list[UnitState], fqn_of: dict[int, str]) -> None:
                 f"'{fqn_of.get(id(st), '') or '<root>'}': {getattr(st, attr)}" for st in states
             )
             raise ValueError(
-                f"[rank {global_rank()}] Expects one homogeneous value for {attr} but got {values} "
+                f"Expects one homogeneous value for {attr} but got {values} [rank {global_rank()}] "
                 f"({option} per FSDP unit: {per_unit}); construct every nested "
                 f"FullyShardedDataParallel of this root with the same {option}"
             )
@@ -178,8 +178,8 @@ def _check_optim_in_backward(states: list[UnitState], fqn_of: dict[int, str]) ->
     ]
     if flat:
         raise RuntimeError(
-            f"[rank {global_rank()}] FSDP optimizer in backward only supported with "
-            f"use_orig_params=True! _apply_optimizer_in_backward was given the flat parameters "
+            "FSDP optimizer in backward only supported with "
+            f"use_orig_params=True! [rank {global_rank()}] _apply_optimizer_in_backward was given the flat parameters "
             f"of FSDP units {', '.join(flat)}; wrap with use_orig_params=True and pass the "
             "model's parameters, or step a regular optimizer after backward"
         )

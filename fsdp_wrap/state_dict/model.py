@@ -120,6 +120,7 @@ def set_state_dict_type(
 def get_state_dict_type(module: nn.Module) -> StateDictSettings:
     settings: StateDictSettings | None = None
     for st in units_under(module):
+        _refuse_local_with_mesh(st)  # as torch, which checks here for the optimizer APIs
         mine = StateDictSettings(
             st._state_dict_type, st._state_dict_config, st._optim_state_dict_config
         )
@@ -203,13 +204,20 @@ def effective_type(state: UnitState, warn: bool = True) -> StateDictType:
                 stacklevel=4,
             )
         return StateDictType.FULL_STATE_DICT
-    if sd_type is StateDictType.LOCAL_STATE_DICT and state._device_mesh is not None:
-        raise RuntimeError(
-            f"[rank {global_rank()}] Found state_dict_type LOCAL_STATE_DICT. DeviceMesh is not "
-            "compatible with LOCAL_STATE_DICT. Please set state_dict_type to SHARDED_STATE_DICT "
-            "to get DTensor state_dict (the model was wrapped with a device_mesh)."
-        )
+    _refuse_local_with_mesh(state)
     return sd_type
+
+
+def _refuse_local_with_mesh(state: UnitState) -> None:
+    """torch's refusal of LOCAL_STATE_DICT for a unit built with a device mesh
+    (model and optimizer state dicts alike)."""
+    if state._state_dict_type is StateDictType.LOCAL_STATE_DICT and state._device_mesh is not None:
+        raise RuntimeError(
+            "Found state_dict_type LOCAL_STATE_DICT. DeviceMesh is not "
+            "compatible with LOCAL_STATE_DICT. Please set state_dict_type to SHARDED_STATE_DICT "
+            f"to get DTensor state_dict. [rank {global_rank()}] The model was wrapped with a "
+            "device_mesh."
+        )
 
 
 def _param_rels(state: UnitState) -> list[str]:

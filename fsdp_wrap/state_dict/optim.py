@@ -255,9 +255,9 @@ def _check_rank0_states_everywhere(orders: list[list[tuple[str, ...]]], rank: in
     lines = [f"rank {r} has none for {keys}" for r, keys in missing.items() if keys]
     if lines:
         raise RuntimeError(
-            f"[rank {rank}] FSDP currently requires each rank to have at least the optimizer "
+            "FSDP currently requires each rank to have at least the optimizer "
             "states needed by rank 0's optimizer but some ranks are missing some of those "
-            f"states: {'; '.join(lines)}. Give every rank's optimizer the same parameters and "
+            f"states [rank {rank}]: {'; '.join(lines)}. Give every rank's optimizer the same parameters and "
             "let each get a gradient before the first step (a parameter never stepped has no "
             "state), or wrap with use_orig_params=True, where the states are merged across "
             "ranks."
@@ -421,20 +421,46 @@ def optim_state_dict_to_load(
     load_directly: bool = False,
     group: Any = None,
 ) -> dict[str, Any]:
-    if is_named_optimizer:
-        raise NotImplementedError(
-            "optim_state_dict_to_load(is_named_optimizer=True) is not implemented in fsdp_wrap"
-        )
     sd_type, cfg = _settings(model)
     check: str | None = "optim_state_dict_to_load"
     if sd_type is StateDictType.FULL_STATE_DICT:
         if isinstance(cfg, FullOptimStateDictConfig) and cfg.rank0_only:
             optim_state_dict = _broadcast_osd(optim_state_dict, model, group)
         check = None  # full values on every rank: no collective
-    result = _flatten_optim(model, _optim_params(optim), optim_state_dict, collective_check=check)
+    groups = _optim_params(optim)
+    result = _flatten_optim(model, groups, optim_state_dict, collective_check=check)
+    if is_named_optimizer:
+        result = _keyed_by_model_names(model, groups, result)
     if load_directly:
         optim.load_state_dict(result)
     return result
+
+
+def _keyed_by_model_names(
+    model: nn.Module, groups: list[list[torch.Tensor]], osd: dict[str, Any]
+) -> dict[str, Any]:
+    """An id-keyed state dict re-keyed for a ``NamedOptimizer``: each parameter
+    by its name in ``model.named_parameters()`` (the first, for a shared one;
+    a flat parameter by its own), as torch's ``is_named_optimizer=True`` gives."""
+    name_of: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        name_of.setdefault(id(p), name)
+    flat = [p for params in groups for p in params]
+    missing = [i for i, p in enumerate(flat) if id(p) not in name_of]
+    if missing:
+        raise ValueError(
+            "optim_state_dict_to_load(is_named_optimizer=True) needs every optimizer parameter "
+            f"to be a parameter of the model [rank {global_rank()}]: parameter ids {missing} of "
+            "the optimizer are not in model.named_parameters(); pass the model the "
+            "NamedOptimizer was built from"
+        )
+    key = [name_of[id(p)] for p in flat]
+    out: dict[str, Any] = {"state": {key[i]: v for i, v in osd["state"].items()}}
+    if "param_groups" in osd:
+        out["param_groups"] = [
+            {**g, "params": sorted(key[i] for i in g["params"])} for g in osd["param_groups"]
+        ]
+    return out
 
 
 def full_optim_state_dict(
@@ -535,8 +561,8 @@ def rekey_optim_state_dict(
     key_type = getattr(optim_state_key_type, "name", None)
     if key_type not in ("PARAM_NAME", "PARAM_ID"):
         raise AssertionError(
-            f"[rank {global_rank()}] Expected optim_state_key_type to be PARAM_NAME or PARAM_ID, got "
-            f"{optim_state_key_type}; pass OptimStateKeyType.PARAM_NAME or "
+            "Expected optim_state_key_type to be PARAM_NAME or PARAM_ID, got "
+            f"{optim_state_key_type} [rank {global_rank()}]; pass OptimStateKeyType.PARAM_NAME or "
             "OptimStateKeyType.PARAM_ID"
         )
     osd = optim_state_dict
@@ -545,7 +571,7 @@ def rekey_optim_state_dict(
     ids = [type(k) is int for k in keys]
     if (any(names) and not all(names)) or (any(ids) and not all(ids)):
         raise ValueError(
-            f"[rank {global_rank()}] Invalid parameter keys: {osd['state'].keys()}; an optimizer "
+            f"Invalid parameter keys: {osd['state'].keys()} [rank {global_rank()}]; an optimizer "
             "state dict is keyed either all by parameter id (int) or all by name (str): "
             "rekey the parts separately or drop the foreign entries"
         )

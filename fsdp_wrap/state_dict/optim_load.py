@@ -25,12 +25,13 @@ def _check_loadable(
 ) -> None:
     """Every mismatch between ``osd`` and the model/optimizer in ONE error (no collective)."""
     problems: list[str] = []
-    if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
+    if not isinstance(osd, dict) or "state" not in osd:
+        # torch needs "state" only: without "param_groups" the result has none either
         raise ValueError(
-            f"[rank {rank}] `optim_state_dict` must have the keys \"state\" and "
-            "\"param_groups\" to be a valid optimizer state dict, but got keys "
-            f"{list(osd) if isinstance(osd, dict) else type(osd).__name__}; pass the dict "
-            "FSDP.optim_state_dict() returned (or torch.load gave back)"
+            "`optim_state_dict` must have the keys \"state\" to be a valid optimizer state "
+            f"dict [rank {rank}], but got "
+            f"{'keys ' + str(list(osd)) if isinstance(osd, dict) else type(osd).__name__}; pass "
+            "the dict FSDP.optim_state_dict() returned (or torch.load gave back)"
         )
     shape_of: dict[str, torch.Size] = {}
     for unit in index.units:
@@ -51,8 +52,10 @@ def _check_loadable(
                     f"{tuple(want)} (Tensor optimizer state does not have same shape as its "
                     "parameter)"
                 )
-    problems.extend(_flat_unit_problems(index, osd["state"]))
-    if len(osd["param_groups"]) != len(groups):
+    problems[:0] = _flat_unit_problems(index, osd["state"])  # torch's sentences first
+    if "param_groups" not in osd:
+        pass
+    elif len(osd["param_groups"]) != len(groups):
         problems.append(
             f"{len(osd['param_groups'])} param group(s) in the state dict, "
             f"{len(groups)} in the optimizer"
@@ -72,8 +75,8 @@ def _check_loadable(
                 )
     if problems:
         raise ValueError(
-            f"[rank {rank}] the optimizer state dict does not match the model and optimizer: "
-            + "; ".join(problems)
+            "; ".join(problems)
+            + f" [rank {rank}: the optimizer state dict does not match the model and optimizer]"
         )
 
 
@@ -194,14 +197,38 @@ def _flatten_optim(
             u, _, fqns = index.where[id(p)]
             if u < 0 and fqns[0] in outside:
                 out[pid_of[id(p)]] = outside[fqns[0]]
+    if "param_groups" not in osd:  # as torch: none given, none returned
+        return {"state": out}
+    return {"state": out, "param_groups": _param_groups_to_load(index, groups, osd, pid_of)}
+
+
+def _param_groups_to_load(
+    index: _Index, groups: list[list[torch.Tensor]], osd: dict[str, Any], pid_of: dict[int, int]
+) -> list[dict[str, Any]]:
+    """The saved groups with "params" as this optimizer's ids.
+
+    As torch: a group listing names gets the sorted ids of the parameters it
+    names, so a parameter the checkpoint does not know (one outside FSDP
+    managed elsewhere) is left out for the caller to add; a group listing ids
+    gets all of this optimizer's group.
+    """
+    pid_of_name: dict[str, int] = {}
+    for params in groups:
+        for p in params:
+            for fqn in index.fqns_of(p):
+                pid_of_name.setdefault(fqn, pid_of[id(p)])
     param_groups = []
     pid = 0
     for saved, params in zip(osd["param_groups"], groups):
         group = {k: copy.deepcopy(v) for k, v in saved.items() if k != "params"}
-        group["params"] = list(range(pid, pid + len(params)))
+        listed = saved.get("params", [])
+        if listed and all(isinstance(x, str) and x in pid_of_name for x in listed):
+            group["params"] = sorted({pid_of_name[x] for x in listed})
+        else:
+            group["params"] = list(range(pid, pid + len(params)))
         pid += len(params)
         param_groups.append(group)
-    return {"state": out, "param_groups": param_groups}
+    return param_groups
 
 
 def _outside_states(index: _Index, state_in: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -173,7 +173,7 @@ def _auto_wrap(
     """
     if inspect.isclass(fsdp_cls):
         _init.check_not_wrapped(root_module, fsdp_cls, (), "FSDP auto wrapping requires modules "
-                                "to not already have FSDP applied but found {names} ({cls})")
+                                "to not already have FSDP applied but found {first} in {root}")
     unit_kwargs = dict(root_kwargs)
     unit_kwargs["auto_wrap_policy"] = None
     mp_classes = _mp_classes_to_ignore(unit_kwargs.get("mixed_precision"))

@@ -47,7 +47,7 @@ def _recursive_wrap(
         raise ValueError("_recursive_wrap needs a wrapper_cls, but got None.")
     if inspect.isclass(wrapper_cls):  # (a function as wrapper_cls cannot be checked)
         _init.check_not_wrapped(
-            module, wrapper_cls, ignored_modules, "Child module {names} is already wrapped by {cls}"
+            module, wrapper_cls, ignored_modules, "Child module {first} is already wrapped by {cls}"
         )
 
     # Counted as if nothing in the subtree were wrapped yet.
