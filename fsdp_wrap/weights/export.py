@@ -107,8 +107,7 @@ def _stream(
     root._lazy_init()
     mine = not rank0_only or dist.get_rank() == 0
     for unit_name, st in _units(root):
-        h = st._handle
-        if h is not None:
+        for h in st._handles:  # one per flat parameter (a split unit has several)
             take_part, only0 = _gather_plan(h, rank0_only)
             full = h.gather_full_flat(to_rank0_only=only0) if take_part else None
             views = h.param_views(full) if full is not None and mine else []

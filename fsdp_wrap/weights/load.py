@@ -72,8 +72,7 @@ def _wanted(root: FSDP) -> tuple[list[_Want], list[list[str]], set[str]]:
     computed: set[str] = set()
     seen: set[str] = set()
     for unit_name, st in _units(root):
-        h = st._handle
-        if h is not None:
+        for h in st._handles:  # one per flat parameter (a split unit has several)
             for i, info in enumerate(h.infos):
                 names = _names(h, unit_name, i)
                 if len(names) > 1:
@@ -276,8 +275,7 @@ def _fill(root: FSDP, stored: dict[str, StoredTensor], nm: NameMap) -> None:
     """Each rank's shard of every flat parameter, and the unmanaged tensors, from disk."""
     with _open_files() as fh, torch.no_grad():
         for unit_name, st in _units(root):
-            h = st._handle
-            if h is not None:
+            for h in st._handles:  # one per flat parameter (a split unit has several)
                 h.invalidate_unsharded()
                 for i, info in enumerate(h.infos):
                     sl = h.param_shard_slice(i)
