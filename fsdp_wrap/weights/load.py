@@ -228,9 +228,9 @@ def load_pretrained(
     precision allowed; typically built on the meta device and wrapped with
     ``param_init_fn=pretrained_init(model, path)``.
 
-    Every rank checks every tensor first (names matched as
-    :mod:`fsdp_wrap.weights._names` describes: tied weights stored once, PEFT's
-    and the base model's prefixes) and the ranks agree on the verdict (one
+    Every rank checks every tensor first (names matched by the rules in
+    :doc:`/checkpointing`, "Loading a pretrained model": tied weights stored
+    once, PEFT's and the base model's prefixes) and the ranks agree on the verdict (one
     small all-gather on the model's process group(s), before any other
     collective): a missing parameter, a tensor of the wrong shape or an
     unconvertible dtype (``strict``: also tensors the model lacks) raises
