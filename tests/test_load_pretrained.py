@@ -215,6 +215,7 @@ def test_loads_bit_for_bit_like_from_pretrained_2_ranks(pool2: Any, ckpts: dict[
     assert fails == [[], []], "\n".join(f for r in fails for f in r)
 
 
+@pytest.mark.slow  # (the 2-rank sweep covers every case in the default run)
 def test_loads_bit_for_bit_like_from_pretrained_3_ranks(pool3: Any, ckpts: dict[str, str]) -> None:
     fails = pool3.run(_sweep_loads, _load_cases(ckpts, 3))
     assert fails == [[], [], []], "\n".join(f for r in fails for f in r)
