@@ -184,6 +184,7 @@ def test_stream_is_the_full_state_dict_2_ranks(pool2: Any) -> None:
     assert fails == [[], []], "\n".join(f for r in fails for f in r)
 
 
+@pytest.mark.slow  # (the 2-rank sweep covers every case in the default run)
 def test_stream_is_the_full_state_dict_3_ranks(pool3: Any) -> None:
     fails = pool3.run(_sweep, _configs(3))
     assert fails == [[], [], []], "\n".join(f for r in fails for f in r)

@@ -215,6 +215,7 @@ def test_loads_bit_for_bit_like_from_pretrained_2_ranks(pool2: Any, ckpts: dict[
     assert fails == [[], []], "\n".join(f for r in fails for f in r)
 
 
+@pytest.mark.slow  # (the 2-rank sweep covers every case in the default run)
 def test_loads_bit_for_bit_like_from_pretrained_3_ranks(pool3: Any, ckpts: dict[str, str]) -> None:
     fails = pool3.run(_sweep_loads, _load_cases(ckpts, 3))
     assert fails == [[], [], []], "\n".join(f for r in fails for f in r)
@@ -454,3 +455,34 @@ def test_accelerate_and_trainer_train_the_same_from_a_meta_load(tmp_path: Any) -
         for name in ("accelerate", "trainer"):
             assert len(r[f"{name}/meta"]) == 3
             assert r[f"{name}/meta"] == r[f"{name}/from_pretrained"], (name, r)
+
+
+class _NoInit(nn.Module):
+    """A module whose buffer nothing can compute once it is on the meta device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("table", torch.arange(4.0))
+
+
+def _no_init_is_refused() -> list[str]:
+    with torch.device("meta"):
+        model = nn.Sequential(_NoInit())
+    # parameters only on meta (the buffer built for real) is fine: the buffer is kept
+    kept = nn.Sequential(_NoInit())
+    kept[0].lin.to_empty(device="meta")
+    try:
+        FSDP(model, device_id=CPU, param_init_fn=fsdp_wrap.pretrained_init(model))
+        return ["a meta buffer with no init was accepted"]
+    except ValueError as e:
+        if "module '0' (_NoInit)" not in str(e) or "['table']" not in str(e):
+            return [str(e)]
+    wrapped = FSDP(kept, device_id=CPU, param_init_fn=fsdp_wrap.pretrained_init(kept))
+    if not torch.equal(wrapped.module[0].table, torch.arange(4.0)):
+        return ["a buffer built on a real device was not kept"]
+    return []
+
+
+def test_pretrained_init_refuses_a_buffer_it_cannot_compute(pool2: Any) -> None:
+    assert pool2.run(_no_init_is_refused) == [[], []]

@@ -108,6 +108,24 @@ def gather_into(
     destination and ``None`` elsewhere; other ranks never hold the whole.
     """
     dst = dist.get_global_rank(group, dst_group_rank)
+    if _is_gloo_cpu(group, shard):
+        # gloo's gather stages every rank's input in a buffer of its own before
+        # copying it out (a whole unit more on the destination): receive each
+        # rank's shard straight into its place instead, all in flight at once.
+        me = dist.get_rank(group)
+        if me != dst_group_rank:
+            dist.send(shard.contiguous(), dst=dst, group=group)
+            return
+        rows = output.view(dist.get_world_size(group), -1) if output is not None else None
+        if rows is None:
+            raise ValueError("gather_into: the destination needs an output tensor")
+        works = [dist.irecv(rows[r], src=dist.get_global_rank(group, r), group=group)
+                 for r in range(rows.shape[0]) if r != me]
+        rows[me].copy_(shard.reshape(-1))
+        for w in works:
+            if w is not None:
+                w.wait()
+        return
     chunks = list(output.chunk(dist.get_world_size(group))) if output is not None else None
     dist.gather(shard, chunks, dst=dst, group=group)
 

@@ -106,38 +106,60 @@ def pretrained_init(
         raise TypeError(f"pretrained_init expects the model (an nn.Module) but got "
                         f"{type(model).__name__}")
     dev = torch.device(device) if device is not None else _default_device()
-    owners = _hf_owners(model)
-    loaded = _loaded_param_ids(model, path)
-    names = {id(m): n for n, m in reversed(list(model.named_modules(remove_duplicate=False)))}
-    peft_config = getattr(model, "peft_config", None)
-    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta) -> (meta, real)
+    return _PretrainedInit(model, _loaded_param_ids(model, path), dev)
 
-    def real(t: torch.Tensor, param: bool) -> torch.Tensor:
-        hit = made.get(id(t))
+
+class _PretrainedInit:
+    """The ``param_init_fn`` :func:`pretrained_init` returns (called once per module)."""
+
+    def __init__(self, model: nn.Module, loaded: set[int] | None, device: torch.device) -> None:
+        self.device = device
+        self.loaded = loaded  # ids of the parameters the checkpoint holds (None: all)
+        self.owners = _hf_owners(model)
+        self.names = {id(m): n for n, m in reversed(list(model.named_modules(remove_duplicate=False)))}
+        self.peft_config = getattr(model, "peft_config", None)
+        self.made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta) -> (meta, real)
+
+    def __call__(self, m: nn.Module) -> nn.Module:
+        with torch.no_grad():
+            if callable(getattr(m, "reset_lora_parameters", None)) and _has_meta(m, "base_layer"):
+                self._lora_init(m)
+            if self._materialize(m):
+                self._own_init(m)
+        return m  # (as to_empty does: Accelerate's re-tying wrapper uses the return value)
+
+    def _real(self, t: torch.Tensor, param: bool) -> torch.Tensor:
+        """One real tensor per meta tensor (tied parameters stay one)."""
+        hit = self.made.get(id(t))
         if hit is not None:
             return hit[1]
-        new: torch.Tensor = torch.empty(t.shape, dtype=t.dtype, device=dev)
+        new: torch.Tensor = torch.empty(t.shape, dtype=t.dtype, device=self.device)
         if param:
             new = nn.Parameter(new, requires_grad=t.requires_grad)
-        made[id(t)] = (t, new)  # (keeps the meta tensor alive: ids stay unique)
+        self.made[id(t)] = (t, new)  # (keeps the meta tensor alive: ids stay unique)
         return new
 
-    def materialize(m: nn.Module) -> bool:
+    def _unloaded(self, p: torch.Tensor) -> bool:
+        return self.loaded is not None and id(p) not in self.loaded
+
+    def _materialize(self, m: nn.Module) -> bool:
         """Real tensors for ``m``'s own meta tensors; whether any needs computing."""
         needs_init = False
         for name, p in list(m._parameters.items()):
             if p is not None and p.is_meta:
-                fresh = id(p) not in made
-                m._parameters[name] = real(p, param=True)  # type: ignore[assignment]
-                needs_init |= fresh and (loaded is not None and id(p) not in loaded)
+                fresh = id(p) not in self.made
+                m._parameters[name] = self._real(p, param=True)  # type: ignore[assignment]
+                needs_init |= fresh and self._unloaded(p)
         for name, b in list(m._buffers.items()):
             if b is not None and b.is_meta:
-                m._buffers[name] = real(b, param=False)
+                m._buffers[name] = self._real(b, param=False)
                 needs_init = True
         return needs_init
 
-    def own_init(m: nn.Module) -> None:
-        owner = owners.get(id(m))
+    def _own_init(self, m: nn.Module) -> None:
+        """The model's own init for ``m``: transformers' ``_init_weights``, else
+        ``reset_parameters()``."""
+        owner = self.owners.get(id(m))
         if owner is not None:
             owner._init_weights(m)
             return
@@ -145,42 +167,36 @@ def pretrained_init(
         if callable(reset):
             reset()
             return
+        meta_of = {id(real): meta for meta, real in self.made.values()}
         what = [n for n, b in m._buffers.items() if b is not None] + [
-            n for n, p in m._parameters.items() if p is not None and loaded is not None
-            and id(made.get(id(p), (p, p))[0]) not in loaded
+            n for n, p in m._parameters.items()
+            if p is not None and self._unloaded(meta_of.get(id(p), p))
         ]
         raise ValueError(
-            f"pretrained_init: module '{names.get(id(m), '?')}' ({type(m).__name__}) has "
+            f"pretrained_init: module '{self.names.get(id(m), '?')}' ({type(m).__name__}) has "
             f"meta-device tensors {what} that the checkpoint does not hold, and no "
             "reset_parameters() nor a transformers model around it to compute them. Build the "
             "model with its buffers on a real device (only parameters on meta, e.g. "
             "accelerate.init_empty_weights()), or give the module a reset_parameters()"
         )
 
-    def lora_init(m: nn.Module) -> None:
+    def _lora_init(self, m: nn.Module) -> None:
         """A ``peft`` LoRA layer: its adapters (every submodule but the base layer)
         materialised, then PEFT's own init for each adapter."""
         base = getattr(m, "base_layer", None)
         for sub in m.modules():
             if sub is m or sub is base or (base is not None and _inside(sub, base)):
                 continue
-            materialize(sub)
+            self._materialize(sub)
+        config = self.peft_config
         for adapter in list(getattr(m, "lora_A", {}).keys()):
-            cfg = peft_config.get(adapter) if isinstance(peft_config, dict) else None
-            m.reset_lora_parameters(adapter, getattr(cfg, "init_lora_weights", True))  # type: ignore[operator]
-
-    def param_init_fn(m: nn.Module) -> nn.Module:
-        with torch.no_grad():
-            if callable(getattr(m, "reset_lora_parameters", None)) and _has_meta(m, skip="base_layer"):
-                lora_init(m)
-            if materialize(m):
-                own_init(m)
-        return m  # (as to_empty does: Accelerate's re-tying wrapper uses the return value)
-
-    return param_init_fn
+            cfg = config.get(adapter) if isinstance(config, dict) else None
+            m.reset_lora_parameters(  # type: ignore[operator]
+                adapter, getattr(cfg, "init_lora_weights", True))
 
 
 def _has_meta(m: nn.Module, skip: str) -> bool:
+    """Whether ``m`` or a submodule (not under ``m.<skip>``) holds a meta tensor."""
     base = getattr(m, skip, None)
     for sub in m.modules():
         if base is not None and (sub is base or _inside(sub, base)):
