@@ -34,6 +34,7 @@ from _common import (
     write_results,
 )
 from _common import mlp as net
+from _common import tiny_gpt2
 
 # (result key, steps of micro-batches, use_orig_params, clip): replayed on torch's FSDP1.
 REPLAYS: list[tuple[str, list[list[torch.Tensor]], bool, bool]] = []
@@ -189,12 +190,91 @@ def trainer_run(uop: bool, sdt: str) -> None:
     REPLAYS.append((key + "/torch_resumed", [[x] for x in first.seen + second.seen], uop, False))
 
 
+def gpt2_replay(steps: list[torch.Tensor]) -> list[float]:
+    """fsdp_wrap without a framework: blocks wrapped as the user does, AdamW."""
+    import fsdp_wrap
+
+    model = tiny_gpt2()
+    for i, b in enumerate(model.transformer.h):
+        model.transformer.h[i] = fsdp_wrap.FullyShardedDataParallel(b, use_orig_params=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    out = []
+    for x in steps:
+        loss = model(input_ids=x, labels=x).loss
+        out.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def trainer_gpt2_run(sdt: str) -> None:
+    """Issue 23's case: GPT-2 blocks wrapped by the user (Lightning then leaves the
+    root unwrapped: embeddings, final norm and the tied head stay outside FSDP),
+    use_orig_params=True, AdamW, resumed from its step-4 checkpoint.  Every rank
+    sees the same batches (no distributed sampler): parameters outside FSDP get no
+    gradient synchronisation, so with different batches they differ by rank and a
+    checkpoint (one copy) cannot resume them exactly, FULL or SHARDED."""
+    import lightning as L
+    from lightning.pytorch.strategies import FSDPStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    class CPUFSDPStrategy(FSDPStrategy):
+        """Lightning gates FSDP to GPUs by the strategy's exact type."""
+
+    class LM(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = tiny_gpt2()
+            self.seen: list[torch.Tensor] = []
+            self.losses: list[float] = []
+
+        def configure_model(self) -> None:
+            for i, b in enumerate(self.model.transformer.h):
+                self.model.transformer.h[i] = FullyShardedDataParallel(b, use_orig_params=True)
+
+        def training_step(self, b: list[torch.Tensor], i: int) -> torch.Tensor:
+            self.seen.append(b[0].clone())
+            loss = self.model(input_ids=b[0], labels=b[0]).loss
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randint(0, 64, (64, 8), generator=g))
+
+    def fit(steps: int, ckpt: str | None = None) -> tuple[LM, object]:
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, max_steps=steps, logger=False,
+            enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+            use_distributed_sampler=False,
+            strategy=CPUFSDPStrategy(use_orig_params=True, process_group_backend="gloo",
+                                     state_dict_type=sdt))
+        lm = LM()
+        trainer.fit(lm, torch.utils.data.DataLoader(data, batch_size=4), ckpt_path=ckpt)
+        return lm, trainer
+
+    key = f"gpt2/{sdt}"
+    first, trainer = fit(4)
+    path = os.path.join(OUT, f"gpt2_{sdt}.ckpt")
+    trainer.save_checkpoint(path)  # type: ignore[attr-defined]
+    second, _ = fit(7, ckpt=path)
+    record(key + "/first", first.losses)
+    record(key + "/resumed", second.losses)
+    # the oracle: the same batches through fsdp_wrap without Lightning, uninterrupted
+    record(key + "/replay", gpt2_replay(first.seen + second.seen))
+
+
 def main() -> None:
     use_fsdp_wrap()
     for uop, sdt in ((False, "full"), (True, "sharded"), (False, "sharded"), (True, "full")):
         fabric_run(uop, sdt)
     for uop, sdt in ((True, "full"), (True, "sharded"), (False, "sharded")):
         trainer_run(uop, sdt)
+    for sdt in ("full", "sharded"):
+        trainer_gpt2_run(sdt)
     import fsdp_wrap
 
     fsdp_wrap.uninstall()  # torch's FSDP1 class nests whatever its module's names say
