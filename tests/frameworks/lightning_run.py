@@ -30,11 +30,11 @@ from _common import (
     exit_now,
     full_params_match,
     record,
+    tiny_gpt2,
     use_fsdp_wrap,
     write_results,
 )
 from _common import mlp as net
-from _common import tiny_gpt2
 
 # (result key, steps of micro-batches, use_orig_params, clip): replayed on torch's FSDP1.
 REPLAYS: list[tuple[str, list[list[torch.Tensor]], bool, bool]] = []
