@@ -190,13 +190,15 @@ def trainer_run(uop: bool, sdt: str) -> None:
     REPLAYS.append((key + "/torch_resumed", [[x] for x in first.seen + second.seen], uop, False))
 
 
-def gpt2_replay(steps: list[torch.Tensor]) -> list[float]:
-    """fsdp_wrap without a framework: blocks wrapped as the user does, AdamW."""
+def gpt2_replay(steps: list[torch.Tensor], wrap_root: bool) -> list[float]:
+    """fsdp_wrap without a framework: blocks (and the root) wrapped as the user does, AdamW."""
     import fsdp_wrap
 
     model = tiny_gpt2()
     for i, b in enumerate(model.transformer.h):
         model.transformer.h[i] = fsdp_wrap.FullyShardedDataParallel(b, use_orig_params=True)
+    if wrap_root:
+        model = fsdp_wrap.FullyShardedDataParallel(model, use_orig_params=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     out = []
     for x in steps:
@@ -208,13 +210,14 @@ def gpt2_replay(steps: list[torch.Tensor]) -> list[float]:
     return out
 
 
-def trainer_gpt2_run(sdt: str) -> None:
-    """Issue 23's case: GPT-2 blocks wrapped by the user (Lightning then leaves the
-    root unwrapped: embeddings, final norm and the tied head stay outside FSDP),
-    use_orig_params=True, AdamW, resumed from its step-4 checkpoint.  Every rank
-    sees the same batches (no distributed sampler): parameters outside FSDP get no
-    gradient synchronisation, so with different batches they differ by rank and a
-    checkpoint (one copy) cannot resume them exactly, FULL or SHARDED."""
+def trainer_gpt2_run(sdt: str, wrap_root: bool) -> None:
+    """Issue 23's case: GPT-2 blocks wrapped by the user, use_orig_params=True,
+    AdamW, resumed from its step-4 checkpoint.  Lightning does not wrap the root
+    then: unless the user does (``wrap_root``), the embeddings, final norm and tied
+    head stay outside FSDP with no gradient synchronisation, so every rank gets the
+    same batches (no distributed sampler) to keep them equal across ranks (with
+    different batches they differ by rank and no checkpoint, holding one copy, can
+    resume them exactly).  With the root wrapped each rank gets its own batches."""
     import lightning as L
     from lightning.pytorch.strategies import FSDPStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel
@@ -232,6 +235,8 @@ def trainer_gpt2_run(sdt: str) -> None:
         def configure_model(self) -> None:
             for i, b in enumerate(self.model.transformer.h):
                 self.model.transformer.h[i] = FullyShardedDataParallel(b, use_orig_params=True)
+            if wrap_root:
+                self.model = FullyShardedDataParallel(self.model, use_orig_params=True)
 
         def training_step(self, b: list[torch.Tensor], i: int) -> torch.Tensor:
             self.seen.append(b[0].clone())
@@ -249,22 +254,22 @@ def trainer_gpt2_run(sdt: str) -> None:
         trainer = L.Trainer(
             accelerator="cpu", devices=2, max_steps=steps, logger=False,
             enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-            use_distributed_sampler=False,
+            use_distributed_sampler=wrap_root,
             strategy=CPUFSDPStrategy(use_orig_params=True, process_group_backend="gloo",
                                      state_dict_type=sdt))
         lm = LM()
         trainer.fit(lm, torch.utils.data.DataLoader(data, batch_size=4), ckpt_path=ckpt)
         return lm, trainer
 
-    key = f"gpt2/{sdt}"
+    key = f"gpt2/{sdt}/{'root' if wrap_root else 'blocks'}"
     first, trainer = fit(4)
-    path = os.path.join(OUT, f"gpt2_{sdt}.ckpt")
+    path = os.path.join(OUT, f"gpt2_{sdt}_{wrap_root}.ckpt")
     trainer.save_checkpoint(path)  # type: ignore[attr-defined]
     second, _ = fit(7, ckpt=path)
     record(key + "/first", first.losses)
     record(key + "/resumed", second.losses)
     # the oracle: the same batches through fsdp_wrap without Lightning, uninterrupted
-    record(key + "/replay", gpt2_replay(first.seen + second.seen))
+    record(key + "/replay", gpt2_replay(first.seen + second.seen, wrap_root))
 
 
 def main() -> None:
@@ -274,7 +279,8 @@ def main() -> None:
     for uop, sdt in ((True, "full"), (True, "sharded"), (False, "sharded")):
         trainer_run(uop, sdt)
     for sdt in ("full", "sharded"):
-        trainer_gpt2_run(sdt)
+        for wrap_root in (False, True):
+            trainer_gpt2_run(sdt, wrap_root)
     import fsdp_wrap
 
     fsdp_wrap.uninstall()  # torch's FSDP1 class nests whatever its module's names say
