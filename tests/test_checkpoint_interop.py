@@ -163,3 +163,55 @@ def test_split_units_reshard_2_to_3(pool2: Any, pool3: Any, tmp_path: Any) -> No
         pool2.run(_save_job, a, uop, "lora")
         for ours, ref in pool3.run(_resume_job, a, not uop, "lora"):
             assert max(abs(x - y) for x, y in zip(ours, ref)) <= 1e-5, (ours, ref)
+
+
+# ------------------------------------------------- 2 -> 3 ranks and back
+
+
+def _resume_train_save(path_in: str, fmt_in: str, path_out: str, fmt_out: str, impl: str,
+                       uop: bool, steps: tuple[int, int]) -> list[float]:
+    """Resume ``impl`` from ``path_in`` at this pool's world size, train, save to ``path_out``."""
+    model, opt = _resume(impl, "seq", uop, fmt_in, path_in)
+    losses = C.train(model, opt, "seq", range(*steps))
+    if path_out:
+        _save(model, opt, fmt_out, path_out)
+    return losses
+
+
+def test_resume_at_3_ranks_and_back_full_sharded_and_offline(
+    pool2: Any, pool3: Any, tmp_path: Any
+) -> None:
+    """Optimizer state across world sizes: saved at 2 ranks, resumed and trained at 3,
+    saved again, resumed at 2; FULL (rank 0's torch.save), SHARDED (DCP) and the
+    3-rank DCP checkpoint consolidated by the offline tool into one FULL file.  At
+    each stage torch's FSDP1 follows the same path from the same files: the losses
+    must agree (the tolerance of the other resume tests here)."""
+    from fsdp_wrap.checkpoint import offline
+
+    for fmt in ("full", "dcp"):
+        start = str(tmp_path / f"{fmt}-ws2")
+        pool2.run(_save_job_fmt, start, fmt)
+        at3: dict[str, list[float]] = {}
+        for impl in ("ours", "torch"):
+            at3[impl] = pool3.run(_resume_train_save, start, fmt, str(tmp_path / f"{fmt}-{impl}-ws3"),
+                                  fmt, impl, True, (2, 4))[0]
+        assert max(abs(a - b) for a, b in zip(at3["ours"], at3["torch"])) <= 1e-5, (fmt, at3)
+        back: dict[str, list[float]] = {}
+        for impl in ("ours", "torch"):
+            back[impl] = pool2.run(_resume_train_save, str(tmp_path / f"{fmt}-{impl}-ws3"), fmt, "",
+                                   fmt, impl, True, (4, 6))[0]
+        assert max(abs(a - b) for a, b in zip(back["ours"], back["torch"])) <= 1e-5, (fmt, back)
+        if fmt == "dcp":
+            # the offline tool: the 3-rank DCP checkpoint as one FULL file, resumed at 2 ranks
+            full_dir = tmp_path / "dcp-ours-ws3-consolidated"
+            full_dir.mkdir()
+            offline.consolidate(str(tmp_path / "dcp-ours-ws3"), str(full_dir / "full.pt"))
+            tool = pool2.run(_resume_train_save, str(full_dir), "full", "", "full", "ours", True,
+                             (4, 6))[0]
+            assert max(abs(a - b) for a, b in zip(tool, back["torch"])) <= 1e-5, (tool, back)
+
+
+def _save_job_fmt(path: str, fmt: str) -> None:
+    model, opt = _build("ours", "seq", True)
+    C.train(model, opt, "seq", range(2))
+    _save(model, opt, fmt, path)

@@ -114,6 +114,11 @@ def test_lightning_fabric_and_trainer(tmp_path: Any) -> None:
             assert _close(r[run + "/first"] + r[run + "/resumed"], r[run + "/torch_resumed"]), (run, r)
             if "/full/" in run:
                 assert r[run + "/plain_vs_trained"] == 0.0
+        # issue 23: user-wrapped GPT-2 blocks resumed from step 4, FULL and SHARDED,
+        # step by step against the same batches run uninterrupted
+        for run in (f"gpt2/{sdt}/{how}" for sdt in ("full", "sharded") for how in ("blocks", "root")):
+            assert len(r[run + "/first"]) == 4 and len(r[run + "/resumed"]) == 3, (run, r)
+            assert r[run + "/first"] + r[run + "/resumed"] == r[run + "/replay"], (run, r)
 
 
 def test_dcp_state_dict_helpers_and_torch_compile(tmp_path: Any) -> None:

@@ -165,6 +165,15 @@ SWEEPS: dict[str, tuple[str, str, int, Callable[[], list[Any]]]] = {
                                   "tests.test_optim_state_dict_torch_cases")._no_groups_configs()[:2]),
     "optim-named": ("tests.test_optim_state_dict_torch_cases", "_named_optimizer", 2,
                     lambda: importlib.import_module("tests.test_optim_state_dict_torch_cases")._named_configs()[:2]),
+    "torch-suite-named-load": ("tests.test_torch_suite_cases", "_named_load", 2,
+                               lambda: importlib.import_module("tests.test_torch_suite_cases")._named_configs()[:2]),
+    "torch-suite-no-groups": ("tests.test_torch_suite_cases", "_no_groups", 2,
+                              lambda: importlib.import_module("tests.test_torch_suite_cases")._no_groups_configs()[:2]),
+    "torch-suite-unmanaged": ("tests.test_torch_suite_cases", "_unmanaged", 2,
+                              lambda: importlib.import_module("tests.test_torch_suite_cases")._unmanaged_configs()[:2]),
+    "torch-suite-grads-writeback": ("tests.test_torch_suite_cases", "_grads_writeback", 2,
+                                    lambda: importlib.import_module(
+                                        "tests.test_torch_suite_cases")._grads_configs()[:2]),
 }
 
 

@@ -30,6 +30,7 @@ from _common import (
     exit_now,
     full_params_match,
     record,
+    tiny_gpt2,
     use_fsdp_wrap,
     write_results,
 )
@@ -189,12 +190,97 @@ def trainer_run(uop: bool, sdt: str) -> None:
     REPLAYS.append((key + "/torch_resumed", [[x] for x in first.seen + second.seen], uop, False))
 
 
+def gpt2_replay(steps: list[torch.Tensor], wrap_root: bool) -> list[float]:
+    """fsdp_wrap without a framework: blocks (and the root) wrapped as the user does, AdamW."""
+    import fsdp_wrap
+
+    model = tiny_gpt2()
+    for i, b in enumerate(model.transformer.h):
+        model.transformer.h[i] = fsdp_wrap.FullyShardedDataParallel(b, use_orig_params=True)
+    if wrap_root:
+        model = fsdp_wrap.FullyShardedDataParallel(model, use_orig_params=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    out = []
+    for x in steps:
+        loss = model(input_ids=x, labels=x).loss
+        out.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def trainer_gpt2_run(sdt: str, wrap_root: bool) -> None:
+    """Issue 23's case: GPT-2 blocks wrapped by the user, use_orig_params=True,
+    AdamW, resumed from its step-4 checkpoint.  Lightning does not wrap the root
+    then: unless the user does (``wrap_root``), the embeddings, final norm and tied
+    head stay outside FSDP with no gradient synchronisation, so every rank gets the
+    same batches (no distributed sampler) to keep them equal across ranks (with
+    different batches they differ by rank and no checkpoint, holding one copy, can
+    resume them exactly).  With the root wrapped each rank gets its own batches."""
+    import lightning as L
+    from lightning.pytorch.strategies import FSDPStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    class CPUFSDPStrategy(FSDPStrategy):
+        """Lightning gates FSDP to GPUs by the strategy's exact type."""
+
+    class LM(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = tiny_gpt2()
+            self.seen: list[torch.Tensor] = []
+            self.losses: list[float] = []
+
+        def configure_model(self) -> None:
+            for i, b in enumerate(self.model.transformer.h):
+                self.model.transformer.h[i] = FullyShardedDataParallel(b, use_orig_params=True)
+            if wrap_root:
+                self.model = FullyShardedDataParallel(self.model, use_orig_params=True)
+
+        def training_step(self, b: list[torch.Tensor], i: int) -> torch.Tensor:
+            self.seen.append(b[0].clone())
+            loss = self.model(input_ids=b[0], labels=b[0]).loss
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randint(0, 64, (64, 8), generator=g))
+
+    def fit(steps: int, ckpt: str | None = None) -> tuple[LM, object]:
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, max_steps=steps, logger=False,
+            enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+            use_distributed_sampler=wrap_root,
+            strategy=CPUFSDPStrategy(use_orig_params=True, process_group_backend="gloo",
+                                     state_dict_type=sdt))
+        lm = LM()
+        trainer.fit(lm, torch.utils.data.DataLoader(data, batch_size=4), ckpt_path=ckpt)
+        return lm, trainer
+
+    key = f"gpt2/{sdt}/{'root' if wrap_root else 'blocks'}"
+    first, trainer = fit(4)
+    path = os.path.join(OUT, f"gpt2_{sdt}_{wrap_root}.ckpt")
+    trainer.save_checkpoint(path)  # type: ignore[attr-defined]
+    second, _ = fit(7, ckpt=path)
+    record(key + "/first", first.losses)
+    record(key + "/resumed", second.losses)
+    # the oracle: the same batches through fsdp_wrap without Lightning, uninterrupted
+    record(key + "/replay", gpt2_replay(first.seen + second.seen, wrap_root))
+
+
 def main() -> None:
     use_fsdp_wrap()
     for uop, sdt in ((False, "full"), (True, "sharded"), (False, "sharded"), (True, "full")):
         fabric_run(uop, sdt)
     for uop, sdt in ((True, "full"), (True, "sharded"), (False, "sharded")):
         trainer_run(uop, sdt)
+    for sdt in ("full", "sharded"):
+        for wrap_root in (False, True):
+            trainer_gpt2_run(sdt, wrap_root)
     import fsdp_wrap
 
     fsdp_wrap.uninstall()  # torch's FSDP1 class nests whatever its module's names say

@@ -71,7 +71,11 @@ def run(src: Path, impl: str, names: list[str], keyword: str | None, work: Path,
            "--rootdir", str(work / impl), f"--junitxml={xml}", *map(str, files)]
     if keyword:
         cmd += ["-k", keyword]
-    subprocess.run(cmd, cwd=work / impl, env=env, timeout=timeout, check=False)
+    if xml.exists():
+        xml.unlink()
+    proc = subprocess.run(cmd, cwd=work / impl, env=env, timeout=timeout, check=False)
+    if not xml.exists():  # pytest itself died (e.g. a rank's process aborted it)
+        return {f"{' '.join(names)} (pytest exit {proc.returncode}, no report)": "error"}
     return outcomes(xml)
 
 
