@@ -32,6 +32,7 @@ __all__ = [
     "LocalOptimStateDictConfig",
     "ShardedOptimStateDictConfig",
     "StateDictSettings",
+    "OptimStateKeyType",
 ]
 
 
@@ -258,3 +259,16 @@ class StateDictSettings:
     state_dict_type: StateDictType
     state_dict_config: StateDictConfig
     optim_state_dict_config: OptimStateDictConfig
+
+
+class OptimStateKeyType(Enum):
+    """Key type of an optimizer state dict's ``"state"`` (for :meth:`FullyShardedDataParallel.rekey_optim_state_dict`).
+
+    ``PARAM_NAME`` keys by the parameter's clean FQN (what
+    :meth:`~FullyShardedDataParallel.optim_state_dict` returns), ``PARAM_ID``
+    by its position in the optimizer's parameter groups (what
+    ``optimizer.state_dict()`` holds).
+    """
+
+    PARAM_NAME = auto()
+    PARAM_ID = auto()
