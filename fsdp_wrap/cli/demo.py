@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from fsdp_wrap.cli._common import HelpFormatter, add_command, add_debug
+from fsdp_wrap.cli._common import HelpFormatter, add_command, add_debug, usage_error
 from fsdp_wrap.comm.teardown import exit_now
 from fsdp_wrap.demo import MODEL_SIZES, STRATEGIES, Settings
 from fsdp_wrap.demo.launch import main as launch
@@ -115,7 +115,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
 
 def run(args: argparse.Namespace) -> int:
     """``fsdp-wrap demo``: the demo's exit code (under torchrun this rank exits here)."""
-    settings = settings_from(args, _usage_error)
+    settings = settings_from(args, usage_error)
     code = launch(settings)
     if under_torchrun():
         exit_now(code)  # this process is a rank: leave without finalising (comm/teardown.py)
@@ -128,9 +128,3 @@ def entry(argv: Sequence[str]) -> NoReturn:
     if under_torchrun():
         exit_now(code)
     sys.exit(code)
-
-
-def _usage_error(message: str) -> NoReturn:
-    from fsdp_wrap.cli._common import usage_error
-
-    usage_error(message)
