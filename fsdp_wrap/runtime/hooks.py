@@ -47,10 +47,16 @@ def register_handle_hooks(state: UnitState) -> None:
     flat gradient is complete and, for sharded strategies, free its unsharded
     data once every view's gradient arrived.  Frozen flat parameters get none:
     they are freed once the unit's input gradients are computed
-    (:func:`_register_frozen_free`), else by the end-of-backward callback."""
+    (:func:`_register_frozen_free`), else by the end-of-backward callback.
+
+    Called at construction and again before every forward with grad: a flat
+    parameter unfrozen since (``requires_grad_(True)`` between iterations,
+    progressive unfreezing) gets its hooks then, as torch's FSDP1 registers
+    them in each pre-forward.  Idempotent: one hook per flat parameter."""
     for handle in state._handles:
-        if not handle.flat_param.requires_grad:
+        if not handle.flat_param.requires_grad or handle in state._hooked_handles:
             continue
+        state._hooked_handles.add(handle)
         handle.flat_param.register_post_accumulate_grad_hook(
             make_post_backward_hook(state, handle))
         if handle.uses_sharded_strategy:
@@ -124,6 +130,8 @@ def pre_forward(state: UnitState, inputs: Any = None) -> None:
     if not handles:
         return
     root = state._root
+    if torch.is_grad_enabled():
+        register_handle_hooks(state)
     order = root._exec_order
     for handle in handles:
         if order.order_check is not None and state.training:
