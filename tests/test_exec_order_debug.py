@@ -7,6 +7,12 @@
 * A later iteration whose order differs from the first: a ``UserWarning``
   "Forward order differs from that of the first iteration" per deviating
   unit, in the first deviating iteration only, as torch.
+* A later iteration in which the ranks diverge (rank 1 changes its order,
+  rank 0 does not): deliberate difference from torch, which warns on rank 1
+  and then pairs one unit's collectives with the other's (a wrong gradient for
+  same-shaped units, a hang otherwise); ours keeps checking across ranks under
+  DETAIL and raises torch's "Forward order differs across ranks" on every
+  rank, before the mismatched all-gather, within seconds.
 * Debug level not DETAIL: nothing is checked (no extra collective).
 """
 
@@ -84,7 +90,8 @@ def test_first_iteration_order_differs_across_ranks(pool2: Any) -> None:
         other = 1 - rank
         assert f"[rank {rank}]" in msg and f"rank {other} is all-gathering" in msg, msg
         mine, theirs = ("first", "second") if rank == 0 else ("second", "first")
-        assert (f"This rank is all-gathering parameters for unit '{mine}' "
+        assert (f"In training iteration 1, this rank is all-gathering parameters for unit "
+                f"'{mine}' "
                 f"(parameters ['{mine}.weight', '{mine}.bias'])") in msg, msg
         assert f"is all-gathering parameters for unit '{theirs}'" in msg, msg
         assert "_fsdp_wrapped_module" not in msg and "same order" in msg, msg
@@ -121,6 +128,36 @@ def test_later_iteration_order_change_warns_in_first_deviating_iteration(pool2: 
         assert ("Expected to all-gather for [['first.weight', 'first.bias']] but trying to "
                 "all-gather parameters for [['second.weight', 'second.bias']]") in msg, msg
         assert "This rank all-gathers unit 'second'" in msg, msg
+
+
+def _later_divergence() -> list[tuple[int, str, str]]:
+    """Iterations 1-2 agree; in iteration 3 rank 1 flips: what each iteration raised."""
+
+    def run() -> list[tuple[int, str, str]]:
+        model = _build("ours")
+        raised = []
+        for i, flip in enumerate((False, False, dist.get_rank() == 1)):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    model(torch.randn(2, 4), flip=flip).sum().backward()
+            except RuntimeError as e:
+                raised.append((i + 1, type(e).__name__, str(e)))
+                break
+        return raised
+
+    return _with_debug(dist.DebugLevel.DETAIL, run)
+
+
+def test_later_iteration_divergence_across_ranks_raises_on_every_rank(pool2: Any) -> None:
+    for rank, raised in enumerate(pool2.run(_later_divergence)):
+        assert len(raised) == 1, (rank, raised)
+        iteration, kind, msg = raised[0]
+        assert iteration == 3 and kind == "RuntimeError", raised
+        assert msg.startswith(f"{ACROSS}: rank 0 is all-gathering parameters for "
+                              "[['first.weight', 'first.bias']] while rank 1 is all-gathering "
+                              "parameters for [['second.weight', 'second.bias']]."), msg
+        assert f"[rank {rank}] In training iteration 3, this rank" in msg, msg
 
 
 def _not_detail() -> tuple[Any, list[str]]:

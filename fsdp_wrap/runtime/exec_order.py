@@ -69,14 +69,20 @@ class ForwardOrderCheck:
     checked and nothing costs).  Training forwards only, as in torch: an eval
     forward has no backward to end its iteration.
 
-    * First iteration: each unit's pre-forward all-gathers its index (one int;
-      every rank makes this collective at the same point while the orders
-      agree), and every rank raises ``RuntimeError`` naming both ranks' units
-      as soon as two ranks are about to gather different units, i.e. before
-      the mismatched all-gather that would mix different units' shards.
-    * Later iterations: the local order is compared with the first one (no
-      collective); each deviation of the first deviating iteration gives a
-      ``UserWarning``; later iterations are not checked.
+    * Every training iteration: each unit's pre-forward all-gathers its
+      index (one int; every rank makes this collective at the same point
+      while the orders agree), and every rank raises ``RuntimeError`` naming
+      both ranks' units as soon as two ranks are about to gather different
+      units, i.e. before the mismatched all-gather that would mix different
+      units' shards or hang.  torch checks across ranks in the first
+      iteration only and afterwards lets diverging ranks pair one unit's
+      collectives with another's (wrong gradients, or a hang); here, where
+      batched gathers and buckets make such pairings hang, the check goes on
+      (it costs one int per unit, under DETAIL only).
+    * Later iterations: the local order is also compared with the first one;
+      each deviation of the first deviating iteration gives a
+      ``UserWarning`` (the prefetches follow the first iteration's order);
+      later iterations are not compared with the first.
     """
 
     def __init__(
@@ -92,6 +98,7 @@ class ForwardOrderCheck:
         self.rank = rank
         self.world_size = world_size
         self.first_iteration = True
+        self.iteration = 0  # training iterations (backwards) completed
         self.first_order: list[FlatParamHandle] = []
         self.position = 0
         self.warned = False  # a deviation was reported (stop checking after this iteration)
@@ -113,10 +120,10 @@ class ForwardOrderCheck:
 
     def check(self, handle: FlatParamHandle) -> None:
         if self.first_iteration:
-            self._check_across_ranks(handle)
             self.first_order.append(handle)
         elif not self.stop:
             self._check_against_first(handle)
+        self._check_across_ranks(handle)
 
     def _check_across_ranks(self, handle: FlatParamHandle) -> None:
         local = torch.tensor([self.index.get(handle, -1)], dtype=torch.int64, device=handle.device)
@@ -134,7 +141,8 @@ class ForwardOrderCheck:
             f"Forward order differs across ranks: rank {r1} is all-gathering parameters for "
             f"{self.names(self._handle_at(indices[r1]))} while rank {r2} is all-gathering "
             f"parameters for {self.names(self._handle_at(indices[r2]))}. [rank {global_rank()}] "
-            f"This rank is all-gathering parameters for {self.describe(self._handle_at(mine))} "
+            f"In training iteration {self.iteration + 1}, this rank is all-gathering parameters "
+            f"for {self.describe(self._handle_at(mine))} "
             f"while rank {dist.get_global_rank(self.group, other)} is all-gathering parameters "
             f"for {self.describe(self._handle_at(indices[other]))} (all ranks' unit indices in "
             f"order of construction: {indices}). Every rank must run the FSDP units in the "
@@ -170,6 +178,7 @@ class ForwardOrderCheck:
     def end_of_iteration(self) -> None:
         """The end of a backward: the first iteration's order is fixed from now on."""
         self.first_iteration = False
+        self.iteration += 1
         self.position = 0
         if self.warned:
             self.stop = True
