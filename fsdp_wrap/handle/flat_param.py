@@ -516,27 +516,17 @@ class FlatParamHandle:
         one unit unsharded.  With ``to_rank0_only`` the shards are gathered to
         rank 0 alone (other ranks get ``None`` and never hold the whole).
         """
+        full: torch.Tensor | None
         if to_rank0_only:
-            self.pre_unshard()
-            src = self._gather_source(self.orig_dtype)
-            full: torch.Tensor | None = None
-            if not self.uses_sharded_strategy:
-                full = src if self.rank == 0 else None
-            else:
-                out = src.new_empty(self.padded_numel) if self.rank == 0 else None
-                C.gather_into(out, src, 0, self.process_group)
-                full = out
+            full = self.gather_full_flat(to_rank0_only=True)
             if full is None:
                 return None
         else:
             self.finish_unshard(full_precision=True)
             full = self.flat_param.detach()
-        views = full[: self.unpadded_numel].split(self._segments)
-        copies = []
-        for info, seg in zip(self.infos, self._info_segment):
-            view = views[seg].view(info.shape)
-            # independent tensors, as torch returns (never views of one buffer)
-            copies.append(view.to("cpu") if to_cpu and view.device.type != "cpu" else view.clone())
+        # independent tensors, as torch returns (never views of one buffer)
+        copies = [view.to("cpu") if to_cpu and view.device.type != "cpu" else view.clone()
+                  for view in self.param_views(full)]
         if not to_rank0_only:
             self.reshard(free=True)
         return copies
