@@ -114,6 +114,7 @@ def test_demo_full_shard_full_optim_state(tmp_path: Path) -> None:
         assert float(st["step"]) == 3.0
 
 
+@pytest.mark.slow  # a second demo run (15 s on 2 cores); CI runs it
 def test_demo_shard_grad_op_orig_params_per_rank_optim(tmp_path: Path) -> None:
     ckpt = str(tmp_path)
     flags = "--steps 5 --checkpoint-step 2 --model-size tiny --strategy SHARD_GRAD_OP"

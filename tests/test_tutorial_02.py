@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import tests.test_tutorials as tutorials
 from tests._proc import run_bounded
 
@@ -49,6 +51,7 @@ def test_resume_continues_exactly() -> None:
     assert one[7] < one[0] / 5, one  # it does learn
 
 
+@pytest.mark.slow  # a second 2-rank run of the script (15 s on 2 cores); CI runs it
 def test_resume_without_optimizer_state_is_reported() -> None:
     proc = _run("--skip-optimizer-state")
     assert proc.returncode == 1, f"{proc.stdout}\n{proc.stderr}"

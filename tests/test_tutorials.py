@@ -15,6 +15,14 @@ from tests._proc import run_bounded
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TUTORIALS = sorted(glob.glob(os.path.join(REPO, "tutorials", "[0-9][0-9]_*.py")))
 FIRST = os.path.join(REPO, "tutorials", "01_first_training.py")
+# Tutorials whose library paths other default-suite tests already cover run
+# under ``-m slow`` (CI runs them): each costs 15-35 s of rank start-up on 2 cores.
+SLOW = {"04_pretrained_weight_sync.py"}
+
+
+def _param(path: str) -> object:
+    name = os.path.basename(path)
+    return pytest.param(path, id=name, marks=[pytest.mark.slow] if name in SLOW else [])
 
 
 @functools.cache
@@ -34,7 +42,7 @@ def test_tutorials_exist() -> None:
     assert FIRST in TUTORIALS
 
 
-@pytest.mark.parametrize("path", TUTORIALS, ids=os.path.basename)
+@pytest.mark.parametrize("path", [_param(p) for p in TUTORIALS])
 def test_tutorial_runs(path: str) -> None:
     proc = _run(path)
     assert proc.returncode == 0, f"{path} failed:\n{proc.stdout}\n{proc.stderr}"
