@@ -31,7 +31,13 @@ import fsdp_wrap.comm.collectives as C
 import fsdp_wrap.comm.reduce as R
 from fsdp_wrap.api import RESHARD_AFTER_FORWARD, SHARDED_STRATEGIES
 from fsdp_wrap.handle.config import HandleConfig
-from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME, FlatParameter, HandleState, _Gathered
+from fsdp_wrap.handle.flat_tensor import (
+    FLAT_PARAM_NAME,
+    VALUES_PENDING,
+    FlatParameter,
+    HandleState,
+    _Gathered,
+)
 from fsdp_wrap.handle.grads import FlatGrads
 from fsdp_wrap.handle.layout import (
     FlatLayout,
@@ -160,6 +166,8 @@ class FlatParamHandle:
                 flat = torch.empty(self.unpadded_numel, dtype=self.orig_dtype, device=self.device)
             else:
                 flat = self.local_shard = self._flatten(self.orig_dtype)
+            for info in self.infos:
+                info.param.__dict__.pop(VALUES_PENDING, None)
             if self.offload_params:
                 self.local_shard = self._to_shard_device(self.local_shard, pin=True)
         self.flat_param = FlatParameter.make(self.local_shard, requires_grad, self.infos)
@@ -247,15 +255,28 @@ class FlatParamHandle:
     def _shard_from_params(self, dtype: torch.dtype) -> torch.Tensor:
         """This rank's shard of the flat parameter, copied from the original
         parameters' elements it holds: what ``_flatten`` then slicing would give
-        (padding ``PADDING_VALUE``, right padding zeros) at a shard's cost."""
-        shard = torch.zeros(self.shard_numel, dtype=dtype, device=self.device)
-        if self.layout.has_padding and self.shard_valid_numel:
-            shard[: self.shard_valid_numel].fill_(PADDING_VALUE)
-        for info, sl in zip(self.infos, self._shard_slices):
-            if sl is not None:
-                start = sl[0] + self.shard_offset - info.offset
-                src = info.param.detach().reshape(-1)[start : start + sl[1] - sl[0]]
-                shard[sl[0] : sl[1]].copy_(src)
+        (padding ``PADDING_VALUE``, right padding zeros) at a shard's cost.
+
+        Each element is written once (no zero-fill first); a parameter flagged
+        :data:`VALUES_PENDING` (a checkpoint will fill it) is not copied at all."""
+        shard = torch.empty(self.shard_numel, dtype=dtype, device=self.device)
+        valid = self.shard_valid_numel
+        shard[valid:].zero_()
+        pos = 0
+        fill = PADDING_VALUE if self.layout.has_padding else 0.0
+        for info, sl in sorted(
+                ((i, sl) for i, sl in zip(self.infos, self._shard_slices) if sl is not None),
+                key=lambda pair: pair[1][0]):
+            if sl[0] > pos:
+                shard[pos : sl[0]].fill_(fill)  # alignment padding between parameters
+            pos = max(pos, sl[1])
+            if getattr(info.param, VALUES_PENDING, False):
+                continue
+            start = sl[0] + self.shard_offset - info.offset
+            src = info.param.detach().reshape(-1)[start : start + sl[1] - sl[0]]
+            shard[sl[0] : sl[1]].copy_(src)
+        if valid > pos:
+            shard[pos:valid].fill_(fill)
         return shard
 
     def _release_original_storage(self) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fsdp_wrap.handle.flat_tensor import VALUES_PENDING
 from fsdp_wrap.weights._files import stored_tensors
 from fsdp_wrap.weights._names import hf_hints, match_names
 
@@ -136,6 +137,9 @@ class _PretrainedInit:
         new: torch.Tensor = torch.empty(t.shape, dtype=t.dtype, device=self.device)
         if param:
             new = nn.Parameter(new, requires_grad=t.requires_grad)
+            if not self._unloaded(t):
+                # the checkpoint fills it: the unit's shard need not copy these bytes
+                setattr(new, VALUES_PENDING, True)
         self.made[id(t)] = (t, new)  # (keeps the meta tensor alive: ids stay unique)
         return new
 
