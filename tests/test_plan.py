@@ -12,6 +12,7 @@ table.
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 from typing import Any
 
@@ -615,6 +616,51 @@ def test_cli_llama_7b_config_plans_on_the_meta_device(capsys: pytest.CaptureFixt
     # Parameters fp32, sharded over 64 ranks; Adam: two states of the same size.
     assert data["memory"]["params_device"] == sum(u["shard_bytes"] for u in data["units"])
     assert data["memory"]["optimizer_device"] == 2 * data["memory"]["params_device"]
+
+
+def test_cli_peft_lora(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--peft lora:...``: the adapters are the only trainable parameters; the
+    plan equals ``fw.plan`` of the same PEFT model built by hand; a bad spec is a
+    usage error before anything is built; without peft the error names the extra."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    import json
+
+    from fsdp_wrap.cli import main
+
+    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100}
+    data = json.loads(_cli(capsys, "--hf-config", json.dumps(cfg), "--world-size", "2",
+                           "--json", "--peft", "lora:r=4,targets=q_proj,v_proj,alpha=8"))
+    # Per layer: q_proj and v_proj (64 -> 64) each get A (4 x 64) and B (64 x 4).
+    assert [u["trainable_params"] for u in data["units"]] == [0, 2 * 2 * 4 * 64, 2 * 2 * 4 * 64]
+    assert [[f["requires_grad"] for f in u["flat_params"]] for u in data["units"]] == [
+        [False], [True, False], [True, False]]
+    layer = data["units"][1]["flat_params"][0]
+    assert data["memory"]["grads_device"] == 2 * layer["shard_numel"] * 4
+    assert data["memory"]["optimizer_device"] == 2 * data["memory"]["grads_device"]
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8,
+                                                 target_modules=["q_proj", "v_proj"]))
+    want = fw.plan(model, 2, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}))
+    assert data == json.loads(json.dumps(want.to_dict()))
+
+    for spec, text in (("lora:r=0", "r must be at least 1"), ("ia3:r=4", "supports lora"),
+                       ("lora:r=4,bogus=1", "unknown key 'bogus'"),
+                       ("lora:q_proj", "is not KEY=VALUE"), ("lora:r=four", "is not int")):
+        assert main(["plan", "tests.test_plan:no_such_factory", "--world-size", "2",
+                     "--peft", spec]) == 2, spec  # before the factory is looked up
+        assert text in capsys.readouterr().err, spec
+    monkeypatch.setitem(sys.modules, "peft", None)  # as if not installed
+    assert main(["plan", "tests.test_plan:make_stack", "--world-size", "2",
+                 "--peft", "lora:r=4,targets=mix"]) == 1
+    err = capsys.readouterr().err
+    assert "pip install 'fsdp_wrap[finetune]'" in err and err.count("\n") == 1, err
 
 
 def test_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:

@@ -334,6 +334,11 @@ class _BackwardWalk:
         root_early = sum(f.layout.unpadded_numel * _itemsize(f, "compute")
                          for f in root.flats if f.trainable) if root else 0
         order = list(range(len(units)))[::-1]
+        # A unit's frozen flat parameters are freed once the gradient of its
+        # input is computed; that gradient is the next unit's output gradient,
+        # whose pre-backward hook (gather, prefetch) runs first: for that
+        # moment the previous unit's frozen copies are still held.
+        frozen_prev = 0
         for k, i in enumerate(order):
             u = units[i]
             if self.kept[i]:
@@ -352,8 +357,10 @@ class _BackwardWalk:
             held = self.held + (0 if i == 0 else root_early)
             buckets.label = f"backward {u.fqn or '(root)'}"
             buckets.base = held  # earlier units' gradients in buckets come on top
-            buckets.note(max(regather, g[i] + pre + compute + self.dq[i],
-                             pre + during_concat))
+            buckets.note(max(regather + frozen_prev, g[i] + pre + frozen_prev,
+                             g[i] + pre + compute + self.dq[i], pre + during_concat))
+            frozen_prev = sum(_flat_gathered(f) for f in u.flats
+                              if not f.requires_grad and f.sharded)
             buckets.base = held + post
             # Each trainable flat parameter is reduced on its own (last first).
             for f in reversed([f for f in u.flats if f.trainable]):
