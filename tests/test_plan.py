@@ -12,6 +12,7 @@ table.
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 from typing import Any
 
@@ -49,11 +50,42 @@ class Stack(nn.Module):
         return self.head(self.blocks(self.inp(x).unsqueeze(1))).squeeze(1)
 
 
+class MixedBlock(Block):
+    """A Block whose norm and mixing are a frozen bf16 base, its MLP's up
+    weight frozen fp32, the rest trainable fp32 (LoRA-like): three flat
+    parameters of different dtypes and ``requires_grad``."""
+
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__(d, h)
+        self.norm.to(torch.bfloat16).requires_grad_(False)
+        self.mix.to(torch.bfloat16).requires_grad_(False)
+        self.mlp.up.weight.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mix = self.mix(self.norm(x.to(torch.bfloat16))).to(x.dtype)
+        return x + mix + self.mlp(x.to(self.mlp.up.weight.dtype)).to(x.dtype)
+
+
+class MixedDtype(nn.Module):
+    """MixedBlocks; in the root a frozen fp32 input layer beside a trainable head."""
+
+    def __init__(self, n: int = 2, d: int = 13) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, d)
+        self.inp.requires_grad_(False)
+        self.blocks = nn.Sequential(*(MixedBlock(d, 2 * d + 1) for _ in range(n)))
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.inp(x).unsqueeze(1))).squeeze(1)
+
+
 MODELS: dict[str, Any] = {
     "stack": (Stack, lambda g: torch.randn(3, 5, generator=g)),
     "transformer": (TinyTransformer, lambda g: torch.randint(0, 11, (2, 5), generator=g)),
     "frozen_mixed": (lambda: FrozenModel(mixed=True), lambda g: torch.randn(2, 4, 5, generator=g)),
     "bn": (BNNet, lambda g: torch.randn(4, 5, generator=g)),
+    "mixed_dtype": (MixedDtype, lambda g: torch.randn(3, 5, generator=g)),
 }
 
 
@@ -102,6 +134,14 @@ def _configs() -> list[dict[str, Any]]:
     add("transformer", "blocks", "adam", use_orig_params=True)  # tied weights, a buffer
     add("transformer", "blocks", "adam", ignored_modules="blocks.1")
     add("frozen_mixed", "nested", "adam", use_orig_params=True)  # frozen params: no state
+    # Units split into frozen and trainable flat parameters (and dtypes): frozen
+    # ones hold no gradient or optimizer state (issue 20 item 6).
+    add("frozen_mixed", "blocks", "adam")
+    add("frozen_mixed", "none", "sgd-momentum", sharding_strategy="SHARD_GRAD_OP")
+    for strategy in ("FULL_SHARD", "NO_SHARD"):
+        for uop in (False, True):
+            add("mixed_dtype", "blocks", "adam", sharding_strategy=strategy, use_orig_params=uop)
+    add("mixed_dtype", "blocks", "adam", mixed_precision=dict(param_dtype=torch.bfloat16))
     add("stack", "blocks", "adam", mixed_precision=dict(param_dtype=torch.bfloat16))
     # fp16 gradients next to fp32 parameters: Adam refuses them, SGD takes them.
     add("stack", "blocks", "sgd-momentum", use_orig_params=True,
@@ -158,8 +198,7 @@ def _bytes(tensors: Any) -> int:
 
 def held(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
     """Sharded parameters, gradients and optimizer state this rank holds for FSDP's units."""
-    handles = [u._handle for u in fw.FullyShardedDataParallel.fsdp_modules(model)
-               if u._handle is not None]
+    handles = [h for u in fw.FullyShardedDataParallel.fsdp_modules(model) for h in u._handles]
     params = [h.flat_param for h in handles] + [i.param for h in handles for i in h.infos]
     managed = set(params)
     state = [v for p, st in opt.state.items() if p in managed for v in st.values()
@@ -172,18 +211,20 @@ def held(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
 
 
 def _real_units(model: nn.Module) -> dict[str, tuple[Any, ...]]:
+    """Per unit, per flat parameter in order: sizes, strategy, dtype, requires_grad."""
     out = {}
     for st in fw.FullyShardedDataParallel.fsdp_modules(model):
-        h = st._handle
-        if h is not None:
-            out[h.unit_fqn] = (h.unpadded_numel, h.padded_numel, h.shard_numel,
-                               st.sharding_strategy.name, str(h.orig_dtype))
+        if st._handles:
+            out[st._handles[0].unit_fqn] = tuple(
+                (h.unpadded_numel, h.padded_numel, h.shard_numel, st.sharding_strategy.name,
+                 str(h.orig_dtype), h.flat_param.requires_grad) for h in st._handles)
     return out
 
 
 def _planned_units(p: fw.Plan) -> dict[str, tuple[Any, ...]]:
-    return {u.fqn: (u.layout.unpadded_numel, u.layout.padded_numel, u.layout.shard_numel,
-                    u.strategy.name, str(u.dtype)) for u in p.units}
+    return {u.fqn: tuple((f.layout.unpadded_numel, f.layout.padded_numel, f.layout.shard_numel,
+                          f.strategy.name, str(f.dtype), f.requires_grad) for f in u.flats)
+            for u in p.units}
 
 
 # ---------------------------------------------------------------------------
@@ -223,10 +264,6 @@ def _plan_vs_real(configs: list[dict[str, Any]]) -> list[str]:
     return fails
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 20 item 6 (planner, lead): fsdp_wrap now splits units mixing frozen and "
-    "trainable parameters or dtypes into several flat parameters and no longer refuses "
-    "them; fsdp_wrap.plan still plans one flat parameter per unit and refuses them"))
 @pytest.mark.parametrize("ws", [2, 3])
 def test_plan_matches_what_fsdp_builds_and_holds(request: pytest.FixtureRequest, ws: int) -> None:
     configs = _configs()
@@ -361,10 +398,6 @@ def test_warnings_a_person_can_act_on() -> None:
     assert good.warnings == ()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 20 item 6 (planner, lead): fsdp_wrap now splits units mixing frozen and "
-    "trainable parameters or dtypes into several flat parameters and no longer refuses "
-    "them; fsdp_wrap.plan still plans one flat parameter per unit and refuses them"))
 def test_errors_name_the_problem() -> None:
     with torch.device("meta"):
         model = Stack()
@@ -373,13 +406,119 @@ def test_errors_name_the_problem() -> None:
                 auto_wrap_policy=ModuleWrapPolicy({Block}))
     with pytest.raises(ValueError, match="optimizer must be one of"):
         fw.plan(model, 8, optimizer="lion")
-    model.blocks[0].mix.weight.data = model.blocks[0].mix.weight.data.half()
-    with pytest.raises(ValueError, match=r"unit 'blocks.0' \(Block\) would flatten parameters"):
-        fw.plan(model, 8, auto_wrap_policy=ModuleWrapPolicy({Block}))
     with torch.device("meta"):
-        frozen = FrozenModel(mixed=True)
-    with pytest.raises(ValueError, match="requires_grad"):
-        fw.plan(frozen, 2, auto_wrap_policy=ModuleWrapPolicy({Block}))
+        quant = Stack().to(torch.bfloat16)
+    quant.blocks[0].mix.weight.bnb_quantized = True  # packed 4-bit values in bf16 storage
+    quant.blocks[0].mix.weight.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"would cast the quantized weight 'mix.weight'.*"
+                       r"planned FSDP unit 'blocks.0'.*bnb_4bit_quant_storage"):
+        fw.plan(quant, 8, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                mixed_precision=fw.MixedPrecision(param_dtype=torch.float32))
+
+
+class Adapted(nn.Module):
+    """One unit by hand: a frozen bf16 base (24 elements) beside fp32 adapters (8 + 12)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(4, 6, bias=False).to(torch.bfloat16).requires_grad_(False)
+        self.a = nn.Linear(4, 2, bias=False)
+        self.b = nn.Linear(2, 6, bias=False)
+
+
+def test_split_unit_bytes_by_hand() -> None:
+    """Trainable fp32 [a, b] first (20 elements), frozen bf16 [base] (24) second;
+    3 ranks, Adam.  Every number below is worked out from those sizes."""
+    with torch.device("meta"):
+        model = Adapted()
+    p = fw.plan(model, 3)
+    (unit,) = p.units
+    train, frozen = unit.flats
+    assert (train.dtype, train.requires_grad, [e.fqn for e in train.params]) == (
+        torch.float32, True, ["a.weight", "b.weight"])
+    assert (frozen.dtype, frozen.requires_grad, [e.fqn for e in frozen.params]) == (
+        torch.bfloat16, False, ["base.weight"])
+    assert (train.layout.shard_numel, train.layout.padded_numel) == (7, 21)  # ceil(20 / 3)
+    assert (frozen.layout.shard_numel, frozen.layout.padded_numel) == (8, 24)
+    m = p.memory
+    assert m.params_device == 7 * 4 + 8 * 2  # each shard in its own dtype
+    assert m.grads_device == 7 * 4  # the frozen flat parameter has no gradient
+    assert (m.optimizer_device, m.optimizer_cpu) == (2 * 7 * 4, 4)  # one flat param's state
+    assert _memory.gathered_bytes(unit) == 21 * 4 + 24 * 2
+    assert _memory.gradient_stages(unit)[:2] == (20 * 4, 2 * 20 * 4)  # trainable only
+    assert unit.shard_bytes == 44 and unit.unsharded_bytes == 21 * 4 + 24 * 2
+    assert p.to_dict()["units"][0]["dtype"] == "float32+bfloat16"
+
+    # use_orig_params: fp32 parameters start on 4-element boundaries (a at 0,
+    # b at 8), the total padded to 21; the optimizer sees each rank's pieces.
+    p = fw.plan(model, 3, use_orig_params=True)
+    assert [r.optimizer_device for r in p.per_rank] == [2 * 7 * 4, 2 * 7 * 4, 2 * 6 * 4]
+    assert [r.optimizer_cpu for r in p.per_rank] == [4, 8, 4]  # rank 1 holds a piece of each
+    assert {r.grads_device for r in p.per_rank} == {7 * 4}
+
+    # bf16 compute: the adapters' gather is cast (source 7 * 2 bytes), the
+    # bf16 base is gathered as it is; gradients reduce in bf16.
+    bf16 = fw.MixedPrecision(param_dtype=torch.bfloat16)
+    (unit,) = fw.plan(model, 3, mixed_precision=bf16).units
+    assert _memory.gathered_bytes(unit) == 21 * 2 + 24 * 2
+    assert _memory.gather_source_bytes(unit) == 7 * 2
+    # NO_SHARD: only the cast adapters need a copy; the base computes on itself.
+    (unit,) = fw.plan(model, 3, mixed_precision=bf16,
+                      sharding_strategy=fw.ShardingStrategy.NO_SHARD).units
+    assert _memory.gathered_bytes(unit) == 20 * 2
+
+
+def test_frozen_weights_count_no_gradient_or_optimizer_state() -> None:
+    """Freezing a block removes exactly its shard from gradients and optimizer state."""
+    with torch.device("meta"):
+        model = Stack(n=3, d=16)
+    kw: dict[str, Any] = dict(auto_wrap_policy=ModuleWrapPolicy({Block}))
+    full = fw.plan(model, 4, **kw)
+    model.blocks[1].requires_grad_(False)
+    part = fw.plan(model, 4, **kw)
+    shard = part.units[2].layout.shard_numel * 4
+    assert not part.units[2].trainable and part.units[2].fqn == "blocks.1"
+    assert part.memory.params_device == full.memory.params_device
+    assert full.memory.grads_device - part.memory.grads_device == shard
+    assert full.memory.optimizer_device - part.memory.optimizer_device == 2 * shard
+    # The MLP of a block frozen: one unit, two flat parameters; only the
+    # trainable one's shard has a gradient and optimizer state.
+    model.blocks[1].requires_grad_(True)
+    model.blocks[1].mlp.requires_grad_(False)
+    half = fw.plan(model, 4, **kw)
+    unit = half.units[2]
+    assert [f.requires_grad for f in unit.flats] == [True, False]
+    assert unit.flats[1].numel == sum(t.numel() for t in model.blocks[1].mlp.parameters())
+    trainable_shard = unit.flats[0].layout.shard_numel * 4
+    assert full.memory.grads_device - half.memory.grads_device == shard - trainable_shard
+    assert full.memory.optimizer_device - half.memory.optimizer_device == 2 * (
+        shard - trainable_shard)
+
+
+def test_quantized_storage_is_sharded_packed_and_its_state_counted() -> None:
+    """A 4-bit weight (bitsandbytes' Params4bit shape: packed values in bf16
+    storage, the state on the Parameter) without importing bitsandbytes: the
+    flat parameter shards the packed storage; the state's tensors are held
+    whole; the forward dequantizes the weight to its logical size."""
+    import types
+
+    model = Adapted()
+    packed = nn.Parameter(torch.zeros(6, 1, dtype=torch.bfloat16), requires_grad=False)
+    packed.quant_state = types.SimpleNamespace(  # type: ignore[attr-defined]
+        shape=torch.Size([6, 4]), absmax=torch.zeros(1), code=torch.zeros(16),
+        dtype=torch.bfloat16, state2=None)
+    packed.bnb_quantized = True  # type: ignore[attr-defined]
+    model.base.weight = packed
+    p = fw.plan(model, 3)
+    (unit,) = p.units
+    frozen = unit.flats[1]
+    assert frozen.layout.unpadded_numel == 6 and frozen.quantized_numels == (24,)
+    assert p.memory.quant_state_device == frozen.quant_state_bytes == 4 + 16 * 4
+    assert p.memory.params_device == 7 * 4 + 2 * 2
+    assert _memory.dequantized_bytes(unit) == 24 * 2
+    assert p.memory.peak_device == (p.memory.params_device + p.memory.optimizer_device
+                                    + p.memory.quant_state_device + p.memory.step_device)
+    assert "4-bit quantization states" in str(p)
 
 
 def test_table_and_json() -> None:
@@ -479,6 +618,51 @@ def test_cli_llama_7b_config_plans_on_the_meta_device(capsys: pytest.CaptureFixt
     assert data["memory"]["optimizer_device"] == 2 * data["memory"]["params_device"]
 
 
+def test_cli_peft_lora(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--peft lora:...``: the adapters are the only trainable parameters; the
+    plan equals ``fw.plan`` of the same PEFT model built by hand; a bad spec is a
+    usage error before anything is built; without peft the error names the extra."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    import json
+
+    from fsdp_wrap.cli import main
+
+    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100}
+    data = json.loads(_cli(capsys, "--hf-config", json.dumps(cfg), "--world-size", "2",
+                           "--json", "--peft", "lora:r=4,targets=q_proj,v_proj,alpha=8"))
+    # Per layer: q_proj and v_proj (64 -> 64) each get A (4 x 64) and B (64 x 4).
+    assert [u["trainable_params"] for u in data["units"]] == [0, 2 * 2 * 4 * 64, 2 * 2 * 4 * 64]
+    assert [[f["requires_grad"] for f in u["flat_params"]] for u in data["units"]] == [
+        [False], [True, False], [True, False]]
+    layer = data["units"][1]["flat_params"][0]
+    assert data["memory"]["grads_device"] == 2 * layer["shard_numel"] * 4
+    assert data["memory"]["optimizer_device"] == 2 * data["memory"]["grads_device"]
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8,
+                                                 target_modules=["q_proj", "v_proj"]))
+    want = fw.plan(model, 2, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}))
+    assert data == json.loads(json.dumps(want.to_dict()))
+
+    for spec, text in (("lora:r=0", "r must be at least 1"), ("ia3:r=4", "supports lora"),
+                       ("lora:r=4,bogus=1", "unknown key 'bogus'"),
+                       ("lora:q_proj", "is not KEY=VALUE"), ("lora:r=four", "is not int")):
+        assert main(["plan", "tests.test_plan:no_such_factory", "--world-size", "2",
+                     "--peft", spec]) == 2, spec  # before the factory is looked up
+        assert text in capsys.readouterr().err, spec
+    monkeypatch.setitem(sys.modules, "peft", None)  # as if not installed
+    assert main(["plan", "tests.test_plan:make_stack", "--world-size", "2",
+                 "--peft", "lora:r=4,targets=mix"]) == 1
+    err = capsys.readouterr().err
+    assert "pip install 'fsdp_wrap[finetune]'" in err and err.count("\n") == 1, err
+
+
 def test_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:
     """Usage errors exit 2, failures 1, each one line on stderr (tests/test_cli.py: the rest)."""
     from fsdp_wrap.cli import main
@@ -496,17 +680,8 @@ def test_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:
         assert text in err and "Traceback" not in err and err.count("\n") == 1, err
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 20 item 6 (planner, lead): fsdp_wrap now splits units mixing frozen and "
-    "trainable parameters or dtypes into several flat parameters and no longer refuses "
-    "them; fsdp_wrap.plan still plans one flat parameter per unit and refuses them"))
 def test_plan_refuses_what_the_constructor_refuses_without_a_policy() -> None:
     """The handle's own checks run for every planned unit, not only the wrap pass's."""
-    with torch.device("meta"):
-        frozen = FrozenModel(mixed=True)  # frozen and trainable in the root unit
-    with pytest.raises(ValueError, match="uniform `requires_grad`.*planned FSDP unit '<root>'"):
-        fw.plan(frozen, 2)
-    fw.plan(frozen, 2, use_orig_params=True)  # allowed there, as in the constructor
     with torch.device("meta"):
         scalar = Stack()
         scalar.register_parameter("gain", nn.Parameter(torch.tensor(1.0)))

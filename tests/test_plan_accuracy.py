@@ -38,8 +38,35 @@ def test_plan_within_ten_percent_of_what_training_holds() -> None:
     script = os.path.join(ROOT, "benchmarks", "plan_accuracy.py")
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     env.pop("FSDP_WRAP_BUCKET_CAP_MB", None)  # "default" must be the built-in cap
-    proc = run_bounded([sys.executable, script, "--quick", "--check", "0.10",
+    proc = run_bounded([sys.executable, script, "--quick", "--check", "0.10", "--models", "bench",
                         "--bucket-caps", "default,100"], cwd=ROOT, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith(("compute", "gpt2"))]
     assert len(rows) == 8 + 6 and all(" yes " in r for r in rows), proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(TORCH_VERSION < Version("2.13"),
+                    reason="the gloo staging model is calibrated on torch 2.13 (docs/plan.rst)")
+def test_plan_on_hugging_face_lora_and_qlora_models() -> None:
+    """Issue 20 item 6: LLaMA (untied head), BERT MLM (tied decoder), T5 (shared
+    embedding), LoRA and QLoRA (split units: frozen base, trainable adapters,
+    4-bit storage).  Every row holds exactly the planned bytes; the fp32 and
+    4-bit rows peak within 10% of the plan.  The bf16-compute rows are shown,
+    not checked: they read 0.86-1.12 (docs/plan.rst, what is left)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    script = os.path.join(ROOT, "benchmarks", "plan_accuracy.py")
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    env.pop("FSDP_WRAP_BUCKET_CAP_MB", None)
+    proc = run_bounded([sys.executable, script, "--models", "hf"], cwd=ROOT, timeout=1200,
+                       env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = [line.split() for line in proc.stdout.splitlines()
+            if line.startswith(("llama", "bert", "t5"))]
+    assert len(rows) == 26, proc.stdout
+    assert all(r[5] == "yes" for r in rows), proc.stdout  # held bytes equal the plan's
+    for r in rows:
+        if r[3] in ("fp32", "nf4/bf16") and "checked)" not in r:
+            assert 0.90 <= float(r[8]) <= 1.10, (r, proc.stdout)

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from fsdp_wrap.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_wrap.cli._common import CommandError, add_command, usage_error
+from fsdp_wrap.cli._peft import SPEC_HELP, apply_peft, parse_peft
 from fsdp_wrap.planning import Plan, plan
 from fsdp_wrap.planning._report import fmt_bytes, table
 from fsdp_wrap.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
@@ -32,12 +33,16 @@ group is needed.
 The model: MODULE:FACTORY names a function returning an nn.Module (called with
 --factory-kwargs), or --hf-config a transformers config (a JSON file, a JSON
 string, or a name AutoConfig.from_pretrained resolves) for AutoModelForCausalLM.
+--peft puts a LoRA adapter on it (PEFT's get_peft_model): the base frozen, so
+its weights count no gradient or optimizer state, and units mixing frozen and
+trainable parameters split into one flat parameter per kind, as FSDP does.
 
 examples:
   fsdp-wrap plan mypkg.models:build_model --world-size 64 --policy transformer:Block
   fsdp-wrap plan --hf-config llama7b.json --world-size 8 --mixed-precision bf16
   fsdp-wrap plan --hf-config config.json --world-size 64 --compare --gpu-memory 80
   fsdp-wrap plan --hf-config config.json --world-size 8 --plot memory.png --gpu-memory 80
+  fsdp-wrap plan --hf-config llama7b.json --world-size 8 --peft lora:r=8,targets=q_proj,v_proj
 """
 
 
@@ -50,6 +55,7 @@ def add_parser(sub: Any) -> None:
                    help="keyword arguments for FACTORY, as a JSON object")
     p.add_argument("--hf-config", metavar="CONFIG",
                    help="a transformers config: a JSON file, a JSON string or a model name")
+    p.add_argument("--peft", metavar="SPEC", default=None, help=SPEC_HELP)
     p.add_argument("--world-size", type=int, required=True, help="ranks in the job (required)")
     p.add_argument("--shard-group-size", type=int, default=None,
                    help="hybrid strategies: ranks per shard group (default: min(8, world size))")
@@ -99,12 +105,13 @@ def build_model(args: argparse.Namespace) -> nn.Module:
         kwargs = json.loads(args.factory_kwargs)
     except json.JSONDecodeError as e:
         usage_error(f"--factory-kwargs is not JSON ({e}): {args.factory_kwargs!r}")
+    lora = parse_peft(args.peft) if args.peft else None  # a bad spec fails before building
     with torch.device("meta"):
-        if args.hf_config:
-            return _hf_model(args.hf_config)
-        model = _factory(args.model)(**kwargs)
-    if not isinstance(model, nn.Module):
-        raise CommandError(f"{args.model} returned {type(model).__name__}, not an nn.Module")
+        model = _hf_model(args.hf_config) if args.hf_config else _factory(args.model)(**kwargs)
+        if not isinstance(model, nn.Module):
+            raise CommandError(f"{args.model} returned {type(model).__name__}, not an nn.Module")
+        if lora is not None:
+            model = apply_peft(model, lora)
     return model
 
 

@@ -36,9 +36,9 @@ from fsdp_wrap.planning._options import (
     shard_group,
 )
 from fsdp_wrap.planning._report import Plan, find_warnings
-from fsdp_wrap.planning._units import ParamEntry, UnitPlan, discover_units
+from fsdp_wrap.planning._units import FlatPlan, ParamEntry, UnitPlan, discover_units
 
-__all__ = ["OPTIMIZERS", "ParamEntry", "Plan", "RankMemory", "UnitPlan", "plan"]
+__all__ = ["OPTIMIZERS", "FlatPlan", "ParamEntry", "Plan", "RankMemory", "UnitPlan", "plan"]
 
 
 def plan(
@@ -84,11 +84,16 @@ def plan(
             ``limit_all_gathers`` decides whether gathers overlap compute).
         verbose: print the plan's table.
 
+    A unit mixing frozen and trainable parameters or dtypes (a PEFT model:
+    frozen base, trainable adapters; a 4-bit quantized base) is planned as the
+    constructor builds it, one flat parameter per ``(requires_grad, dtype)``
+    (``UnitPlan.flats``): frozen ones count no gradient or optimizer state.
+
     Raises:
         ValueError: for a world size the shard group does not divide, an
             unknown optimizer kind, or a model FSDP could not wrap (the
-            constructor's own checks: e.g. a unit mixing dtypes, or frozen and
-            trainable parameters with ``use_orig_params=False``).
+            constructor's own checks: e.g. scalar or integer parameters, or a
+            ``param_dtype`` that would cast packed 4-bit weights).
     """
     strategy, backward_prefetch, offload, mp = coerce_options(
         sharding_strategy, backward_prefetch, cpu_offload, mixed_precision

@@ -3,7 +3,8 @@
 :class:`fsdp_wrap.comm.bucket.GradBuckets` holds the gradients of consecutive
 units until their bytes reach the cap, then copies them into one buffer and
 reduces it at once.  :class:`BucketModel` replays the same decisions on the
-plan's units, in backward order, and keeps the bytes they hold:
+plan's flat parameters (one per unit unless the unit is split; "unit" below),
+in backward order, and keeps the bytes they hold:
 
 * **open**: the unsharded flat gradients waiting in the open bucket (compute
   dtype); they are not freed when their unit's backward ends, as they are
@@ -29,13 +30,13 @@ import dataclasses
 from collections.abc import Callable
 
 from fsdp_wrap.api import HYBRID_STRATEGIES
-from fsdp_wrap.planning._units import UnitPlan
+from fsdp_wrap.planning._units import FlatPlan
 
 
 @dataclasses.dataclass
 class _Open:
     key: tuple[object, ...] = ()
-    units: list[UnitPlan] = dataclasses.field(default_factory=list)
+    units: list[FlatPlan] = dataclasses.field(default_factory=list)
     nbytes: int = 0  # reduce-dtype bytes, as the runtime compares them with the cap
     held: int = 0  # the unsharded gradients' bytes
 
@@ -57,16 +58,16 @@ class BucketModel:
     """
 
     def __init__(self, cap_bytes: int, replicate_size: int,
-                 staging: Callable[[UnitPlan, int], int],
-                 alone: Callable[[UnitPlan], int],
-                 done_bytes: Callable[[UnitPlan], int]) -> None:
+                 staging: Callable[[FlatPlan, int], int],
+                 alone: Callable[[FlatPlan], int],
+                 done_bytes: Callable[[FlatPlan], int]) -> None:
         self.cap = cap_bytes
         self.replicate_size = replicate_size
         self.staging = staging
         self.alone = alone
         self.done_bytes = done_bytes
         self.open = _Open()
-        self.in_flight: list[tuple[int, list[UnitPlan], bool]] = []  # (bytes, units, sharded)
+        self.in_flight: list[tuple[int, list[FlatPlan], bool]] = []  # (bytes, units, sharded)
         self.released = 0  # sharded gradients handed back (units reduced alone: the walk adds)
         self.base = 0
         self.peak = 0
@@ -86,7 +87,7 @@ class BucketModel:
         self.peak_with_grads = max(self.peak_with_grads, here + self.released)
         self.timeline.append((self.label, here + self.released))
 
-    def bucketed(self, u: UnitPlan) -> bool:
+    def bucketed(self, u: FlatPlan) -> bool:
         """Whether ``u``'s gradient goes through a bucket (else it is reduced alone)."""
         if self.cap <= 0 or not u.trainable or u.layout.world_size <= 1:
             return False
@@ -94,7 +95,7 @@ class BucketModel:
             return False
         return self._nbytes(u) < self.cap
 
-    def reduce(self, u: UnitPlan, grad_bytes: int) -> None:
+    def reduce(self, u: FlatPlan, grad_bytes: int) -> None:
         """``u``'s unsharded gradient (``grad_bytes``) joins the buckets."""
         nbytes = self._nbytes(u)
         key = (u.sharded, u.reduce_dtype)
@@ -156,6 +157,6 @@ class BucketModel:
         self.issue()
         self.wait_all()
 
-    def _nbytes(self, u: UnitPlan) -> int:
+    def _nbytes(self, u: FlatPlan) -> int:
         numel = u.layout.padded_numel if u.sharded else u.layout.unpadded_numel
         return numel * u.reduce_dtype.itemsize

@@ -37,7 +37,7 @@ import torch
 from fsdp_wrap.api import BackwardPrefetch
 from fsdp_wrap.comm.collectives import GLOO_BROADCAST_MIN_BYTES
 from fsdp_wrap.planning._buckets import BucketModel
-from fsdp_wrap.planning._units import UnitPlan
+from fsdp_wrap.planning._units import FlatPlan, UnitPlan
 
 #: Optimizer kinds: (state tensors per parameter, ``step`` counter per parameter,
 #: the dtype the states take: the parameter's (Adam's ``zeros_like(param)``) or the
@@ -67,6 +67,7 @@ class RankMemory:
     step_device: int  # peak a step adds over params and optimizer state: the above plus
     # the sharded gradients of the units already done
     ignored_device: int = 0  # ignored parameters, their gradients and optimizer state (whole)
+    quant_state_device: int = 0  # 4-bit weights' quantization states (whole on every rank)
     #: ``(what runs, bytes)`` at each moment of one step: what ``step_device`` is the
     #: largest of (add ``params_device + optimizer_device + ignored_device`` for the
     #: device total).  Forward unit by unit, backward unit by unit, the optimizer step.
@@ -75,7 +76,8 @@ class RankMemory:
 
     @property
     def persistent_device(self) -> int:
-        return self.params_device + self.grads_device + self.optimizer_device + self.ignored_device
+        return (self.params_device + self.grads_device + self.optimizer_device
+                + self.ignored_device + self.quant_state_device)
 
     @property
     def persistent_cpu(self) -> int:
@@ -88,39 +90,55 @@ class RankMemory:
     @property
     def peak_device(self) -> int:
         """The most the device holds during a step (activations not included): parameters,
-        optimizer state and ignored tensors, plus the step's peak (``step_device``)."""
-        return self.params_device + self.optimizer_device + self.ignored_device + self.step_device
+        optimizer state, ignored tensors and quantization states, plus the step's peak
+        (``step_device``)."""
+        return (self.params_device + self.optimizer_device + self.ignored_device
+                + self.quant_state_device + self.step_device)
 
 
-def _itemsize(unit: UnitPlan, which: str) -> int:
-    dtype = {"param": unit.dtype, "compute": unit.compute_dtype, "reduce": unit.reduce_dtype,
-             "grad": unit.grad_dtype}[which]
+def _itemsize(flat: FlatPlan, which: str) -> int:
+    dtype = {"param": flat.dtype, "compute": flat.compute_dtype, "reduce": flat.reduce_dtype,
+             "grad": flat.grad_dtype}[which]
     return dtype.itemsize
 
 
+def _flat_gathered(f: FlatPlan) -> int:
+    lay = f.layout
+    if f.sharded:
+        return lay.padded_numel * _itemsize(f, "compute")
+    needs_copy = f.compute_dtype != f.dtype or f.offload_params
+    return lay.unpadded_numel * _itemsize(f, "compute") if needs_copy else 0
+
+
 def gathered_bytes(unit: UnitPlan) -> int:
-    """Device bytes of the unit's unsharded compute copy (0 when it computes on its shard)."""
-    lay = unit.layout
-    if unit.sharded:
-        return lay.padded_numel * _itemsize(unit, "compute")
-    needs_copy = unit.compute_dtype != unit.dtype or unit.offload_params
-    return lay.unpadded_numel * _itemsize(unit, "compute") if needs_copy else 0
+    """Device bytes of the unit's unsharded compute copies, every flat parameter
+    (0 for one that computes on its shard)."""
+    return sum(_flat_gathered(f) for f in unit.flats)
 
 
 def gather_source_bytes(unit: UnitPlan) -> int:
-    """The shard copy a gather starts from: moved to the device and/or cast."""
-    if not unit.sharded:
-        return 0
-    lay, out = unit.layout, 0
-    if unit.offload_params:
-        out += lay.shard_numel * _itemsize(unit, "param")
-    if unit.compute_dtype != unit.dtype:
-        out += lay.shard_numel * _itemsize(unit, "compute")
+    """The shard copies a gather starts from: moved to the device and/or cast."""
+    out = 0
+    for f in unit.flats:
+        if not f.sharded:
+            continue
+        if f.offload_params:
+            out += f.layout.shard_numel * _itemsize(f, "param")
+        if f.compute_dtype != f.dtype:
+            out += f.layout.shard_numel * _itemsize(f, "compute")
     return out
 
 
+def dequantized_bytes(unit: UnitPlan) -> int:
+    """The largest 4-bit weight of the unit dequantized for its matmul (in forward,
+    and again in backward for the input's gradient), in the compute dtype."""
+    return max((n * _itemsize(f, "compute") for f in unit.flats for n in f.quantized_numels),
+               default=0)
+
+
 def gradient_stages(unit: UnitPlan) -> tuple[int, int, int]:
-    """Extra device bytes of the unit's gradient in its three backward stages.
+    """Extra device bytes of the unit's gradients in their three backward stages,
+    over its trainable flat parameters (frozen ones have no gradient).
 
     1. *compute*: the parameters' gradients, up to the flat size (a tied
        parameter gets one gradient per use before they are summed), while the
@@ -129,25 +147,36 @@ def gradient_stages(unit: UnitPlan) -> tuple[int, int, int]:
        sharded unit's gathered parameters are freed just before this);
     3. *reduce* (after the unit is resharded): the flat gradient, its copy in
        the reduce dtype and/or padded to a world-size multiple, the
-       reduce-scatter's output and its cast back to the gradient dtype.
+       reduce-scatter's output and its cast back to the gradient dtype (the
+       largest of the unit's flat parameters, which are reduced one by one).
     """
-    if not unit.trainable:
-        return 0, 0, 0
-    lay = unit.layout
-    c, r, gd = (_itemsize(unit, k) for k in ("compute", "reduce", "grad"))
+    compute = concat = reduce = 0
+    for f in unit.flats:
+        if f.trainable:
+            c, r = _flat_grad_stages(f)
+            compute += c
+            concat += 2 * (c - f.shared_numel * _itemsize(f, "compute"))
+            reduce = max(reduce, r)
+    return compute, concat, reduce
+
+
+def _flat_grad_stages(f: FlatPlan) -> tuple[int, int]:
+    """``(compute, reduce)`` stage bytes of one trainable flat parameter."""
+    lay = f.layout
+    c, r, gd = (_itemsize(f, k) for k in ("compute", "reduce", "grad"))
     flat = lay.unpadded_numel * c
     reduce = flat
-    if unit.reduce_dtype != unit.compute_dtype:
+    if f.reduce_dtype != f.compute_dtype:
         reduce += lay.unpadded_numel * r
-    if unit.sharded:
+    if f.sharded:
         if lay.padded_numel != lay.unpadded_numel:
             reduce += lay.padded_numel * r
         reduce += lay.shard_numel * r
-        if unit.reduce_dtype != unit.grad_dtype:
+        if f.reduce_dtype != f.grad_dtype:
             reduce += lay.shard_numel * gd
-    elif unit.reduce_dtype != unit.grad_dtype and not unit.offload_params:
+    elif f.reduce_dtype != f.grad_dtype and not f.offload_params:
         reduce += lay.unpadded_numel * gd
-    return flat + unit.shared_numel * c, 2 * flat, reduce
+    return flat + f.shared_numel * c, reduce
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,12 +236,14 @@ def estimate(
     ignored_bytes = sum(
         n * dt.itemsize * (1 + (1 + states if trainable else 0)) for _, n, dt, trainable in ignored
     )
-    same = dict(params_device=0, params_cpu=0, grads_device=0, grads_cpu=0)
-    for u in units:
-        where = "cpu" if u.offload_params else "device"
-        same[f"params_{where}"] += u.layout.shard_numel * _itemsize(u, "param")
-        if u.trainable:
-            same[f"grads_{where}"] += u.layout.shard_numel * _itemsize(u, "grad")
+    same = dict(params_device=0, params_cpu=0, grads_device=0, grads_cpu=0,
+                quant_state_device=0)
+    for f in (f for u in units for f in u.flats):
+        where = "cpu" if f.offload_params else "device"
+        same[f"params_{where}"] += f.layout.shard_numel * _itemsize(f, "param")
+        if f.trainable:
+            same[f"grads_{where}"] += f.layout.shard_numel * _itemsize(f, "grad")
+        same["quant_state_device"] += f.quant_state_bytes
     buckets = BucketModel(bucket_cap_bytes, replicate_size,
                           staging=lambda u, nbytes: _staging_of(u, nbytes, backend),
                           alone=lambda u: _alone_bytes(u, backend), done_bytes=_done_bytes)
@@ -221,10 +252,10 @@ def estimate(
     out = []
     for rank in ranks:
         optim = {"optimizer_device": 0, "optimizer_cpu": 0}
-        for u in units:
-            numel, tensors = u.optimizer_numel(rank)
-            where = "cpu" if u.offload_params else "device"
-            optim[f"optimizer_{where}"] += states * numel * _itemsize(u, state_dtype)
+        for f in (f for u in units for f in u.flats):
+            numel, tensors = f.optimizer_numel(rank)
+            where = "cpu" if f.offload_params else "device"
+            optim[f"optimizer_{where}"] += states * numel * _itemsize(f, state_dtype)
             if counters:
                 optim["optimizer_cpu"] += 4 * tensors
         out.append(RankMemory(rank=rank, unsharded_forward=fwd, unsharded_backward=bwd,
@@ -260,16 +291,17 @@ def _unsharded_peaks(
     # A prefetched unit while the current one computes: still in flight if async.
     ahead_of = [gathering[i] if backend.async_gathers else g[i] for i in range(len(units))]
     kept = [u.sharded and (i == 0 or not u.reshard_after_forward) for i, u in enumerate(units)]
+    dq = [dequantized_bytes(u) for u in units]
     fwd = held = 0
     for i in range(len(units)):
         ahead = ahead_of[i + 1] if forward_prefetch and i + 1 < len(units) else 0
-        here = max(held + gathering[i], held + g[i] + ahead)
+        here = max(held + gathering[i], held + g[i] + ahead + dq[i])
         buckets.timeline.append((f"forward {units[i].fqn or '(root)'}", here))
         fwd = max(fwd, here)
         if kept[i]:
             held += g[i]
-    walk = _BackwardWalk(units, g, gathering, ahead_of, kept, held, backward_prefetch, backend,
-                         buckets)
+    walk = _BackwardWalk(units, g, gathering, ahead_of, kept, dq, held, backward_prefetch,
+                         backend, buckets)
     bwd, step, done = walk.run()
     buckets.timeline.append(("optimizer step", done))
     return fwd, bwd, max(step, fwd, done)
@@ -284,6 +316,7 @@ class _BackwardWalk:
     gathering: list[int]
     ahead_of: list[int]
     kept: list[bool]
+    dq: list[int]  # a dequantized 4-bit weight while the unit computes
     held: int  # unsharded parameters kept from forward
     backward_prefetch: BackwardPrefetch | None
     backend: Backend
@@ -298,8 +331,14 @@ class _BackwardWalk:
         # Each root parameter gives at most one such early gradient of its size,
         # so they are bounded by (and counted as) the root's flat gradient.
         root = units[0] if units and units[0].fqn == "" and units[0].trainable else None
-        root_early = root.layout.unpadded_numel * _itemsize(root, "compute") if root else 0
+        root_early = sum(f.layout.unpadded_numel * _itemsize(f, "compute")
+                         for f in root.flats if f.trainable) if root else 0
         order = list(range(len(units)))[::-1]
+        # A unit's frozen flat parameters are freed once the gradient of its
+        # input is computed; that gradient is the next unit's output gradient,
+        # whose pre-backward hook (gather, prefetch) runs first: for that
+        # moment the previous unit's frozen copies are still held.
+        frozen_prev = 0
         for k, i in enumerate(order):
             u = units[i]
             if self.kept[i]:
@@ -311,46 +350,51 @@ class _BackwardWalk:
             ahead = self.ahead_of[nxt] if nxt is not None and not self.kept[nxt] else 0
             pre = ahead if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE else 0
             post = ahead if self.backward_prefetch is not None else 0
-            compute, concat, reduce = gradient_stages(u)
+            compute, concat, _ = gradient_stages(u)
             # Sharded units free their parameters once all their gradients exist;
             # NO_SHARD copies go at the reshard before the reduction.
             during_concat = concat + (0 if u.sharded else g[i])
             held = self.held + (0 if i == 0 else root_early)
             buckets.label = f"backward {u.fqn or '(root)'}"
             buckets.base = held  # earlier units' gradients in buckets come on top
-            buckets.note(max(regather, g[i] + pre + compute, pre + during_concat))
+            buckets.note(max(regather + frozen_prev, g[i] + pre + frozen_prev,
+                             g[i] + pre + compute + self.dq[i], pre + during_concat))
+            frozen_prev = sum(_flat_gathered(f) for f in u.flats
+                              if not f.requires_grad and f.sharded)
             buckets.base = held + post
-            if buckets.bucketed(u):
-                buckets.reduce(u, u.layout.unpadded_numel * _itemsize(u, "compute"))
-            elif u.trainable:  # reduced on its own, after the open bucket is issued
-                buckets.issue()
-                buckets.note(reduce + _collective_staging(u, self.backend))
-                buckets.released += _done_bytes(u)
+            # Each trainable flat parameter is reduced on its own (last first).
+            for f in reversed([f for f in u.flats if f.trainable]):
+                if buckets.bucketed(f):
+                    buckets.reduce(f, f.layout.unpadded_numel * _itemsize(f, "compute"))
+                else:  # reduced on its own, after the open bucket is issued
+                    buckets.issue()
+                    buckets.note(_flat_grad_stages(f)[1] + _collective_staging(f, self.backend))
+                    buckets.released += _done_bytes(f)
         buckets.base = 0
         buckets.label = "end of backward"
         buckets.finish()  # the end-of-backward callback
         return buckets.peak, buckets.peak_with_grads, buckets.released
 
 
-def _done_bytes(u: UnitPlan) -> int:
-    """The sharded gradient a unit keeps on the device once reduced."""
+def _done_bytes(u: FlatPlan) -> int:
+    """The sharded gradient a flat parameter keeps on the device once reduced."""
     if not u.trainable or u.offload_params:
         return 0
     return u.layout.shard_numel * _itemsize(u, "grad")
 
 
-def _alone_bytes(u: UnitPlan, backend: Backend) -> int:
+def _alone_bytes(u: FlatPlan, backend: Backend) -> int:
     """Bytes of ``u``'s reduction on its own: its flat gradient, casts, output, staging."""
-    return gradient_stages(u)[2] + _collective_staging(u, backend)
+    return _flat_grad_stages(u)[1] + _collective_staging(u, backend)
 
 
-def _staging_of(u: UnitPlan, nbytes: int, backend: Backend) -> int:
+def _staging_of(u: FlatPlan, nbytes: int, backend: Backend) -> int:
     """A bucket's collective staging: ``nbytes`` of ``u``'s reduce dtype and kind."""
     table = backend.reduce_scatter_staging if u.sharded else backend.all_reduce_staging
     return int(table.get(_itemsize(u, "reduce"), 0.0) * nbytes)
 
 
-def _collective_staging(u: UnitPlan, backend: Backend) -> int:
+def _collective_staging(u: FlatPlan, backend: Backend) -> int:
     if not u.trainable:
         return 0
     r = _itemsize(u, "reduce")

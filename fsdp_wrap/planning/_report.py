@@ -56,12 +56,21 @@ class Plan:
                     "module": u.module_type,
                     "params": u.numel,
                     "strategy": u.strategy.name,
-                    "dtype": str(u.dtype).replace("torch.", ""),
-                    "flat_numel": u.layout.unpadded_numel,
-                    "padded_numel": u.layout.padded_numel,
-                    "shard_numel": u.layout.shard_numel,
-                    "unsharded_bytes": u.layout.padded_numel * u.dtype.itemsize,
-                    "shard_bytes": u.layout.shard_numel * u.dtype.itemsize,
+                    "dtype": _dtypes(u),
+                    "trainable_params": sum(f.numel for f in u.flats if f.requires_grad),
+                    "flat_numel": sum(f.layout.unpadded_numel for f in u.flats),
+                    "padded_numel": sum(f.layout.padded_numel for f in u.flats),
+                    "shard_numel": sum(f.layout.shard_numel for f in u.flats),
+                    "unsharded_bytes": u.unsharded_bytes,
+                    "shard_bytes": u.shard_bytes,
+                    "flat_params": [
+                        {"dtype": _dtype(f.dtype), "requires_grad": f.requires_grad,
+                         "params": f.numel, "flat_numel": f.layout.unpadded_numel,
+                         "padded_numel": f.layout.padded_numel,
+                         "shard_numel": f.layout.shard_numel,
+                         "quantized_params": len(f.quantized_numels)}
+                        for f in u.flats
+                    ],
                 }
                 for u in self.units
             ],
@@ -75,6 +84,15 @@ class Plan:
             "warnings": list(self.warnings),
         }
 
+
+
+def _dtype(dtype: Any) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _dtypes(u: UnitPlan) -> str:
+    """The unit's dtype, or its flat parameters' dtypes joined with ``+``."""
+    return "+".join(dict.fromkeys(_dtype(f.dtype) for f in u.flats))
 
 
 def find_warnings(units: Sequence[UnitPlan], world_size: int) -> list[str]:
@@ -96,7 +114,7 @@ def find_warnings(units: Sequence[UnitPlan], world_size: int) -> list[str]:
             "too little. Make the modules that hold them units of their own (add their classes "
             "to the policy)."
         )
-    small = [u for u in units if u.layout.padded_numel * u.dtype.itemsize < SMALL_UNIT_BYTES]
+    small = [u for u in units if u.unsharded_bytes < SMALL_UNIT_BYTES]
     if len(small) >= 4 and len(small) > len(units) // 2:
         out.append(
             f"{len(small)} of {len(units)} units are smaller than "
@@ -160,11 +178,13 @@ def unit_rows(units: Sequence[UnitPlan]) -> list[list[str]]:
         name = u.fqn or "<root>"
         if j - i > 1:
             name = f"{u.fqn} .. {units[j - 1].fqn} ({j - i} units)"
-        lay = u.layout
+        trainable = sum(f.numel for f in u.flats if f.requires_grad)
         rows.append([
             name, u.module_type, f"{u.numel:,}",
-            fmt_bytes(lay.padded_numel * u.dtype.itemsize),
-            fmt_bytes(lay.shard_numel * u.dtype.itemsize),
+            "all" if trainable == u.numel else f"{trainable:,}",
+            _dtypes(u),
+            fmt_bytes(u.unsharded_bytes),
+            fmt_bytes(u.shard_bytes),
             u.strategy.name,
         ])
         i = j
@@ -172,8 +192,11 @@ def unit_rows(units: Sequence[UnitPlan]) -> list[list[str]]:
 
 
 def _same_shape(a: UnitPlan, b: UnitPlan) -> bool:
-    return (a.module_type, a.layout, a.strategy, a.dtype) == (b.module_type, b.layout, b.strategy,
-                                                                b.dtype)
+    def shape(u: UnitPlan) -> tuple[Any, ...]:
+        return (u.module_type, u.strategy,
+                tuple((f.layout, f.dtype, f.requires_grad) for f in u.flats))
+
+    return shape(a) == shape(b)
 
 
 def render(plan: Plan) -> str:
@@ -190,7 +213,8 @@ def render(plan: Plan) -> str:
         f"{s['forward_prefetch']}, optimizer {plan.optimizer}",
         "",
         table(unit_rows(plan.units),
-              ["unit", "module", "params", "unsharded", "shard per rank", "strategy"]),
+              ["unit", "module", "params", "trainable", "dtype", "unsharded", "shard per rank",
+               "strategy"]),
         "",
         f"per rank (the largest over ranks; rank {m.rank} shown){'' if s['offload_params'] else ''}:",
         table([
@@ -199,6 +223,8 @@ def render(plan: Plan) -> str:
             ["optimizer state", fmt_bytes(m.optimizer_device), fmt_bytes(m.optimizer_cpu)],
             *([["ignored params, grads, state (whole)", fmt_bytes(m.ignored_device), "-"]]
               if m.ignored_device else []),
+            *([["4-bit quantization states (whole)", fmt_bytes(m.quant_state_device), "-"]]
+              if m.quant_state_device else []),
             ["held between steps", fmt_bytes(m.persistent_device), fmt_bytes(m.persistent_cpu)],
             ["+ unsharded in forward (peak)", fmt_bytes(m.unsharded_forward), "-"],
             ["+ unsharded and grads in backward (peak)", fmt_bytes(m.unsharded_backward), "-"],

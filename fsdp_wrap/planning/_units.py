@@ -21,7 +21,15 @@ import torch.nn as nn
 from fsdp_wrap._compat import coerce_dataclass, coerce_enum
 from fsdp_wrap.api import RESHARD_AFTER_FORWARD, CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_wrap.api import SHARDED_STRATEGIES as SHARDED
-from fsdp_wrap.handle.layout import FlatLayout, alignment, check_unit_params, collect_unit_params
+from fsdp_wrap.handle.layout import (
+    FlatLayout,
+    alignment,
+    check_quantized_storage,
+    check_unit_params,
+    collect_unit_params,
+    is_quantized,
+    split_unit_params,
+)
 from fsdp_wrap.runtime.construct import resolve_ignored
 from fsdp_wrap.wrap import _auto_wrap
 
@@ -36,28 +44,37 @@ class ParamEntry:
 
 
 @dataclasses.dataclass(frozen=True)
-class UnitPlan:
-    """One FSDP unit: what it owns, how it is laid out, how it runs."""
+class FlatPlan:
+    """One flat parameter of a unit: its parameters, layout, dtypes and how it runs.
 
-    fqn: str  # clean FQN of the wrapped module ("" for the root)
-    module_type: str
+    A unit mixing ``requires_grad`` or dtypes has several (one per group of
+    :func:`fsdp_wrap.handle.layout.split_unit_params`, trainable first); each is
+    sharded, gathered and reduced on its own, in its own dtype.  A frozen one
+    has no gradient and no optimizer state.
+    """
+
     params: tuple[ParamEntry, ...]
     layout: FlatLayout
     dtype: torch.dtype  # the parameters' dtype (the sharded master copy)
+    requires_grad: bool
     strategy: ShardingStrategy
     mixed_precision: MixedPrecision
     offload_params: bool
     use_orig_params: bool
     shared_numel: int = 0  # elements of tied parameters' later uses (extra gradients)
+    #: bitsandbytes 4-bit weights in this flat parameter: their logical
+    #: (dequantized) element counts; the packed storage is what ``layout`` holds.
+    quantized_numels: tuple[int, ...] = ()
+    quant_state_bytes: int = 0  # their quantization states (kept whole on every rank)
 
     @property
     def numel(self) -> int:
-        """Parameters this unit owns (without padding)."""
+        """Parameters this flat parameter holds (without padding)."""
         return sum(p.numel for p in self.params)
 
     @property
     def trainable(self) -> bool:
-        return any(p.requires_grad for p in self.params)
+        return self.requires_grad
 
     @property
     def sharded(self) -> bool:
@@ -82,20 +99,101 @@ class UnitPlan:
         return self.compute_dtype if self.mixed_precision.keep_low_precision_grads else self.dtype
 
     def optimizer_numel(self, rank: int) -> tuple[int, int]:
-        """``(elements, tensors)`` the optimizer sees on ``rank`` for this unit.
+        """``(elements, tensors)`` the optimizer sees on ``rank`` for this flat parameter.
 
         ``use_orig_params=False``: the whole flat shard, as one tensor (if
         trainable).  ``True``: each trainable parameter's piece of the shard,
         without the padding (parameters with no piece on this rank get no
         gradient, hence no optimizer state).
         """
+        if not self.requires_grad:
+            return 0, 0
         if not self.use_orig_params:
-            return (self.layout.shard_numel, 1) if self.trainable else (0, 0)
+            return self.layout.shard_numel, 1
         numel = tensors = 0
-        for entry, sl in zip(self.params, self.layout.shard_slices(rank)):
-            if sl is not None and entry.requires_grad:
+        for sl in self.layout.shard_slices(rank):
+            if sl is not None:
                 numel += sl[1] - sl[0]
                 tensors += 1
+        return numel, tensors
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitPlan:
+    """One FSDP unit: what it owns, how it is laid out, how it runs.
+
+    ``flats`` are its flat parameters (one, unless the unit mixes frozen and
+    trainable parameters or dtypes).  ``layout`` and ``dtype`` are the first
+    one's (the trainable one if any: what torch's ``_flat_param`` shows);
+    sizes and bytes over the whole unit are sums over ``flats``.
+    """
+
+    fqn: str  # clean FQN of the wrapped module ("" for the root)
+    module_type: str
+    flats: tuple[FlatPlan, ...]
+
+    @property
+    def params(self) -> tuple[ParamEntry, ...]:
+        return tuple(e for f in self.flats for e in f.params)
+
+    @property
+    def layout(self) -> FlatLayout:
+        return self.flats[0].layout
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.flats[0].dtype
+
+    @property
+    def numel(self) -> int:
+        """Parameters this unit owns (without padding)."""
+        return sum(f.numel for f in self.flats)
+
+    @property
+    def trainable(self) -> bool:
+        return any(f.requires_grad for f in self.flats)
+
+    @property
+    def strategy(self) -> ShardingStrategy:
+        return self.flats[0].strategy
+
+    @property
+    def mixed_precision(self) -> MixedPrecision:
+        return self.flats[0].mixed_precision
+
+    @property
+    def offload_params(self) -> bool:
+        return self.flats[0].offload_params
+
+    @property
+    def use_orig_params(self) -> bool:
+        return self.flats[0].use_orig_params
+
+    @property
+    def sharded(self) -> bool:
+        return self.strategy in SHARDED
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return self.strategy in RESHARD_AFTER_FORWARD
+
+    @property
+    def shard_bytes(self) -> int:
+        """Bytes of this unit's shards on one rank (every flat parameter, own dtype)."""
+        return sum(f.layout.shard_numel * f.dtype.itemsize for f in self.flats)
+
+    @property
+    def unsharded_bytes(self) -> int:
+        """Bytes of this unit's unsharded (padded) flat parameters, own dtypes."""
+        return sum(f.layout.padded_numel * f.dtype.itemsize for f in self.flats)
+
+    def optimizer_numel(self, rank: int) -> tuple[int, int]:
+        """``(elements, tensors)`` the optimizer sees on ``rank`` for this unit
+        (:meth:`FlatPlan.optimizer_numel` summed; frozen flat parameters: none)."""
+        numel = tensors = 0
+        for f in self.flats:
+            n, t = f.optimizer_numel(rank)
+            numel, tensors = numel + n, tensors + t
         return numel, tensors
 
 
@@ -116,13 +214,47 @@ def meta_copy(model: nn.Module) -> tuple[nn.Module, dict[int, Any]]:
     """
     memo: dict[int, Any] = {}
     for p in model.parameters():
-        memo[id(p)] = nn.Parameter(
+        shadow_p = nn.Parameter(
             torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad
         )
-    for b in model.buffers():
-        memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+        if is_quantized(p):
+            # What the flat parameter needs to know of a 4-bit weight, kept on
+            # the meta stand-in (its quantization state is not copied).
+            shadow_p.bnb_quantized = True  # type: ignore[attr-defined]
+            shadow_p.plan_quant = quant_info(p)  # type: ignore[attr-defined]
+        memo[id(p)] = shadow_p
     shadow = copy.deepcopy(model, memo)
     return shadow, memo
+
+
+def quant_info(param: nn.Parameter) -> tuple[int, int]:
+    """``(logical elements, quantization-state bytes)`` of a bitsandbytes 4-bit weight.
+
+    The packed storage (``param`` itself) is what the flat parameter shards;
+    the state (block scales, the code book, a nested state for double
+    quantization) stays on the Parameter object, whole on every rank.
+    """
+    state = getattr(param, "quant_state", None)
+    if state is None:
+        return param.numel(), 0
+    shape = getattr(state, "shape", None)
+    numel = int(torch.Size(shape).numel()) if shape is not None else param.numel()
+    return numel, _tensor_bytes(state, set())
+
+
+def _tensor_bytes(obj: Any, seen: set[int]) -> int:
+    """Bytes of the tensors an object holds in its attributes (nested objects too)."""
+    if id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v, seen) for v in obj)
+    attrs = getattr(obj, "__dict__", None)
+    if attrs is None or isinstance(obj, (type, torch.dtype)):
+        return 0
+    return sum(_tensor_bytes(v, seen) for v in attrs.values())
 
 
 def discover_units(
@@ -206,34 +338,35 @@ def _unit_plan(
     mp = mp or MixedPrecision()
     offload = coerce_dataclass(kwargs.get("cpu_offload"), CPUOffload, "cpu_offload")
     uop = bool(kwargs.get("use_orig_params", False))
-    dtype = params[0][3].dtype
-    mixed = sorted({str(p.dtype) for *_, p in params})
-    if len(mixed) > 1:
-        raise ValueError(
-            f"FSDP unit '{fqn or '<root>'}' ({type(module).__name__}) would flatten parameters "
-            f"of different dtypes {mixed}; one flat parameter has one dtype. Give the module "
-            "one dtype (model.to(dtype)) or wrap the differing parameters in units of their own."
-        )
-    # The rest of what the constructor would refuse (scalars, integers,
-    # frozen next to trainable without use_orig_params), with its messages.
-    check_unit_params(params, f"(planned FSDP unit '{fqn or '<root>'}')", uop)
-    layout = FlatLayout.build(
-        [p.numel() for *_, p in params],
-        align=alignment(mp.param_dtype or dtype, uop),
-        world_size=shard_size,
-        sharded=strategy in SHARDED,
-    )
+    # What the constructor refuses (scalars, integers, a cast of packed
+    # quantized weights), with its messages.
+    where = f"(planned FSDP unit '{fqn or '<root>'}')"
+    check_unit_params(params, where, uop)
+    check_quantized_storage(params, mp.param_dtype, where)
     prefix = f"{fqn}." if fqn else ""
-    entries = tuple(ParamEntry(prefix + name, p.numel(), p.requires_grad) for name, *_, p in params)
-    return UnitPlan(
-        fqn=fqn,
-        module_type=type(module).__name__,
-        params=entries,
-        layout=layout,
-        dtype=dtype,
-        strategy=strategy,
-        mixed_precision=mp,
-        offload_params=bool(offload and offload.offload_params),
-        use_orig_params=uop,
-        shared_numel=sum(params[index][3].numel() for *_, index in shared),
-    )
+    flats = []
+    # The runtime's own grouping: one flat parameter per (requires_grad, dtype).
+    for group, group_shared in split_unit_params(params, shared):
+        dtype = group[0][3].dtype
+        quant = [getattr(p, "plan_quant", None) or quant_info(p)
+                 for *_, p in group if is_quantized(p)]
+        flats.append(FlatPlan(
+            params=tuple(ParamEntry(prefix + name, p.numel(), p.requires_grad)
+                         for name, *_, p in group),
+            layout=FlatLayout.build(
+                [p.numel() for *_, p in group],
+                align=alignment(mp.param_dtype or dtype, uop),
+                world_size=shard_size,
+                sharded=strategy in SHARDED,
+            ),
+            dtype=dtype,
+            requires_grad=group[0][3].requires_grad,
+            strategy=strategy,
+            mixed_precision=mp,
+            offload_params=bool(offload and offload.offload_params),
+            use_orig_params=uop,
+            shared_numel=sum(group[index][3].numel() for *_, index in group_shared),
+            quantized_numels=tuple(n for n, _ in quant),
+            quant_state_bytes=sum(b for _, b in quant),
+        ))
+    return UnitPlan(fqn=fqn, module_type=type(module).__name__, flats=tuple(flats))
