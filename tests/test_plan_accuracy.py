@@ -31,18 +31,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # torch 2.11 (H100 machine, Python 3.12) gloo's gathers stage more: the peak read
 # 0.66-0.85 of the plan for FULL_SHARD rows (docs/plan.rst); the held bytes still
 # matched exactly.
+# The default cap in the default suite; one bucket for every unit (100 MiB),
+# which checks the plan's bucket model, under -m slow (CI runs it): each costs
+# about 18 s of 2-rank training on 2 cores.
 @pytest.mark.skipif(TORCH_VERSION < Version("2.13"),
                     reason="the gloo staging model is calibrated on torch 2.13 (docs/plan.rst)")
-def test_plan_within_ten_percent_of_what_training_holds() -> None:
+@pytest.mark.parametrize("cap", ["default", pytest.param("100", marks=pytest.mark.slow)])
+def test_plan_within_ten_percent_of_what_training_holds(cap: str) -> None:
     pytest.importorskip("transformers")
     script = os.path.join(ROOT, "benchmarks", "plan_accuracy.py")
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     env.pop("FSDP_WRAP_BUCKET_CAP_MB", None)  # "default" must be the built-in cap
     proc = run_bounded([sys.executable, script, "--quick", "--check", "0.10", "--models", "bench",
-                        "--bucket-caps", "default,100"], cwd=ROOT, timeout=600, env=env)
+                        "--bucket-caps", cap], cwd=ROOT, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith(("compute", "gpt2"))]
-    assert len(rows) == 8 + 6 and all(" yes " in r for r in rows), proc.stdout
+    assert len(rows) == 8 and all(" yes " in r for r in rows), proc.stdout
 
 
 @pytest.mark.slow
