@@ -122,6 +122,7 @@ def _plain_load(path: str, full: dict[str, torch.Tensor], want: torch.Tensor,
                 quantized: bool = False) -> dict[str, Any]:
     """PEFT loads the adapter into a fresh base: which keys, which differ, the logits."""
     from peft import PeftModel
+    from safetensors.torch import load_file
 
     base = _base()
     if quantized:
@@ -140,6 +141,7 @@ def _plain_load(path: str, full: dict[str, torch.Tensor], want: torch.Tensor,
         "trained_b_zero": [k for k in adapters if "lora_B" in k and not full[k].any()],
         "logits_equal": bool(torch.equal(got, want)),
         "files": sorted(os.listdir(path)),
+        "file_keys": sorted(load_file(os.path.join(path, "adapter_model.safetensors"))),
         "config": json.load(open(os.path.join(path, "adapter_config.json"))),
     }
 
@@ -186,6 +188,9 @@ def test_lora_adapter_saves_in_peft_layout_and_loads_in_one_process(pool2: Any, 
     for row in ranks[0]:
         assert len(row["adapters"]) == 8, row  # 2 layers x (q, v) x (A, B)
         assert row["loaded_adapters"] == row["adapters"], row
+        # PEFT's names: the adapter's name taken out (PEFT would also load the
+        # model's own names, so this is checked here and against PEFT below)
+        assert row["file_keys"] == sorted(k.replace(".default.", ".") for k in row["adapters"]), row
         assert row["differ"] == [], row
         assert row["trained_b_zero"] == [], row  # the steps moved lora_B off PEFT's zeros
         assert row["logits_equal"], row
@@ -299,3 +304,21 @@ def test_qlora_adapter_round_trip(tmp_path: Any) -> None:
     assert r0["sent"] == 0 and r1["sent"] == r1["trainable_shard"] > 0
     assert len(r0["adapters"]) == 8 and r0["loaded_adapters"] == r0["adapters"], r0
     assert r0["differ"] == [] and r0["trained_b_zero"] == [] and r0["logits_equal"], r0
+
+
+def test_peft_is_optional(monkeypatch: Any) -> None:
+    """Importing fsdp_wrap does not import peft; a model with a ``peft_config`` and no
+    peft installed gets an ImportError naming the extra."""
+    import subprocess
+    import sys
+
+    code = "import sys, fsdp_wrap, fsdp_wrap.checkpoint; print('peft' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                         check=True)
+    assert out.stdout.strip() == "False", out
+    monkeypatch.setitem(sys.modules, "peft", None)  # import fails as if not installed
+    holder = nn.Linear(2, 2)
+    holder.peft_config = {"default": object()}  # type: ignore[assignment]
+    with pytest.raises(ImportError, match=r"needs peft.*\[finetune\]"):
+        find_peft([("", holder)])
