@@ -138,3 +138,31 @@ def test_dcp_state_dict_helpers_and_torch_compile(tmp_path: Any) -> None:
             assert _close(r[ours + "/losses"], r[theirs + "/losses"]), (mode, r)
             # Dynamo compiled the same graphs between the units' eager hooks.
             assert r[ours + "/graphs"] == r[theirs + "/graphs"] > 0, (mode, r)
+
+
+def test_lora_under_accelerate_and_trainer(tmp_path: Any) -> None:
+    """PEFT LoRA through both frameworks unchanged (issue 20 item 3), and the adapter
+    streamed out with ``save_full_checkpoint(trainable_only=True)`` (item 4)."""
+    pytest.importorskip("accelerate")
+    pytest.importorskip("peft")
+    for rank, r in enumerate(_launch("lora_run.py", tmp_path)):
+        for fw in ("accelerate", "trainer"):
+            theirs = f"{fw}/torch/True"
+            assert r[theirs + "/class"].startswith("torch.distributed.fsdp"), r
+            for uop in (True, False):
+                ours = f"{fw}/ours/{uop}"
+                assert r[ours + "/class"] == "fsdp_wrap.fully_sharded_data_parallel", r
+                assert len(r[ours + "/losses"]) == 3, r
+                assert _close(r[ours + "/losses"], r[theirs + "/losses"]), (ours, r)
+                # What PEFT's get_peft_model_state_dict finds in a FULL state dict of
+                # the wrapped model, the frameworks' adapter save: as on torch's FSDP1
+                # (none with peft 0.21: it strips only a leading FSDP prefix, so the
+                # nested units hide every adapter; docs/fine_tuning.rst).
+                assert r[ours + "/peft_keys_of_wrapped"] == r[theirs + "/peft_keys_of_wrapped"], r
+                if rank == 0:
+                    want, got = r[ours + "/adapter_keys"]
+                    assert len(want) == 8 and got == want, (ours, r)
+                    assert r[ours + "/adapter_differ"] == [], (ours, r)
+                    assert r[ours + "/framework_file_keys"] == r[theirs + "/peft_keys_of_wrapped"]
+                    reloaded, fsdp_loss = r[ours + "/reloaded_loss"]
+                    assert reloaded == fsdp_loss, (ours, r)

@@ -17,7 +17,7 @@ TUTORIALS = sorted(glob.glob(os.path.join(REPO, "tutorials", "[0-9][0-9]_*.py"))
 FIRST = os.path.join(REPO, "tutorials", "01_first_training.py")
 # Tutorials whose library paths other default-suite tests already cover run
 # under ``-m slow`` (CI runs them): each costs 15-35 s of rank start-up on 2 cores.
-SLOW = {"04_pretrained_weight_sync.py"}
+SLOW = {"04_pretrained_weight_sync.py", "05_lora_finetune.py"}
 
 
 def _param(path: str) -> object:
@@ -56,3 +56,14 @@ def test_first_training_learns_and_round_trips() -> None:
     losses = [float(line.split()[-1]) for line in lines if line.startswith("step ")]
     assert len(losses) == 8 and losses[-1] < losses[0] / 10, losses
     assert "restored model matches the trained model: OK" in lines
+
+
+@pytest.mark.slow  # shares tutorial 5's run (slow, above)
+def test_lora_tutorial_reloads_the_adapter_in_one_process() -> None:
+    path = os.path.join(REPO, "tutorials", "05_lora_finetune.py")
+    proc = _run(path)
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("evaluation loss:"))
+    # "base B, base + reloaded adapter A, FSDP model F": A == F and A < B
+    base, reloaded, fsdp_model = (float(part.split()[-1]) for part in line.split(","))
+    assert reloaded == fsdp_model < base, line

@@ -131,8 +131,9 @@ class ShardedWriter:
     Every shard file is created up front with its final header and size, so a
     tensor can be written the moment it exists, wherever it lies; nothing is
     buffered.  ``prefix`` is ``"model"`` for ``model-00001-of-0000n.safetensors``
-    and ``model.safetensors.index.json``.  :meth:`close` checks every planned
-    tensor was written exactly once.
+    and ``model.safetensors.index.json``.  ``single_file``: every tensor in one
+    file of that name and no index (PEFT's ``adapter_model.safetensors``).
+    :meth:`close` checks every planned tensor was written exactly once.
     """
 
     def __init__(
@@ -144,6 +145,7 @@ class ShardedWriter:
         metadata: dict[str, str] | None = None,
         index_metadata: dict[str, Any] | None = None,
         fsync: bool = False,
+        single_file: str | None = None,
     ) -> None:
         names = [e.name for e in entries]
         if len(set(names)) != len(names):
@@ -153,8 +155,13 @@ class ShardedWriter:
         self.prefix = prefix
         self.fsync = fsync
         self.index_metadata = dict(index_metadata or {})
-        self.shards = plan_shards(entries, max_shard_bytes)
-        self.files = [shard_file_name(prefix, i, len(self.shards)) for i in range(len(self.shards))]
+        self.single_file = single_file
+        if single_file is None:
+            self.shards = plan_shards(entries, max_shard_bytes)
+            self.files = [shard_file_name(prefix, i, len(self.shards)) for i in range(len(self.shards))]
+        else:
+            self.shards = [list(entries)]
+            self.files = [single_file]
         self.weight_map = {e.name: f for f, es in zip(self.files, self.shards) for e in es}
         self.total = sum(e.nbytes for e in entries)
         self.planned = {e.name: e for e in entries}
@@ -201,7 +208,8 @@ class ShardedWriter:
         self.written[name] = self.written.get(name, 0) + flat.numel()
 
     def close(self) -> str:
-        """Flush every shard, write the index; return the index path."""
+        """Flush every shard, write the index; return the index path (the file's
+        path with ``single_file``, which has no index)."""
         missing = [
             n for n, e in self.planned.items() if self.written.get(n, 0) != math.prod(e.shape)
         ]
@@ -216,6 +224,8 @@ class ShardedWriter:
                 f"{len(missing)} planned tensor(s) were never written to {self.directory}, "
                 f"first '{missing[0]}'"
             )
+        if self.single_file is not None:
+            return os.path.join(self.directory, self.single_file)
         index = {
             "metadata": {"total_size": self.total, **self.index_metadata},
             "weight_map": self.weight_map,

@@ -18,6 +18,17 @@ each flat parameter (and the buffers).  No collective, no full tensor.
 
 The files are plain safetensors: ``transformers``' ``from_pretrained``, the
 ``safetensors`` package, or ``fsdp-wrap ckpt`` read them.
+
+``save_full_checkpoint(..., trainable_only=True)`` is an adapter checkpoint:
+only the parameters that train (their flat parameter and the original
+parameter require a gradient) are planned and streamed, so frozen bytes never
+leave their ranks and buffers are not written.  When the wrapped model is a
+``peft`` model (LoRA) the files are PEFT's own, ``adapter_model.safetensors``
+under PEFT's key names and ``adapter_config.json``, which
+``PeftModel.from_pretrained(base, path)`` loads (:mod:`._adapter`); otherwise
+the trainable tensors under their clean names in the layout above.  Every
+rank must train the same parameters: one small collective checks it before
+anything moves and raises on every rank when they differ or nothing trains.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import fsdp_wrap.checkpoint._adapter as _adapter
 import fsdp_wrap.checkpoint._atomic as _atomic
 import fsdp_wrap.checkpoint._full_optim as _full_optim
 import fsdp_wrap.checkpoint._safetensors as _safetensors
@@ -84,22 +96,31 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
-def plan_entries(model: FSDP) -> dict[str, Entry]:
+def plan_entries(model: FSDP, trainable_only: bool = False) -> dict[str, Entry]:
     """``{clean key: Entry}`` of the FULL state dict, from shapes alone (no collective).
 
     Flattened parameters (tied aliases included, as FULL state dicts hold
     them), parameters FSDP does not manage (ignored modules) and persistent
-    buffers in their original dtype.
+    buffers in their original dtype.  ``trainable_only``: the parameters that
+    train (see :func:`_trains`), no buffers.
     """
     out: dict[str, Entry] = {}
     for unit_name, st in _units(model):
         for h in st._handles:
             for i, info in enumerate(h.infos):
+                if trainable_only and not _trains(h, i):
+                    continue
                 for key in _names(h, unit_name, i):
                     out[key] = Entry(key, tuple(info.shape), h.orig_dtype)
-        for key, t, dtype in _unmanaged_tensors(unit_name, st):
+        for key, t, dtype in _unmanaged_tensors(unit_name, st, trainable_only):
             out.setdefault(key, Entry(key, tuple(t.shape), dtype))
     return out
+
+
+def _trains(h: Any, index: int) -> bool:
+    """Parameter ``index`` of handle ``h`` trains: its flat parameter requires a gradient
+    and so does the original parameter (frozen after wrapping with ``use_orig_params``)."""
+    return bool(h.flat_param.requires_grad and h.infos[index].param.requires_grad)
 
 
 # ---------------------------------------------------------------------- save
@@ -114,6 +135,7 @@ def save_full_checkpoint(
     extra_files: dict[str, str | bytes] | None = None,
     window_bytes: int = DEFAULT_WINDOW_BYTES,
     on_unit: Callable[[str, int, int], None] | None = None,
+    trainable_only: bool = False,
 ) -> None:
     """Write ``model``'s full state dict to ``path`` as Hugging Face safetensors, atomically.
 
@@ -134,20 +156,17 @@ def save_full_checkpoint(
     once every rank has finished
     and the files are flushed; until then the data lives in
     ``path + ".incomplete"``.
+
+    ``trainable_only=True``: only the parameters that train, nothing frozen
+    moved or written (an adapter checkpoint, in PEFT's own layout for a
+    ``peft`` model; see the module's docstring); not with ``optim``.
     """
     root = _root(model, "save_full_checkpoint")
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"[rank {global_rank()}] save_full_checkpoint: path must be a str, got {type(path).__name__}")
-    path = os.fspath(path)
-    for what, value in (("max_shard_size", max_shard_size), ("window_bytes", window_bytes)):
-        if value <= 0:
-            raise ValueError(
-                f"[rank {global_rank()}] save_full_checkpoint: {what} must be a positive number "
-                f"of bytes, got {value}"
-            )
+    path = _check_save_args(path, max_shard_size, window_bytes, trainable_only, optim)
     rank = dist.get_rank()
     world = dist.get_world_size()
-    entries = plan_entries(root)
+    entries = plan_entries(root, trainable_only)
+    rename, target = _agree_trainable(root, entries, rank) if trainable_only else ({}, None)
     osd = _full_optim.sharded_state(root, optim) if optim is not None else None
     tmp = _atomic.temp_path(path)
     writer: ShardedWriter | None = None
@@ -155,8 +174,10 @@ def save_full_checkpoint(
     setup_error: BaseException | None = None
     if rank == 0:
         try:
-            tmp = _atomic.begin(path, world, "full-safetensors", {"max_shard_size": max_shard_size})
-            writer = ShardedWriter(tmp, list(entries.values()), max_shard_size, fsync=True)
+            kind = "full-safetensors" if not trainable_only else (
+                "adapter-safetensors" if target is not None else "trainable-safetensors")
+            tmp = _atomic.begin(path, world, kind, {"max_shard_size": max_shard_size})
+            writer = _model_writer(tmp, entries, max_shard_size, rename, target)
             if osd is not None:
                 optim_entries, objects = _full_optim.plan(osd)
                 optim_writer = ShardedWriter(
@@ -171,10 +192,10 @@ def save_full_checkpoint(
     # the directory makes every rank raise instead of the others waiting.
     _agree(setup_error, rank, "save_full_checkpoint could not start")
 
-    sink = _Sink(writer)
+    sink = _Sink(writer, rename)
     optim_sink = _Sink(optim_writer)
     try:
-        _stream_units(root, sink, window_bytes, on_unit)
+        _stream_units(root, sink, window_bytes, on_unit, trainable_only)
         if osd is not None:
             _full_optim.stream(root, osd, optim_sink, window_bytes)
             del osd
@@ -205,12 +226,46 @@ def save_full_checkpoint(
 
 
 
+def _check_save_args(path: Any, max_shard_size: int, window_bytes: int, trainable_only: bool,
+                     optim: torch.optim.Optimizer | None) -> str:
+    """Arguments every rank checks alike, before anything else (no collective)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"[rank {global_rank()}] save_full_checkpoint: path must be a str, got {type(path).__name__}")
+    for what, value in (("max_shard_size", max_shard_size), ("window_bytes", window_bytes)):
+        if value <= 0:
+            raise ValueError(
+                f"[rank {global_rank()}] save_full_checkpoint: {what} must be a positive number "
+                f"of bytes, got {value}"
+            )
+    if trainable_only and optim is not None:
+        raise ValueError(
+            f"[rank {global_rank()}] save_full_checkpoint: trainable_only=True saves the model's "
+            "trainable weights only; save the optimizer with the full checkpoint "
+            "(trainable_only=False) or with FSDP.optim_state_dict"
+        )
+    return os.fspath(path)
+
+
+def _model_writer(tmp: str, entries: dict[str, Entry], max_shard_size: int, rename: dict[str, str],
+                  target: _adapter.PeftTarget | None) -> ShardedWriter:
+    """Rank 0: the model's files, planned; PEFT's adapter layout for a PEFT model's
+    trainable weights (its config written first)."""
+    if target is None:
+        return ShardedWriter(tmp, list(entries.values()), max_shard_size, fsync=True)
+    planned = [Entry(rename[e.name], e.shape, e.dtype) for e in entries.values()]
+    writer = ShardedWriter(tmp, planned, max_shard_size, fsync=True,
+                           single_file=_adapter.ADAPTER_WEIGHTS)
+    _adapter.write_adapter_config(tmp, target)
+    return writer
+
+
 class _Sink:
     """Rank 0's writes; the first error is kept (and later writes skipped) so that the
     other ranks, which are sending, are never left waiting."""
 
-    def __init__(self, writer: ShardedWriter | None) -> None:
+    def __init__(self, writer: ShardedWriter | None, rename: dict[str, str] | None = None) -> None:
         self.writer = writer
+        self.rename = rename or {}
         self.error: BaseException | None = None
 
     def run(self, fn: Callable[[], Any]) -> None:
@@ -223,7 +278,8 @@ class _Sink:
     def write(self, name: str, offset: int, flat: torch.Tensor) -> None:
         if self.writer is not None:
             writer = self.writer
-            self.run(lambda: writer.write_range(name, offset, flat))
+            key = self.rename.get(name, name)
+            self.run(lambda: writer.write_range(key, offset, flat))
 
 
 def _stream_units(
@@ -231,21 +287,26 @@ def _stream_units(
     sink: _Sink,
     window_bytes: int,
     on_unit: Callable[[str, int, int], None] | None,
+    trainable_only: bool = False,
 ) -> None:
     units = _units(root)
     for done, (unit_name, st) in enumerate(units, start=1):
         for h in st._handles:
-            _stream_handle(h, unit_name, sink, window_bytes)
+            chosen = [i for i in range(len(h.infos)) if not trainable_only or _trains(h, i)]
+            if chosen:
+                _stream_handle(h, unit_name, sink, window_bytes, chosen)
         if sink.writer is not None:
-            for name, tensor, dtype in _unmanaged_tensors(unit_name, st):
+            for name, tensor, dtype in _unmanaged_tensors(unit_name, st, trainable_only):
                 flat = tensor.detach().to(dtype).reshape(-1)
                 sink.write(name, 0, flat)
         if on_unit is not None:
             on_unit(unit_name, done, len(units))
 
 
-def _stream_handle(h: Any, unit_name: str, sink: _Sink, window_bytes: int) -> None:
-    """Move each original parameter of ``h`` to global rank 0 window by window."""
+def _stream_handle(h: Any, unit_name: str, sink: _Sink, window_bytes: int,
+                   chosen: list[int]) -> None:
+    """Move original parameters ``chosen`` of ``h`` to global rank 0 window by window
+    (the others' elements stay where they are)."""
     pg = h.process_group
     ws = h.world_size
     members = [dist.get_global_rank(pg, r) for r in range(ws)]
@@ -256,16 +317,18 @@ def _stream_handle(h: Any, unit_name: str, sink: _Sink, window_bytes: int) -> No
     shard = h.local_shard
     if not h.uses_sharded_strategy:  # NO_SHARD: rank 0 holds everything itself
         if me == dest:
-            for i, info in enumerate(h.infos):
+            for i in chosen:
+                info = h.infos[i]
                 flat = shard[info.offset : info.offset + info.numel]
                 for name in _names(h, unit_name, i):
                     sink.write(name, 0, flat)
         return
     S = h.shard_numel
     window = max(1, window_bytes // shard.element_size())
-    buf = torch.empty(min(window, max((i.numel for i in h.infos), default=1)), dtype=shard.dtype,
-                      device=shard.device) if me == dest else None
-    for i, info in enumerate(h.infos):
+    largest = max((h.infos[i].numel for i in chosen), default=1)
+    buf = torch.empty(min(window, largest), dtype=shard.dtype, device=shard.device) if me == dest else None
+    for i in chosen:
+        info = h.infos[i]
         names = _names(h, unit_name, i)
         for w0 in range(0, info.numel, window):
             w1 = min(info.numel, w0 + window)
@@ -294,9 +357,11 @@ def _names(h: Any, unit_name: str, index: int) -> list[str]:
     return names
 
 
-def _unmanaged_tensors(unit_name: str, st: FSDP) -> list[tuple[str, torch.Tensor, torch.dtype]]:
+def _unmanaged_tensors(unit_name: str, st: FSDP, trainable_only: bool = False,
+                       ) -> list[tuple[str, torch.Tensor, torch.dtype]]:
     """Persistent buffers (in their original dtype) and parameters FSDP does not manage
-    of the modules this unit owns: every rank holds them whole."""
+    of the modules this unit owns: every rank holds them whole.  ``trainable_only``:
+    the parameters that require a gradient, no buffers."""
     cls = _fsdp_cls()
     managed = {id(i.param) for h in st._handles for i in h.infos}
     managed |= {id(h.flat_param) for h in st._handles}
@@ -306,7 +371,10 @@ def _unmanaged_tensors(unit_name: str, st: FSDP) -> list[tuple[str, torch.Tensor
         rel_mod = clean_fqn(mod_fqn + "." if mod_fqn else "").rstrip(".")
         for n, p in mod._parameters.items():
             if p is not None and id(p) not in managed and n not in flat_names:
-                out.append((_join(unit_name, _join(rel_mod, n)), p, p.dtype))
+                if p.requires_grad or not trainable_only:
+                    out.append((_join(unit_name, _join(rel_mod, n)), p, p.dtype))
+        if trainable_only:
+            continue
         for n, b in mod._buffers.items():
             if b is not None and n not in mod._non_persistent_buffers_set:
                 rel = _join(rel_mod, n)
@@ -315,13 +383,60 @@ def _unmanaged_tensors(unit_name: str, st: FSDP) -> list[tuple[str, torch.Tensor
 
 
 def _write_extra(directory: str, name: str, content: str | bytes) -> None:
-    if os.path.basename(name) != name or name in (_atomic.MARKER, "model.safetensors.index.json"):
+    reserved = (_atomic.MARKER, "model.safetensors.index.json", _adapter.ADAPTER_WEIGHTS,
+                _adapter.ADAPTER_CONFIG)
+    if os.path.basename(name) != name or name in reserved:
         raise ValueError(f"extra_files: {name!r} must be a plain file name of your own")
     data = content.encode() if isinstance(content, str) else content
     with open(os.path.join(directory, name), "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _agree_trainable(root: FSDP, entries: dict[str, Entry], rank: int,
+                     ) -> tuple[dict[str, str], _adapter.PeftTarget | None]:
+    """What an adapter save writes (``{clean key: file key}``, the PEFT model if any),
+    agreed by every rank before anything moves: one object all-gather of each rank's
+    trainable names and error; a rank differing, or nothing trainable anywhere, raises
+    on every rank."""
+    cls = _fsdp_cls()
+    rename: dict[str, str] = {}
+    target: _adapter.PeftTarget | None = None
+    error: Exception | None = None
+    try:
+        named = [(clean_fqn(n + "." if n else "").rstrip("."), m)
+                 for n, m in root.named_modules() if not isinstance(m, cls)]
+        target = _adapter.find_peft(named)
+        if target is not None:
+            rename = _adapter.adapter_key_map(target, list(entries), rank)
+    except (ValueError, NotImplementedError, ImportError) as e:
+        error = e
+    everyone: list[Any] = [None] * dist.get_world_size()
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    dist.all_gather_object(everyone, (sorted(entries), mine))
+    if error is not None:
+        raise error  # (every rank raises: the others see it below)
+    errors = [(r, e) for r, (_, e) in enumerate(everyone) if e is not None]
+    if errors:
+        raise ValueError(f"[rank {rank}] save_full_checkpoint(trainable_only=True) failed on "
+                         f"rank {errors[0][0]}: {errors[0][1]}")
+    names = [n for n, _ in everyone]
+    if not any(names):
+        raise ValueError(
+            f"[rank {rank}] save_full_checkpoint(trainable_only=True): no parameter of the model "
+            "requires a gradient, so there is nothing to save; unfreeze the weights you train "
+            "(requires_grad_(True)) or save the whole model (trainable_only=False)"
+        )
+    for r, theirs in enumerate(names):
+        if theirs != names[0]:
+            diff = sorted(set(theirs) ^ set(names[0]))
+            raise ValueError(
+                f"[rank {rank}] save_full_checkpoint(trainable_only=True): ranks 0 and {r} train "
+                f"different parameters ({len(names[0])} vs {len(theirs)}, first difference "
+                f"'{diff[0] if diff else ''}'); freeze and unfreeze the same parameters on every rank"
+            )
+    return rename, target
 
 
 def _agree(error: BaseException | None, rank: int, what: str) -> None:
