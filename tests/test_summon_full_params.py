@@ -276,3 +276,53 @@ def _between_one(cfg: dict[str, Any]) -> list[str]:
 def test_summon_between_two_forwards_with_orig_params(pool2: Any) -> None:
     fails = [f for r in pool2.run(_between_two_forwards, _between_configs()) for f in r]
     assert not fails, "\n".join(fails[:20])
+
+
+def _seen_between_forward_and_backward() -> list[str]:
+    """``named_parameters()`` after a forward, before its backward (a previous
+    backward left gradients), use_orig_params=True: names, shapes and
+    gradients as torch's (torch's ``test_with_grads_core``).  FULL_SHARD's root
+    and every NO_SHARD unit show their sharded parameters with their sharded
+    gradients; SHARD_GRAD_OP's units show the unsharded ones, without."""
+    from torch.distributed import fsdp as torch_fsdp
+
+    import fsdp_wrap
+
+    warnings.simplefilter("ignore")
+    fails = []
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+        seen = {}
+        for impl, api in (("torch", torch_fsdp), ("ours", fsdp_wrap)):
+            fsdp = api.FullyShardedDataParallel
+            kw = dict(sharding_strategy=getattr(api.ShardingStrategy, strategy),
+                      use_orig_params=True, device_id=torch.device("cpu"))
+            torch.manual_seed(0)
+            m = nn.Sequential(nn.Linear(4, 6), nn.Sequential(nn.Linear(6, 6), nn.ReLU()),
+                              nn.Linear(6, 3))
+            m[1] = fsdp(m[1], **kw)
+            model = fsdp(m, **kw)
+            x = torch.randn(2, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+            model(x).sum().backward()
+            out = model(x)
+            seen[impl] = [(n, tuple(p.shape), None if p.grad is None else p.grad.clone())
+                          for n, p in model.named_parameters()]
+            out.sum().backward()  # the backward still works from there
+            with fsdp.summon_full_params(model, with_grads=True):
+                seen[impl + " after"] = [p.grad.clone() for p in model.parameters()]
+        for (n1, s1, g1), (n2, s2, g2) in zip(seen["torch"], seen["ours"], strict=True):
+            same = n1 == n2 and s1 == s2 and (
+                (g1 is None and g2 is None)
+                or (g1 is not None and g2 is not None and torch.equal(g1, g2)))
+            if not same:
+                fails.append(f"{rank_tag()} {strategy} {n1}: torch {s1} grad "
+                             f"{None if g1 is None else tuple(g1.shape)}, ours {n2} {s2} grad "
+                             f"{None if g2 is None else tuple(g2.shape)}")
+        if any(not torch.equal(a, b)
+               for a, b in zip(seen["torch after"], seen["ours after"], strict=True)):
+            fails.append(f"{rank_tag()} {strategy}: gradients after the backward differ")
+    return fails
+
+
+def test_parameters_seen_between_forward_and_backward_match_torch(pool2: Any) -> None:
+    fails = [f for r in pool2.run(_seen_between_forward_and_backward) for f in r]
+    assert not fails, "\n".join(fails[:20])

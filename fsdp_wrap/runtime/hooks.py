@@ -33,13 +33,19 @@ from torch.nn.utils.rnn import PackedSequence
 import fsdp_wrap.runtime.construct as _init
 import fsdp_wrap.runtime.tree as tree
 from fsdp_wrap._compat import in_backward
-from fsdp_wrap.api import BackwardPrefetch
+from fsdp_wrap.api import BackwardPrefetch, ShardingStrategy
 from fsdp_wrap.comm.gather_batch import gather_ahead
 from fsdp_wrap.handle.writeback import check_unchanged_since_forward
 from fsdp_wrap.runtime.state import TrainingState, UnitState
 
 if TYPE_CHECKING:
     from fsdp_wrap.handle.flat_param import FlatParamHandle
+
+# Strategies whose units show the unsharded parameters from forward through
+# backward (torch's "no reshard after forward"); the others show sharded views
+# in between.
+KEEP_VIEWS_AFTER_FORWARD = frozenset({ShardingStrategy.SHARD_GRAD_OP,
+                                      ShardingStrategy._HYBRID_SHARD_ZERO2})
 
 
 def register_handle_hooks(state: UnitState) -> None:
@@ -217,6 +223,12 @@ def post_forward(state: UnitState, output: Any) -> Any:
             handle.reshard(free=True)
         elif handle.reshard_after_forward and not state._is_root:
             handle.reshard(free=True)
+        elif handle.use_orig_params and handle.strategy not in KEEP_VIEWS_AFTER_FORWARD:
+            # The root of FULL_SHARD / HYBRID_SHARD and every NO_SHARD unit keep
+            # their unsharded data for backward, but show their original
+            # parameters sharded, with their sharded gradients, until then, as
+            # torch does (its pre-backward shows the unsharded ones again).
+            handle.reshard(free=False)
     if grad_enabled:
         state._root._forward_pending_backward = True
         output = _register_pre_backward_hooks(state, output)
