@@ -2,7 +2,7 @@
 """LoRA and QLoRA training steps on a LLaMA, 2 CPU ranks: what a rank holds and how
 long a step takes, fsdp_wrap against torch's FSDP1 and against the ideal.
 
-    python benchmarks/bench_lora.py                 # LLaMA-shaped, 299M parameters (minutes)
+    python benchmarks/bench_lora.py                 # LLaMA-shaped, 302M parameters (~25 min: QLoRA is slow on CPU)
     python benchmarks/bench_lora.py --size tiny     # the 2-layer model of tests/test_peft.py (smoke)
     python benchmarks/bench_lora.py --json out.json
 
@@ -40,8 +40,10 @@ Per rank:
   after ``--warmup`` steps), and the median CPU seconds of the rank's process
   (all its threads; less sensitive to a shared machine).
 
-The frozen weights' gradient bytes (the frozen elements x their itemsize /
-world size) are what torch's FSDP1 holds beyond the ideal.  Needs ``peft`` and,
+The frozen weights' bytes over the world size (the frozen elements x their
+itemsize / world size) bound what torch's FSDP1 holds beyond the ideal: it
+keeps a gradient for every frozen weight in a unit that also trains (not for
+a unit that is all frozen, such as the root's embedding and head here).  Needs ``peft`` and,
 for the QLoRA rows, ``bitsandbytes >= 0.50`` (``pip install .[finetune]``).
 """
 
@@ -253,8 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="kinds to run, comma-separated: "
                     "lora,qlora,qlora-fp32 (default: all for tiny, lora,qlora otherwise)")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3, help="measured steps per row")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
@@ -288,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         ok = [r for res in results if res["kind"] == kind for r in res["ranks"] if "error" not in r]
         if ok:
             print(f"{KINDS[kind]}: ideal (trainable share) {_mib(ok[0]['ideal'])} MiB per rank, "
-                  f"frozen weights' gradient bytes {_mib(ok[0]['frozen_grad'])} MiB per rank")
+                  f"frozen weights / world size {_mib(ok[0]['frozen_grad'])} MiB (their gradient "
+                  "bytes, were they all held)")
     print()
     print(_table(HEADER, table_rows(results)))
     for res in results:
