@@ -17,7 +17,7 @@ import torch.nn as nn
 
 # name -> LlamaConfig keywords.  "tiny": the tests' 2-layer model; "300m": the
 # LLaMA shape of benchmarks/bench_pretrained.py (hidden 1024, ffn 2816, 20
-# layers, 16 heads, 8 key/value heads, vocab 32000, untied head): 299M parameters.
+# layers, 16 heads, 8 key/value heads, vocab 32000, untied head): 302M parameters.
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64),
