@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from _lora_models import quantize_nf4 as _quantize
 
 VOCAB = 2048
 HF_MODELS = ("llama", "bert", "t5", "llama-lora", "llama-qlora")
@@ -43,25 +44,6 @@ def _lora(model: nn.Module) -> nn.Module:
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
                       init_lora_weights="gaussian")
     return get_peft_model(model, lora)
-
-
-def _quantize(model: nn.Module) -> nn.Module:
-    """The decoder layers' Linears as NF4 ``Linear4bit`` with bf16 storage (as
-    ``load_in_4bit`` with ``bnb_4bit_quant_storage=torch.bfloat16`` builds them)."""
-    import bitsandbytes as bnb
-
-    for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name, lin in list(parent.named_children()):
-                if isinstance(lin, nn.Linear):
-                    q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False,
-                                          compute_dtype=torch.bfloat16, quant_type="nf4",
-                                          quant_storage=torch.bfloat16)
-                    q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False,
-                                                 quant_type="nf4", quant_storage=torch.bfloat16,
-                                                 module=q)
-                    setattr(parent, name, q.to("cpu"))  # quantizes
-    return model
 
 
 def hf_model(name: str) -> tuple[nn.Module, set[type[nn.Module]], dict[str, torch.Tensor]]:

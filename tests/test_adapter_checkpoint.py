@@ -47,7 +47,7 @@ def tiny_lora(quantized: bool = False) -> nn.Module:
 
     model = _base()
     if quantized:
-        from tests.test_peft import _quantize
+        from benchmarks._lora_models import quantize_nf4 as _quantize
 
         model = _quantize(model.to(torch.bfloat16))
     return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
@@ -126,7 +126,7 @@ def _plain_load(path: str, full: dict[str, torch.Tensor], want: torch.Tensor,
 
     base = _base()
     if quantized:
-        from tests.test_peft import _quantize
+        from benchmarks._lora_models import quantize_nf4 as _quantize
 
         base = _quantize(base.to(torch.bfloat16))
     loaded = PeftModel.from_pretrained(base, path).eval()

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp_wrap
+from benchmarks._lora_models import grad_bytes, lora_llama
 from tests._dist import DistPool, progress
 
 pytest.importorskip("peft")
@@ -31,41 +32,9 @@ STEPS = 3
 
 def tiny_llama(quantized: bool = False, bf16_adapters: bool = True) -> nn.Module:
     """2 decoder layers, hidden 64, PEFT LoRA r=8 on q_proj/v_proj; ``quantized``:
-    the layers' Linears as NF4 ``Linear4bit`` with bf16 quant storage."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
-    model = LlamaForCausalLM(cfg)
-    if quantized:
-        model = _quantize(model.to(torch.bfloat16))
-    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
-                      init_lora_weights="gaussian")
-    model = get_peft_model(model, lora)
-    if quantized and bf16_adapters:
-        for p in model.parameters():
-            if p.requires_grad:
-                p.data = p.data.to(torch.bfloat16)
-    return model
-
-
-def _quantize(model: nn.Module) -> nn.Module:
-    import bitsandbytes as bnb
-
-    for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name, lin in list(parent.named_children()):
-                if isinstance(lin, nn.Linear):
-                    q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False,
-                                          compute_dtype=torch.bfloat16, quant_type="nf4",
-                                          quant_storage=torch.bfloat16)
-                    q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False,
-                                                 quant_type="nf4", quant_storage=torch.bfloat16,
-                                                 module=q)
-                    setattr(parent, name, q.to("cpu"))  # quantizes
-    return model
+    the layers' Linears as NF4 ``Linear4bit`` with bf16 quant storage (the
+    builder shared with ``benchmarks/bench_lora.py``)."""
+    return lora_llama("tiny", quantized=quantized, bf16_adapters=bf16_adapters)
 
 
 def _wrap(impl: str, model: nn.Module, uop: bool, **kw: Any) -> nn.Module:
@@ -79,20 +48,6 @@ def _wrap(impl: str, model: nn.Module, uop: bool, **kw: Any) -> nn.Module:
         from fsdp_wrap.wrap import ModuleWrapPolicy
     return F(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}), use_orig_params=uop,
              device_id=torch.device("cpu"), **kw)
-
-
-def grad_bytes(model: nn.Module) -> int:
-    """Bytes of the distinct storages behind every gradient the rank holds."""
-    tensors = [p.grad for p in model.parameters()]
-    for m in model.modules():
-        tensors += [h.flat_param.grad for h in m.__dict__.get("_handles", [])]
-        fp = m._parameters.get("_flat_param") if hasattr(m, "_parameters") else None
-        tensors += [fp.grad] if fp is not None else []
-        handle = m.__dict__.get("_handle")  # torch's FSDP1: its one flat parameter
-        tensors += [getattr(getattr(handle, "flat_param", None), "grad", None)]
-    storages = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
-                for g in tensors if g is not None}
-    return sum(storages.values())
 
 
 def _train(impl: str, uop: bool, quantized: bool) -> tuple[list[float], float]:
@@ -132,6 +87,41 @@ def test_lora_trains_like_torch_with_only_adapter_gradients(pool2: Any) -> None:
             assert losses == pytest.approx(ref, rel=1e-5), (losses, ref)
             assert ratio <= 1.1, ratio  # the trainable shard, padding aside
         assert torch_ratio > 5, torch_ratio  # torch holds the frozen weights' gradients too
+
+
+def _bench_rows() -> list[dict[str, Any]]:
+    from benchmarks.bench_lora import run_row
+
+    out = []
+    for impl, uop in (("torch", True), ("fsdp_wrap", False)):
+        out.append(run_row(dist.get_rank(), dict(size="tiny", kind="lora", impl=impl, uop=uop,
+                                                 batch=2, seq=16, warmup=1, steps=2)))
+        progress()
+    return out
+
+
+def test_bench_lora_measures_a_row(pool2: Any) -> None:
+    """``benchmarks/bench_lora.py``'s rank side on the tiny model (the full-size
+    run is by hand, docs/fine_tuning.rst): what it reports is consistent."""
+    results = pool2.run(_bench_rows)
+    for impl in (0, 1):
+        rows = [per_rank[impl] for per_rank in results]
+        total = rows[0]["ideal"] * len(rows)  # trainable bytes, every rank alike
+        assert all(r["ideal"] == rows[0]["ideal"] for r in rows)
+        # AdamW: exp_avg and exp_avg_sq of every trainable element once over the
+        # ranks; padding (< world size elements per flat parameter, 2 units) and
+        # the 4-byte ``step`` tensors (one per parameter, 8) on top
+        optim = sum(r["optim"] for r in rows)
+        assert 2 * total <= optim <= 2 * total + 2 * 2 * 2 * 4 + 8 * 4 * len(rows), (optim, total)
+        for r in rows:
+            # (held: RSS above the pool worker's before the build, may be < 0)
+            assert r["peak"] >= r["held"] and r["wall"] > 0 and r["cpu"] > 0, r
+            assert r["losses"] == pytest.approx(results[0][0]["losses"], rel=1e-5)
+            if impl == 0:
+                assert r["grad"] / r["ideal"] > 5, r  # torch: the frozen weights' gradients too
+            else:
+                assert 1 <= r["grad"] / r["ideal"] <= 1.1, r
+                assert r["optim"] <= 2.2 * r["ideal"] + 1024, r  # balanced over the ranks
 
 
 def _qlora_rows() -> list[Any]:
