@@ -209,6 +209,7 @@ def test_install_on_a_torch_without_fsdp1() -> None:
     assert out.strip().endswith("OK")
 
 
+@pytest.mark.slow  # five fresh interpreters importing torch (20 s on 2 cores); CI runs it
 def test_startup_hook_and_fsdp_wrap_run() -> None:
     """``FSDP_WRAP_INSTALL=1`` installs before user code; ``fsdp-wrap run`` sets it."""
     from fsdp_wrap import installer

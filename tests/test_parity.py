@@ -58,12 +58,12 @@ MAX_NORM = {2.0: 0.05, math.inf: 0.01}  # small, so that clipping really scales
 # 0.0005 MiB = 512 bytes (these models' units are 100-300 floats: a few buckets)
 CAPS: list[float | None] = [None, 0.0, 0.0005]
 WORLD_SIZES = [2, 3, 4]
-# The default suite runs a slim grid at 3 and 4 ranks (every cap, strategy and
-# model, and the state-dict checks of the transformer); ``-m slow`` (CI) runs the
-# full ones.  Oversubscribed ranks make each 3- and 4-rank config cost 3-5x a
+# The default suite runs slim grids (every cap, strategy and model, and the
+# state-dict checks); ``-m slow`` (CI) runs the full ones.  Oversubscribed ranks make each 3- and 4-rank config cost 3-5x a
 # 2-rank one on a 2-core machine.
 SWEEPS = [
     pytest.param((2, False), id="2"),
+    pytest.param((2, True), id="2-full", marks=pytest.mark.slow),
     pytest.param((3, False), id="3"),
     pytest.param((4, False), id="4"),
     pytest.param((3, True), id="3-full", marks=pytest.mark.slow),
@@ -89,9 +89,10 @@ def _configs(ws: int = 2, full: bool = True) -> list[dict[str, Any]]:
     on 4 ranks every third configuration and the state-dict ones run (the grid
     is for 2 and 3; 4 ranks adds a longer ring).
 
-    ``full=False`` (the default suite at 3 and 4 ranks): the transformer's
-    state-dict checks and every 5th (3 ranks) or 4th (4 ranks) of the others
-    (every cap, strategy and group still runs: the not-vacuous test checks)."""
+    ``full=False`` (the default suite): the state-dict checks (at 3 and 4
+    ranks the transformer's) and every 2nd (2 ranks), 5th (3 ranks) or 4th (4
+    ranks) of the others (every cap, strategy and group still runs: the
+    not-vacuous test checks)."""
     out: list[dict[str, Any]] = []
 
     def add(**cfg: Any) -> None:
@@ -163,10 +164,10 @@ def _configs(ws: int = 2, full: bool = True) -> list[dict[str, Any]]:
                 cfg["cap"] = 0.0
     if ws >= 4:
         out = [c for c in out if c["idx"] % 3 == 0 or c["sd"]]
-    if not full and ws >= 3:
-        kept = [c for c in out if c["sd"] and c["model"] == "transformer"]
+    if not full:
+        kept = [c for c in out if c["sd"] and (ws == 2 or c["model"] == "transformer")]
         rest = [c for c in out if c not in kept]
-        kept += rest[0::5] if ws == 3 else rest[2::4]
+        kept += rest[0::2] if ws == 2 else rest[0::5] if ws == 3 else rest[2::4]
         out = sorted(kept, key=lambda c: c["idx"])
     return out
 
