@@ -223,6 +223,8 @@ def meta_copy(model: nn.Module) -> tuple[nn.Module, dict[int, Any]]:
             shadow_p.bnb_quantized = True  # type: ignore[attr-defined]
             shadow_p.plan_quant = quant_info(p)  # type: ignore[attr-defined]
         memo[id(p)] = shadow_p
+    for b in model.buffers():
+        memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
     shadow = copy.deepcopy(model, memo)
     return shadow, memo
 
