@@ -31,21 +31,19 @@ import fsdp_wrap.comm.collectives as C
 import fsdp_wrap.comm.reduce as R
 from fsdp_wrap.api import RESHARD_AFTER_FORWARD, SHARDED_STRATEGIES
 from fsdp_wrap.handle.config import HandleConfig
-from fsdp_wrap.handle.flat_tensor import (
-    FLAT_PARAM_NAME,
-    VALUES_PENDING,
-    FlatParameter,
-    HandleState,
-    _Gathered,
-)
+from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME, FlatParameter, HandleState, _Gathered
 from fsdp_wrap.handle.grads import FlatGrads
 from fsdp_wrap.handle.layout import (
+    PADDING_VALUE,
+    VALUES_PENDING,
     FlatLayout,
     ParamInfo,
     SharedParamInfo,
     alignment,
     check_flat_group,
     check_unit_params,
+    flatten_params,
+    shard_from_params,
 )
 from fsdp_wrap.handle.views import ParamViews
 from fsdp_wrap.handle.writeback import write_back_orig_params
@@ -54,9 +52,6 @@ __all__ = [
     "PADDING_VALUE",
     "FlatParamHandle",
 ]
-
-PADDING_VALUE = 42.0
-
 
 
 class FlatParamHandle:
@@ -162,10 +157,15 @@ class FlatParamHandle:
             if self.uses_sharded_strategy:
                 # Only this rank's part is copied: the unsharded flat tensor never
                 # exists (its stand-in below is shape only and never written).
-                self.local_shard = self._shard_from_params(self.orig_dtype)
+                self.local_shard = shard_from_params(
+                    self.infos, self._shard_slices, self.shard_offset, self.shard_numel,
+                    self.shard_valid_numel, self.layout.has_padding, self.orig_dtype,
+                    self.device)
                 flat = torch.empty(self.unpadded_numel, dtype=self.orig_dtype, device=self.device)
             else:
-                flat = self.local_shard = self._flatten(self.orig_dtype)
+                flat = self.local_shard = flatten_params(
+                    self.infos, self.unpadded_numel, self.layout.has_padding, self.orig_dtype,
+                    self.device)
             for info in self.infos:
                 info.param.__dict__.pop(VALUES_PENDING, None)
             if self.offload_params:
@@ -243,41 +243,6 @@ class FlatParamHandle:
             self.use_sharded_views()
 
     # ------------------------------------------------------------------ layout
-
-    def _flatten(self, dtype: torch.dtype) -> torch.Tensor:
-        flat = torch.empty(self.unpadded_numel, dtype=dtype, device=self.device)
-        if self.layout.has_padding:
-            flat.fill_(PADDING_VALUE)
-        for info in self.infos:
-            flat[info.offset : info.offset + info.numel].copy_(info.param.detach().reshape(-1))
-        return flat
-
-    def _shard_from_params(self, dtype: torch.dtype) -> torch.Tensor:
-        """This rank's shard of the flat parameter, copied from the original
-        parameters' elements it holds: what ``_flatten`` then slicing would give
-        (padding ``PADDING_VALUE``, right padding zeros) at a shard's cost.
-
-        Each element is written once (no zero-fill first); a parameter flagged
-        :data:`VALUES_PENDING` (a checkpoint will fill it) is not copied at all."""
-        shard = torch.empty(self.shard_numel, dtype=dtype, device=self.device)
-        valid = self.shard_valid_numel
-        shard[valid:].zero_()
-        pos = 0
-        fill = PADDING_VALUE if self.layout.has_padding else 0.0
-        for info, sl in sorted(
-                ((i, sl) for i, sl in zip(self.infos, self._shard_slices) if sl is not None),
-                key=lambda pair: pair[1][0]):
-            if sl[0] > pos:
-                shard[pos : sl[0]].fill_(fill)  # alignment padding between parameters
-            pos = max(pos, sl[1])
-            if getattr(info.param, VALUES_PENDING, False):
-                continue
-            start = sl[0] + self.shard_offset - info.offset
-            src = info.param.detach().reshape(-1)[start : start + sl[1] - sl[0]]
-            shard[sl[0] : sl[1]].copy_(src)
-        if valid > pos:
-            shard[pos:valid].fill_(fill)
-        return shard
 
     def _release_original_storage(self) -> None:
         """The flat parameter now holds the data; drop the originals' storage."""

@@ -17,16 +17,10 @@ import torch.nn as nn
 
 import fsdp_wrap.comm.collectives as C
 
-__all__ = ["FLAT_PARAM_NAME", "VALUES_PENDING", "FlatParameter", "HandleState"]
+__all__ = ["FLAT_PARAM_NAME", "FlatParameter", "HandleState"]
 
 #: The name a flat parameter is registered under on its unit's module.
 FLAT_PARAM_NAME = "_flat_param"
-
-#: Set (to ``True``) on an original parameter whose values are not meaningful
-#: yet because a checkpoint will overwrite them (``pretrained_init``): the
-#: handle then does not copy them into its shard (that copy of uninitialised
-#: memory cost as much as the load itself), and deletes the flag.
-VALUES_PENDING = "_fsdp_wrap_values_pending"
 
 
 class _FlatParameterMeta(type(nn.Parameter)):  # type: ignore[misc]

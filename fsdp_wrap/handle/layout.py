@@ -40,6 +40,16 @@ class ParamInfo:
     numel: int
 
 
+#: What torch's FSDP1 (and so fsdp_wrap) writes into alignment padding.
+PADDING_VALUE = 42.0
+
+#: Set (to ``True``) on an original parameter whose values are not meaningful
+#: yet because a checkpoint will overwrite them (``pretrained_init``): the
+#: handle then does not copy them into its shard (that copy of uninitialised
+#: memory cost as much as the load itself), and deletes the flag.
+VALUES_PENDING = "_fsdp_wrap_values_pending"
+
+
 @dataclass(frozen=True)
 class SharedParamInfo:
     """A later reference to a parameter already flattened at ``infos[index]``."""
@@ -282,3 +292,49 @@ class FlatLayout:
             start, end = max(lo, offset), min(hi, offset + numel)
             slices.append((start - lo, end - lo) if start < end else None)
         return slices
+
+
+# ---------------------------------------------------------------- filling
+
+
+def flatten_params(infos: Sequence[ParamInfo], unpadded_numel: int, has_padding: bool,
+                   dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The unsharded flat tensor (no right padding) copied from ``infos``'
+    parameters, alignment padding ``PADDING_VALUE``."""
+    flat = torch.empty(unpadded_numel, dtype=dtype, device=device)
+    if has_padding:
+        flat.fill_(PADDING_VALUE)
+    for info in infos:
+        flat[info.offset : info.offset + info.numel].copy_(info.param.detach().reshape(-1))
+    return flat
+
+
+def shard_from_params(infos: Sequence[ParamInfo], slices: Sequence[tuple[int, int] | None],
+                      shard_offset: int, shard_numel: int, valid_numel: int,
+                      has_padding: bool, dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor:
+    """One rank's shard copied from the original parameters' elements it holds:
+    what :func:`flatten_params` then slicing would give (alignment padding
+    ``PADDING_VALUE``, right padding zeros) at a shard's cost.
+
+    ``slices[i]``: parameter ``i``'s elements in the shard (shard offsets), or
+    ``None``.  Each element is written once (no zero-fill first); a parameter
+    flagged :data:`VALUES_PENDING` (a checkpoint will fill it) is not copied."""
+    shard = torch.empty(shard_numel, dtype=dtype, device=device)
+    shard[valid_numel:].zero_()
+    pos = 0
+    fill = PADDING_VALUE if has_padding else 0.0
+    held = sorted(((i, sl) for i, sl in zip(infos, slices) if sl is not None),
+                  key=lambda pair: pair[1][0])
+    for info, sl in held:
+        if sl[0] > pos:
+            shard[pos : sl[0]].fill_(fill)  # alignment padding between parameters
+        pos = max(pos, sl[1])
+        if getattr(info.param, VALUES_PENDING, False):
+            continue
+        start = sl[0] + shard_offset - info.offset
+        src = info.param.detach().reshape(-1)[start : start + sl[1] - sl[0]]
+        shard[sl[0] : sl[1]].copy_(src)
+    if valid_numel > pos:
+        shard[pos:valid_numel].fill_(fill)
+    return shard

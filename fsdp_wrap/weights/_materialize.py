@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fsdp_wrap.handle.flat_tensor import VALUES_PENDING
+from fsdp_wrap.handle.layout import VALUES_PENDING
 from fsdp_wrap.weights._files import stored_tensors
 from fsdp_wrap.weights._names import hf_hints, match_names
 
