@@ -11,6 +11,11 @@ the ranks' collectives no longer paired.  Compared here: every flat
 parameter's sharded gradient after each iteration, bit for bit with torch
 (2 ranks, the same reduction order), for FULL_SHARD, SHARD_GRAD_OP and
 NO_SHARD, with the default bucket cap and with buckets off.
+
+With ``use_orig_params=True`` a unit mixing frozen and trainable parameters
+splits them into two flat parameters; unfreezing one of its frozen originals
+afterwards would train in torch (one flat parameter) and silently not here,
+so it is refused with a message naming the parameter and the fix.
 """
 
 from __future__ import annotations
@@ -91,3 +96,36 @@ def _sweep() -> list[tuple[str, str, str]]:
 def test_unfreeze_between_iterations_matches_torch(pool2: Any) -> None:
     for rank, fails in enumerate(pool2.run(_sweep)):
         assert not fails, f"rank {rank}: {fails}"
+
+
+def _unfreeze_orig_param_in_a_split_unit() -> list[str]:
+    """use_orig_params=True: a parameter frozen at wrapping sits in the unit's
+    frozen flat parameter; unfreezing it afterwards is refused on every rank at
+    the next training forward (torch's one flat parameter would train it; here
+    it would silently get no gradient).  Evaluation forwards stay allowed."""
+    import fsdp_wrap
+
+    torch.manual_seed(0)
+    m = Three()
+    m.b.weight.requires_grad_(False)  # the unit mixes frozen and trainable: it splits
+    model = fsdp_wrap.FullyShardedDataParallel(m, use_orig_params=True)
+    x = torch.randn(4, 5)
+    model(x).sum().backward()
+    m.b.weight.requires_grad_(True)
+    with torch.no_grad():
+        model(x)  # no gradient wanted: nothing to refuse
+    try:
+        model(x)
+    except RuntimeError as e:
+        return [str(e)]
+    return []
+
+
+def test_unfreezing_a_split_units_frozen_parameter_is_refused(pool2: Any) -> None:
+    for rank, msgs in enumerate(pool2.run(_unfreeze_orig_param_in_a_split_unit)):
+        assert len(msgs) == 1, (rank, msgs)
+        msg = msgs[0]
+        assert msg.startswith(f"(rank {rank}, FSDP unit '<root>') 'b.weight' requires grad now "
+                              "but was frozen when its unit was wrapped"), msg
+        assert "silently not train" in msg and "before wrapping" in msg, msg
+        assert "_fsdp_wrapped_module" not in msg, msg

@@ -57,7 +57,12 @@ class OwningHandle(Protocol):
     def use_sharded_views(self) -> None: ...
     def adopt_flat_param_data(self) -> None: ...
 
-__all__ = ["check_unchanged_since_forward", "flat_param_exposed", "write_back_orig_params"]
+__all__ = [
+    "check_still_frozen",
+    "check_unchanged_since_forward",
+    "flat_param_exposed",
+    "write_back_orig_params",
+]
 
 
 def _where(handle: OwningHandle, fqn: str) -> str:
@@ -99,6 +104,32 @@ def _copy_into(handle: OwningHandle, what: str, index: int, src: torch.Tensor,
             "before wrapping it"
         )
     dst[lo:hi].copy_(flat_src)
+
+
+def check_still_frozen(handle: OwningHandle) -> None:
+    """A frozen flat parameter's originals must stay frozen (``use_orig_params=True``).
+
+    A unit splits its frozen parameters into a flat parameter of their own,
+    which has no gradient.  torch's FSDP1 keeps them in the unit's one flat
+    parameter, so one unfrozen after wrapping (Lightning's ``BaseFinetuning``,
+    a hand-written unfreeze) starts training there; here it would silently
+    get no gradient, so it is refused, before any collective of the forward.
+    Runs at the root's pre-forward of every training forward with grad: one
+    attribute read per frozen original parameter.
+    """
+    if handle.flat_param.requires_grad:
+        return
+    for info in handle.infos:
+        if info.param.requires_grad:
+            raise RuntimeError(
+                f"{_where(handle, info.fqn)} requires grad now but was frozen when its unit "
+                "was wrapped, and fsdp_wrap keeps a unit's frozen parameters in a flat "
+                "parameter of their own, without gradients: it would silently not train. "
+                "Set requires_grad=True on it before wrapping (leave it out of the "
+                "optimizer, or give it lr=0, until it should train), or wrap it in a unit "
+                "of its own with use_orig_params=False and unfreeze that unit's flat "
+                "parameter"
+            )
 
 
 def write_back_orig_params(handle: OwningHandle) -> bool:

@@ -35,7 +35,7 @@ import fsdp_wrap.runtime.tree as tree
 from fsdp_wrap._compat import in_backward
 from fsdp_wrap.api import BackwardPrefetch, ShardingStrategy
 from fsdp_wrap.comm.gather_batch import gather_ahead
-from fsdp_wrap.handle.writeback import check_unchanged_since_forward
+from fsdp_wrap.handle.writeback import check_still_frozen, check_unchanged_since_forward
 from fsdp_wrap.runtime.state import TrainingState, UnitState
 
 if TYPE_CHECKING:
@@ -89,8 +89,11 @@ def root_pre_forward(state: UnitState, args: tuple[Any, ...], kwargs: dict[str, 
         if state._is_root and state.compute_device.type != "cpu":
             args, kwargs = _to_device((args, kwargs), state.compute_device)
         return args, kwargs
+    training = torch.is_grad_enabled()
     for handle in state._all_handles:
         if handle.use_orig_params:
+            if training:
+                check_still_frozen(handle)
             # Replaced parameters/gradients are taken up (or refused) before
             # any collective of this forward.
             # (A flat gradient whose views were all set to None is dropped
