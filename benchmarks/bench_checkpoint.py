@@ -35,24 +35,21 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _bench_launch import launch as run_on_ranks  # noqa: E402
+from _bench_launch import rst_table  # noqa: E402
 from _bench_measure import CollectiveCounter, PeakMemory, malloc_trim  # noqa: E402
-
-from fsdp_wrap.comm.teardown import exit_now  # noqa: E402
 
 MiB = 2**20
 CPU = torch.device("cpu")
@@ -209,38 +206,10 @@ def job_full(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
 JOBS = {"sharded": job_sharded, "full": job_full}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _worker(rank: int, job: str, cfg: dict[str, Any], port: int, out: str) -> None:
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(cfg["threads"])
-    dist.init_process_group("gloo", rank=rank, world_size=cfg["nproc"])
-    try:
-        result = JOBS[job](rank, cfg)
-        everyone: list[Any] = [None] * cfg["nproc"]
-        dist.all_gather_object(everyone, result)
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump(everyone, f)
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
-    exit_now()  # see fsdp_wrap/comm/teardown.py: gloo's threads vs interpreter shutdown
-
-
 def launch(job: str, cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        mp.start_processes(_worker, args=(job, cfg, _free_port(), out), nprocs=cfg["nproc"],
-                           join=True, start_method="spawn")
-        with open(out) as f:
-            result: list[dict[str, Any]] = json.load(f)
-            return result
+    """Job ``job`` of :data:`JOBS` on fresh ranks (``_bench_launch.launch``)."""
+    result: list[dict[str, Any]] = run_on_ranks(JOBS[job], cfg)
+    return result
 
 
 _CONSOLIDATE = """
@@ -281,13 +250,6 @@ def consolidate_peak(src: str, out: str, how: str) -> int:
 
 def _mib(n: float) -> str:
     return f"{n / MiB:,.0f}"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    line = "  ".join("=" * w for w in widths)
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join([line, fmt.format(*header), line, *(fmt.format(*r) for r in rows), line])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -348,17 +310,17 @@ def main(argv: list[str] | None = None) -> int:
     print("SHARDED_STATE_DICT save and load, model + Adam state (MiB per rank).  bytes: moved by\n"
           "the state-dict calls; transient: peak RSS beyond what the call returns (load: the\n"
           "largest of the template's state dicts, load_state_dict, optim_state_dict_to_load)\n")
-    print(_table(["rank", "param shard", "state dict", "save bytes torch", "ours", "ratio",
+    print(rst_table(["rank", "param shard", "state dict", "save bytes torch", "ours", "ratio",
                   "save transient torch", "ours", "load bytes torch", "ours", "ratio",
                   "load transient torch", "ours"], rows))
     t0, o0 = full["torch_fsdp1"][0]["peak"], full["fsdp_wrap"][0]["peak"]
     print("\nfull checkpoint, rank 0 peak RSS growth (MiB)\n")
-    print(_table(["torch FULL_STATE_DICT rank0_only + torch.save", "save_full_checkpoint", "ratio"],
+    print(rst_table(["torch FULL_STATE_DICT rank0_only + torch.save", "save_full_checkpoint", "ratio"],
                  [[_mib(t0), _mib(o0), f"{t0 / max(o0, 1):.1f}x less"]]))
     c_ours, c_torch = consolidate["fsdp_wrap"], consolidate["dcp_to_torch_save"]
     print(f"\noffline consolidation of the SHARDED checkpoint ({_mib(sizes['dcp'])} MiB on disk), "
           "peak RSS growth (MiB)\n")
-    print(_table(["dcp_to_torch_save", "fsdp-wrap ckpt consolidate", "ratio"],
+    print(rst_table(["dcp_to_torch_save", "fsdp-wrap ckpt consolidate", "ratio"],
                  [[_mib(c_torch), _mib(c_ours), f"{c_torch / max(c_ours, 1):.1f}x less"]]))
     if args.json:
         with open(args.json, "w") as f:

@@ -53,21 +53,18 @@ import argparse
 import gc
 import json
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
-import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _bench_launch import launch, rst_table  # noqa: E402
 from _bench_measure import PeakMemory, malloc_trim  # noqa: E402
 from _lora_models import (  # noqa: E402
     SIZES,
@@ -77,8 +74,6 @@ from _lora_models import (  # noqa: E402
     optimizer_bytes,
     trainable_bytes,
 )
-
-from fsdp_wrap.comm.teardown import exit_now  # noqa: E402
 
 MiB = 2**20
 CPU = torch.device("cpu")
@@ -181,52 +176,11 @@ def run_row(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _worker(rank: int, cfg: dict[str, Any], port: int, out: str) -> None:
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(cfg["threads"])
-    dist.init_process_group("gloo", rank=rank, world_size=cfg["nproc"])
-    try:
-        result = run_row(rank, cfg)
-        everyone: list[Any] = [None] * cfg["nproc"]
-        dist.all_gather_object(everyone, result)
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump(everyone, f)
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
-    exit_now()  # see fsdp_wrap/comm/teardown.py: gloo's threads vs interpreter shutdown
-
-
-def launch(cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        mp.start_processes(_worker, args=(cfg, _free_port(), out), nprocs=cfg["nproc"],
-                           join=True, start_method="spawn")
-        with open(out) as f:
-            result: list[dict[str, Any]] = json.load(f)
-            return result
-
-
 # ------------------------------------------------------------------- report
 
 
 def _mib(n: float) -> str:
     return f"{n / MiB:,.2f}" if abs(n) < 10 * MiB else f"{n / MiB:,.0f}"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    line = "  ".join("=" * w for w in widths)
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join([line, fmt.format(*header), line, *(fmt.format(*r) for r in rows), line])
 
 
 HEADER = ["model", "implementation", "orig params", "rank", "grad MiB", "x ideal", "optim MiB",
@@ -274,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dict(size=args.size, kind=kind, impl=impl, uop=uop, batch=args.batch, seq=args.seq,
                    warmup=args.warmup, steps=args.steps, nproc=args.nproc, threads=args.threads)
         try:
-            ranks = launch(cfg)
+            ranks = launch(run_row, cfg)
         except Exception as e:  # noqa: BLE001  (a crashed row is reported, the others still run)
             ranks = [{"error": f"crashed: {str(e).strip().splitlines()[-1][:160]}"}] * args.nproc
         results.append(dict(kind=kind, impl=impl, uop=uop, ranks=ranks))
@@ -293,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"frozen weights / world size {_mib(ok[0]['frozen_grad'])} MiB (their gradient "
                   "bytes, were they all held)")
     print()
-    print(_table(HEADER, table_rows(results)))
+    print(rst_table(HEADER, table_rows(results)))
     for res in results:
         if "error" in res["ranks"][0]:
             print(f"  (1) {res['kind']} {res['impl']} uop={res['uop']}: {res['ranks'][0]['error']}")

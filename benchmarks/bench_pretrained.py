@@ -44,7 +44,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -53,14 +52,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _bench_launch import launch, rst_table  # noqa: E402
 from _bench_measure import PeakMemory, malloc_trim  # noqa: E402
-
-from fsdp_wrap.comm.teardown import exit_now  # noqa: E402
 
 MiB = 2**20
 CPU = torch.device("cpu")
@@ -255,52 +252,11 @@ def _export(model: Any, mem: PeakMemory) -> dict[str, Any]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _worker(rank: int, cfg: dict[str, Any], port: int, out: str) -> None:
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(cfg["threads"])
-    dist.init_process_group("gloo", rank=rank, world_size=cfg["nproc"])
-    try:
-        result = job_load(rank, cfg)
-        everyone: list[Any] = [None] * cfg["nproc"]
-        dist.all_gather_object(everyone, result)
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump(everyone, f)
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
-    exit_now()  # see fsdp_wrap/comm/teardown.py: gloo's threads vs interpreter shutdown
-
-
-def launch(cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        mp.start_processes(_worker, args=(cfg, _free_port(), out), nprocs=cfg["nproc"],
-                           join=True, start_method="spawn")
-        with open(out) as f:
-            result: list[dict[str, Any]] = json.load(f)
-            return result
-
-
 # ------------------------------------------------------------------- main
 
 
 def _mib(n: float) -> str:
     return f"{n / MiB:,.0f}"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    line = "  ".join("=" * w for w in widths)
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join([line, fmt.format(*header), line, *(fmt.format(*r) for r in rows), line])
 
 
 HOWS = {"fsdp_wrap": "load_pretrained", "rank0_sync": "(a) rank 0 loads, sync",
@@ -348,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             results[f"read_{temp}"] = min(r[0] for r in reads)
             results[f"read_cpu_{temp}"] = min(r[1] for r in reads)
             for how in HOWS:
-                runs = [launch({**base, "how": how, "cold": cold,
+                runs = [launch(job_load, {**base, "how": how, "cold": cold,
                                 "export": how == "fsdp_wrap" and not cold})
                         for _ in range(args.repeat)]
                 results["runs"][f"{how}/{temp}"] = runs
@@ -375,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                              f"{r['cpu']:.2f}", f"{r['cpu'] / read_cpu:.2f}"])
         print(f"loading, files {temp} (read once: {read:.2f} s wall, {read_cpu:.2f} s CPU); "
               "peak RSS growth per rank, MiB; seconds\n")
-        print(_table(["recipe", "rank", "peak RSS growth", "fp32 shard", "largest unit",
+        print(rst_table(["recipe", "rank", "peak RSS growth", "fp32 shard", "largest unit",
                       "wall", "x read", "CPU (rank)", "x read CPU"], rows))
         print()
     runs = results["runs"]["fsdp_wrap/warm"]
@@ -388,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                      _mib(max(run[rank]["summon"] for run in runs)),
                      _mib(max(run[rank]["full_state_dict"] for run in runs))])
     print("export, peak RSS growth per rank above the sharded model (MiB)\n")
-    print(_table(["rank", "fp32 shard", "largest unit", "iter_full_weights",
+    print(rst_table(["rank", "fp32 shard", "largest unit", "iter_full_weights",
                   "iter_full_weights rank0_only", "summon_full_params", "FULL state_dict()"],
                  rows))
     if args.json:
