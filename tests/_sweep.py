@@ -65,7 +65,9 @@ def any_rank(flag: bool, group: Any = None) -> bool:
 
     The one way a test decides whether to run (or skip) more collectives.
     """
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    # NCCL reduces device tensors only (tests/test_cuda.py's world-size-1 pool)
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())
 

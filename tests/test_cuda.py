@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from tests import test_mixed_precision as mixed_precision
 from tests import test_parity as parity
-from tests._dist import DistPool, get_pool
+from tests._dist import DistPool, get_pool, progress
 from tests._options_common import (
     Replicated,
     cmp,
@@ -478,3 +478,39 @@ def _full_sds(build: Any) -> list[dict[str, torch.Tensor]]:
 def test_sync_module_states_and_meta_init_on_cuda(pool2: DistPool) -> None:
     fails = [f for r in pool2.run(_init_on_cuda) for f in r]
     assert not fails, "\n".join(fails)
+
+
+# ---------------------------------------------------------------------------
+# 6. QLoRA on the GPU: bitsandbytes' CUDA NF4 kernels under split units
+# ---------------------------------------------------------------------------
+
+
+def _qlora_on_cuda() -> list[Any]:
+    """Torch's FSDP1 (``use_orig_params=True``) and fsdp_wrap (both values) on a
+    tiny LLaMA with NF4 decoder Linears (bf16 quant storage, bf16 adapters),
+    built and quantized on the CPU, moved by ``device_id``: each rank's losses
+    and gradient bytes over its trainable share (``tests/test_peft.py``)."""
+    from tests import test_peft
+
+    out: list[Any] = []
+    for impl, uop in (("torch", True), ("ours", True), ("ours", False)):
+        out.append(test_peft._train(impl, uop, True, device=CUDA))
+        progress()
+    return out
+
+
+@pytest.mark.parametrize("where", ["gloo2", "nccl1"])
+def test_qlora_nf4_on_cuda(request: pytest.FixtureRequest, where: str) -> None:
+    """The quantization state survives the move onto the GPU, sharding and the
+    gathers; bitsandbytes' CUDA kernels give fsdp_wrap torch's losses while it
+    holds gradients for the adapters' shard only."""
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    pool = request.getfixturevalue("pool2" if where == "gloo2" else "nccl1")
+    for (ref, torch_ratio), *ours in pool.run(_qlora_on_cuda):
+        for losses, ratio in ours:
+            # the same bf16 kernels on the same packed weights; the loss is
+            # summed over ranks in bf16-rounded terms: one bf16 ulp apart at most
+            assert losses == pytest.approx(ref, rel=2**-8), (losses, ref)
+            assert ratio <= 1.1, ratio
+        assert torch_ratio > 2, torch_ratio

@@ -37,7 +37,7 @@ def tiny_llama(quantized: bool = False, bf16_adapters: bool = True) -> nn.Module
     return lora_llama("tiny", quantized=quantized, bf16_adapters=bf16_adapters)
 
 
-def _wrap(impl: str, model: nn.Module, uop: bool, **kw: Any) -> nn.Module:
+def _wrap(impl: str, model: nn.Module, uop: bool, device: str = "cpu", **kw: Any) -> nn.Module:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     if impl == "torch":
@@ -47,18 +47,20 @@ def _wrap(impl: str, model: nn.Module, uop: bool, **kw: Any) -> nn.Module:
         F = fsdp_wrap.FullyShardedDataParallel  # noqa: N806
         from fsdp_wrap.wrap import ModuleWrapPolicy
     return F(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}), use_orig_params=uop,
-             device_id=torch.device("cpu"), **kw)
+             device_id=torch.device(device), **kw)
 
 
-def _train(impl: str, uop: bool, quantized: bool) -> tuple[list[float], float]:
+def _train(impl: str, uop: bool, quantized: bool, device: str = "cpu") -> tuple[list[float], float]:
     """Losses of STEPS AdamW steps (different data per rank) and the gradient
-    bytes after the first backward over the rank's share of trainable bytes."""
+    bytes after the first backward over the rank's share of trainable bytes.
+    ``device``: the ``device_id`` the model (built and quantized on CPU) is
+    wrapped onto; the inputs stay on CPU, FSDP moves them (tests/test_cuda.py)."""
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     base = tiny_llama(quantized)
     share = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
     share /= dist.get_world_size()
-    model = _wrap(impl, copy.deepcopy(base) if not quantized else base, uop)
+    model = _wrap(impl, copy.deepcopy(base) if not quantized else base, uop, device)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     losses, ratio = [], 0.0
     for step in range(STEPS):

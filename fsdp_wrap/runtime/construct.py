@@ -339,11 +339,19 @@ def move_to_device(
     stop: Callable[[nn.Module], bool],
     ignored: set[nn.Parameter],
 ) -> None:
-    """Move this unit's managed parameters and buffers; keep Parameter identity."""
+    """Move this unit's managed parameters and buffers; keep Parameter identity.
+
+    A bitsandbytes 4-bit weight's quantization state (``absmax``, the code
+    book) lives on the Parameter object, beside its data: it moves too, or the
+    CUDA kernels would be handed host pointers (bitsandbytes' own
+    ``Params4bit.to`` does the same)."""
     for _, mod in walk_unit_modules(module, stop):
         for p in mod._parameters.values():
             if p is not None and p not in ignored and p.device != device:
                 p.data = p.data.to(device)
+                quant_state = getattr(p, "quant_state", None)
+                if quant_state is not None and callable(getattr(quant_state, "to", None)):
+                    quant_state.to(device)
         for name, b in mod._buffers.items():
             if b is not None and b.device != device:
                 mod._buffers[name] = b.to(device)
