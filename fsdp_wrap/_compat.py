@@ -34,6 +34,34 @@ _HAS_PUBLIC_SD_POST_HOOK = hasattr(nn.Module, "register_state_dict_post_hook")
 _graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
+#: ``torch._C._storage_Use_Count``: how many tensors hold a storage (private,
+#: present in every torch we support; ``None`` if a future one drops it, and
+#: then nothing is freed early).  ``_ONE_TENSOR``: what it reads for a storage
+#: held by one tensor, asked the same way (the Python storage object counts).
+_storage_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _one_tensor_count() -> int:
+    if _storage_use_count is None:
+        return -1
+    probe = torch.empty(1)
+    storage = probe.untyped_storage()
+    return _storage_use_count(storage._cdata)
+
+
+_ONE_TENSOR = _one_tensor_count()
+
+
+def sole_tensor_of_storage(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is the only tensor on its storage (no view of it, nor it
+    a view of another), so freeing the storage frees nothing anyone else sees.
+    ``False`` where torch cannot say."""
+    if _storage_use_count is None:
+        return False
+    storage = tensor.untyped_storage()
+    return storage.resizable() and _storage_use_count(storage._cdata) == _ONE_TENSOR
+
+
 def in_backward() -> bool:
     """Whether this thread runs inside autograd's backward: a forward seen then is
     activation checkpointing recomputing it (no gather batching; a checkpointed

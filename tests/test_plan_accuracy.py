@@ -7,10 +7,10 @@ peak live bytes of forward + backward must be within 10% of the plan's.  At
 the default gradient bucket cap every unit of these models is reduced alone;
 at 100 MiB one bucket takes every unit, so those rows check the plan's bucket
 model (open gradients, the buffer at the copy, casts at the wait).  Caps in
-between are shown in docs/plan.rst, not checked here: NO_SHARD buckets there
-are all-reduced asynchronously while later units' backward runs, and what gloo
-holds meanwhile depends on timing (GPT-2 NO_SHARD at 8 MiB read 0.89-0.93 in
-two runs), which the plan does not model.
+between are shown in docs/plan.rst, not checked here (NO_SHARD buckets there
+are all-reduced asynchronously while later units' backward runs; they read
+0.94-1.00 since fsdp_wrap frees its buffers when done instead of when gloo's
+worker thread lets go of them, but each costs another 18 s of training).
 """
 
 from __future__ import annotations
@@ -55,22 +55,22 @@ def test_plan_within_ten_percent_of_what_training_holds(cap: str) -> None:
 def test_plan_on_hugging_face_lora_and_qlora_models() -> None:
     """Issue 20 item 6: LLaMA (untied head), BERT MLM (tied decoder), T5 (shared
     embedding), LoRA and QLoRA (split units: frozen base, trainable adapters,
-    4-bit storage).  Every row holds exactly the planned bytes; the fp32 and
-    4-bit rows peak within 10% of the plan.  The bf16-compute rows are shown,
-    not checked: they read 0.86-1.12 (docs/plan.rst, what is left)."""
+    4-bit storage), in fp32 and with bf16 compute.  Every row holds exactly the
+    planned bytes and peaks within 10% of the plan, except the two NO_SHARD
+    adapter rows whose step adds under 2 MiB (shown, not checked: the heap's
+    non-tensor bytes dominate there)."""
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
     pytest.importorskip("bitsandbytes")
     script = os.path.join(ROOT, "benchmarks", "plan_accuracy.py")
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     env.pop("FSDP_WRAP_BUCKET_CAP_MB", None)
-    proc = run_bounded([sys.executable, script, "--models", "hf"], cwd=ROOT, timeout=1200,
-                       env=env)
+    proc = run_bounded([sys.executable, script, "--models", "hf", "--check", "0.10"], cwd=ROOT,
+                       timeout=1200, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = [line.split() for line in proc.stdout.splitlines()
             if line.startswith(("llama", "bert", "t5"))]
     assert len(rows) == 26, proc.stdout
     assert all(r[5] == "yes" for r in rows), proc.stdout  # held bytes equal the plan's
-    for r in rows:
-        if r[3] in ("fp32", "nf4/bf16") and "checked)" not in r:
-            assert 0.90 <= float(r[8]) <= 1.10, (r, proc.stdout)
+    unchecked = [r for r in rows if "checked)" in r]
+    assert len(unchecked) == 2 and all(r[1] == "NO_SHARD" for r in unchecked), proc.stdout

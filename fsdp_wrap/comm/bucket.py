@@ -65,7 +65,7 @@ class UnitGrads(Protocol):
     def can_bucket_reduction(self) -> bool: ...
     def reduce_gradient(self, sync: bool) -> None: ...
     def take_grad_for_reduction(self, sync: bool) -> torch.Tensor | None: ...
-    def install_reduced_grad(self, reduced: torch.Tensor) -> None: ...
+    def install_reduced_grad(self, reduced: torch.Tensor, release_input: bool = False) -> None: ...
 
 __all__ = [
     "BUCKET_CAP_ENV",
@@ -231,6 +231,7 @@ class GradBuckets:
                 _copy_padded_columns(buffer[:, col : col + width], grad)
                 col += width
             flat_in = buffer.view(-1)
+            del buffer  # flat_in alone holds the bucket: freed once reduced (on gloo)
         else:
             widths = [g.numel() for g in bucket.grads]
             flat_in = torch.empty(sum(widths), dtype=spec.reduce_dtype, device=device)
@@ -259,11 +260,17 @@ class GradBuckets:
             flight.output.div_(flight.post)
         for unit, result in zip(flight.units, flight.results):
             unit.install_reduced_grad(result)
+        # Where every unit took a cast copy, nothing sees the bucket any more:
+        # free it now rather than when gloo's worker thread lets go of it (a
+        # moment later, racing the next ops of backward).  Where a result became
+        # a gradient as it is, the storage is shared and stays.
+        flight.results.clear()
+        C.release(flight.output)
 
 
 def _reduce_alone(unit: UnitGrads, grad: torch.Tensor) -> None:
     """``unit``'s reduction on its own, as ``reduce_gradient`` does it."""
-    unit.install_reduced_grad(R.reduce_default(grad, unit.reduce_spec))
+    unit.install_reduced_grad(R.reduce_default(grad, unit.reduce_spec), release_input=True)
 
 
 def _copy_padded_columns(dst: torch.Tensor, grad: torch.Tensor) -> None:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from fsdp_wrap._compat import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE
+from fsdp_wrap._compat import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE, sole_tensor_of_storage
 
 Work = dist.Work
 
@@ -141,7 +141,8 @@ def reduce_scatter_sum(
 
     ``input_is_scratch``: the caller is done with ``padded_input`` (a gradient
     it took for reduction, or its own padded copy or bucket), so its contents
-    may be overwritten.  Gloo's reduce-scatter clones its whole input, all-reduces
+    may be overwritten (and on gloo its storage is freed once this rank's
+    chunk is out, where no other tensor shares it).  Gloo's reduce-scatter clones its whole input, all-reduces
     the clone and copies this rank's chunk out; with a scratch input the same
     all-reduce then runs on the input itself: the same algorithm, bytes and
     sums (bit-identical), without the input-sized copy, i.e. one unsharded
@@ -149,9 +150,22 @@ def reduce_scatter_sum(
     the reduce-scatter, which sends half the bytes of an all-reduce.
     """
     if input_is_scratch and _is_gloo_cpu(group, padded_input):
+        # gloo's worker thread lets go of its input a moment *after* the
+        # collective completes, so dropping our references does not free it
+        # then: the next ops of backward ran with a whole unsharded gradient
+        # still held, or not, by a race (a T5 unit: peaks of 17.5 or 19.5 MiB
+        # from step to step).  Where no other tensor shares the storage it is
+        # freed here, as soon as this rank's chunk is out.
+        free_input = sole_tensor_of_storage(padded_input)
         work = dist.all_reduce(padded_input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
         chunk = padded_input.view(-1).chunk(dist.get_world_size(group))[dist.get_rank(group)]
-        pending = PendingWork([work], lambda: output.view(-1).copy_(chunk))
+
+        def finish() -> None:
+            output.view(-1).copy_(chunk)
+            if free_input:
+                free_storage(padded_input)
+
+        pending = PendingWork([work], finish)
         if async_op:
             return pending
         pending.wait()
@@ -159,6 +173,20 @@ def reduce_scatter_sum(
     return getattr(dist, REDUCE_SCATTER_SINGLE)(
         output, padded_input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
     )
+
+
+def free_storage(tensor: torch.Tensor) -> None:
+    """Free ``tensor``'s storage now (its data is done with; see :func:`release`)."""
+    tensor.untyped_storage().resize_(0)
+
+
+def release(tensor: torch.Tensor) -> None:
+    """Free a CPU tensor a finished collective had, now, where no other tensor
+    shares its storage: gloo's worker thread drops its own reference a moment
+    after the collective completes, so the memory would otherwise go at a time
+    that races the next ops (and their peak)."""
+    if tensor.device.type == "cpu" and sole_tensor_of_storage(tensor):
+        free_storage(tensor)
 
 
 def _is_gloo_cpu(group: ProcessGroup, tensor: torch.Tensor) -> bool:

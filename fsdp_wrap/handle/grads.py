@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+import fsdp_wrap.comm.collectives as C
 import fsdp_wrap.comm.reduce as R
 from fsdp_wrap.handle.layout import FlatLayout, ParamInfo
 
@@ -128,7 +129,7 @@ class FlatGrads:
             reduced = R.reduce_with_hook(grad, self.reduce_spec, *self.comm_hook)
         else:
             reduced = R.reduce_default(grad, self.reduce_spec)
-        self.install_reduced_grad(reduced)
+        self.install_reduced_grad(reduced, release_input=self.comm_hook is None)
 
     @property
     def can_bucket_reduction(self) -> bool:
@@ -165,18 +166,23 @@ class FlatGrads:
         self.flat_param.grad = None
         return grad
 
-    def install_reduced_grad(self, reduced: torch.Tensor) -> None:
+    def install_reduced_grad(self, reduced: torch.Tensor, release_input: bool = False) -> None:
         """Make ``reduced`` (the mean, this rank's shard or all of it) ``flat_param.grad``.
 
         It is returned to the original dtype (unless
         ``keep_low_precision_grads``) and to CPU when offloading; a gradient
-        parked by the pre-backward hook is added to it.
+        parked by the pre-backward hook is added to it.  ``release_input``:
+        ``reduced`` is fsdp_wrap's own (no user hook kept it), so once cast its
+        storage is freed at once (:func:`fsdp_wrap.comm.collectives.release`).
         """
         # The sharded gradient matches the master parameter's dtype, or stays in
         # the compute dtype with keep_low_precision_grads (as torch leaves it).
         grad_dtype = self.compute_dtype if self.keep_low_precision_grads else self.orig_dtype
         if reduced.dtype != grad_dtype:
-            reduced = reduced.to(grad_dtype)
+            cast_from, reduced = reduced, reduced.to(grad_dtype)
+            if release_input:
+                C.release(cast_from)
+            del cast_from
         if reduced.device != self.shard_device:
             reduced = self._to_shard_device(reduced)
         if self._saved_grad_shard is not None:

@@ -211,7 +211,7 @@ def gloo(limit_all_gathers: bool) -> Backend:
     output (no staging); a smaller asynchronous all-gather
     (``limit_all_gathers=False``) keeps 1x its output until it is waited for.
     """
-    return Backend("gloo", not limit_all_gathers, 1.0, {2: 0.5}, {2: 0.5},
+    return Backend("gloo", not limit_all_gathers, 1.0, {}, {},
                    gather_staging_below=GLOO_BROADCAST_MIN_BYTES)
 
 
@@ -295,7 +295,9 @@ def _unsharded_peaks(
     fwd = held = 0
     for i in range(len(units)):
         ahead = ahead_of[i + 1] if forward_prefetch and i + 1 < len(units) else 0
-        here = max(held + gathering[i], held + g[i] + ahead + dq[i])
+        # While the prefetch gathers, its source (a cast shard) lives too.
+        prefetching = gathering[i + 1] if ahead else 0
+        here = max(held + gathering[i], held + g[i] + prefetching, held + g[i] + ahead + dq[i])
         buckets.timeline.append((f"forward {units[i].fqn or '(root)'}", here))
         fwd = max(fwd, here)
         if kept[i]:
@@ -326,12 +328,11 @@ class _BackwardWalk:
         """``(backward peak, step peak, sharded gradients held at the end)``."""
         units, g, buckets = self.units, self.g, self.buckets
         # The root's parameters used after the nested units in forward (an output
-        # head, a final norm, a tied embedding's second use) get their gradients
-        # first in backward, and those wait until the root's own backward ends.
-        # Each root parameter gives at most one such early gradient of its size,
-        # so they are bounded by (and counted as) the root's flat gradient.
+        # head, a final norm, a tied embedding's later use: ``late_numel``) get
+        # their gradients first in backward, and those wait until the root's
+        # own backward ends; one early gradient of its size per parameter.
         root = units[0] if units and units[0].fqn == "" and units[0].trainable else None
-        root_early = sum(f.layout.unpadded_numel * _itemsize(f, "compute")
+        root_early = sum(f.late_numel * _itemsize(f, "compute")
                          for f in root.flats if f.trainable) if root else 0
         order = list(range(len(units)))[::-1]
         # A unit's frozen flat parameters are freed once the gradient of its
@@ -349,6 +350,8 @@ class _BackwardWalk:
             nxt = order[k + 1] if k + 1 < len(order) else None
             ahead = self.ahead_of[nxt] if nxt is not None and not self.kept[nxt] else 0
             pre = ahead if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE else 0
+            # While the prefetch gathers, its source (a cast shard) lives too.
+            prefetching = (self.gathering[nxt] if pre and nxt is not None else 0)
             post = ahead if self.backward_prefetch is not None else 0
             compute, concat, _ = gradient_stages(u)
             # Sharded units free their parameters once all their gradients exist;
@@ -357,7 +360,7 @@ class _BackwardWalk:
             held = self.held + (0 if i == 0 else root_early)
             buckets.label = f"backward {u.fqn or '(root)'}"
             buckets.base = held  # earlier units' gradients in buckets come on top
-            buckets.note(max(regather + frozen_prev, g[i] + pre + frozen_prev,
+            buckets.note(max(regather + frozen_prev, g[i] + prefetching + frozen_prev,
                              g[i] + pre + compute + self.dq[i], pre + during_concat))
             frozen_prev = sum(_flat_gathered(f) for f in u.flats
                               if not f.requires_grad and f.sharded)

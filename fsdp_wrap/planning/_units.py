@@ -62,6 +62,11 @@ class FlatPlan:
     offload_params: bool
     use_orig_params: bool
     shared_numel: int = 0  # elements of tied parameters' later uses (extra gradients)
+    #: elements of parameters used (held, or tied into) by a module that comes
+    #: after the unit's first nested unit in module order: an output head, a
+    #: final norm, a tied embedding's later use.  Their gradients exist before
+    #: the nested units' backward and wait for the unit's own.
+    late_numel: int = 0
     #: bitsandbytes 4-bit weights in this flat parameter: their logical
     #: (dequantized) element counts; the packed storage is what ``layout`` holds.
     quantized_numels: tuple[int, ...] = ()
@@ -321,6 +326,28 @@ def _recorded(root: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module, d
     return out
 
 
+def _late_param_ids(module: nn.Module, stop: Any) -> set[int]:
+    """``id`` of each parameter of ``module``'s own modules met after its first
+    nested unit, in module order (the order a forward usually runs them in)."""
+    late: set[int] = set()
+    after = False
+
+    def visit(m: nn.Module) -> None:
+        nonlocal after
+        if after:
+            late.update(id(p) for p in m._parameters.values() if p is not None)
+        for child in m._modules.values():
+            if child is None:
+                continue
+            if isinstance(child, _RecordedUnit):
+                after = True
+            elif not stop(child):
+                visit(child)
+
+    visit(module)
+    return late
+
+
 def _unit_plan(
     fqn: str,
     module: nn.Module,
@@ -330,6 +357,7 @@ def _unit_plan(
     shard_size: int,
 ) -> UnitPlan | None:
     params, shared = collect_unit_params(module, stop, ignored_params)
+    late = _late_param_ids(module, stop)
     if not params:
         return None
     strategy = coerce_enum(kwargs.get("sharding_strategy"), ShardingStrategy, "sharding_strategy")
@@ -368,6 +396,7 @@ def _unit_plan(
             offload_params=bool(offload and offload.offload_params),
             use_orig_params=uop,
             shared_numel=sum(group[index][3].numel() for *_, index in group_shared),
+            late_numel=sum(p.numel() for *_, p in group if id(p) in late),
             quantized_numels=tuple(n for n, _ in quant),
             quant_state_bytes=sum(b for _, b in quant),
         ))
