@@ -4,9 +4,12 @@
 # quiet machine first, then tests/test_cuda.py on the GPU while the CPU suite
 # runs beside it on that machine's torch (an older one than CI's).
 #
-#     OUT=/tmp/cuda bash benchmarks/cuda_session.sh [steps|tests|all] [SECONDS]
+#     OUT=/tmp/cuda bash benchmarks/cuda_session.sh [steps|tests|plan|all|...] [SECONDS]
 #
-# SECONDS bounds the CPU suite (default 300).  Logs go to $OUT.  bitsandbytes
+# Modes may be joined with commas (steps,tests).  SECONDS bounds the CPU suite
+# (default 300); PROFILE=0 skips the profile; $SUITE names the test files it runs (default: all but
+# test_cuda.py).  plan: benchmarks/plan_accuracy.py on the GPU, where the
+# caching allocator counts tensor bytes only.  Logs go to $OUT.  bitsandbytes
 # is installed from .whl/ where that folder holds its wheel (the machine has
 # no index).
 set -u
@@ -28,20 +31,30 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $PY -c 'import sys, torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version(), "python", sys.version.split()[0])'
 $PY -c 'import bitsandbytes, peft, transformers; print("bitsandbytes", bitsandbytes.__version__, "peft", peft.__version__, "transformers", transformers.__version__)'
 
-if [ "$what" = steps ] || [ "$what" = all ]; then
+want() { [ "$what" = all ] || [[ ",$what," == *",$1,"* ]]; }
+
+if want steps; then
     echo "==> world size 1, bf16, gpu workload (303M)"
     timeout 150 $PY benchmarks/bench_fsdp.py --device cuda --nproc 1 --workloads gpu \
         --mem-workload gpu --mixed-precision bf16 --frameworks torch_fsdp1,fsdp_wrap,plain \
         --strategies FULL_SHARD --no-meta 2>&1 | tee "$OUT/bench_gpu.log" | grep -v "^\s*$" | tail -30
-    echo "==> profile (gpu workload, bf16)"
-    timeout 90 $PY benchmarks/profile_cuda.py --workload gpu --mixed-precision bf16 \
+    [ "${PROFILE:-1}" = 0 ] || echo "==> profile (gpu workload, bf16)"
+    [ "${PROFILE:-1}" = 0 ] || timeout 90 $PY benchmarks/profile_cuda.py --workload gpu --mixed-precision bf16 \
         >"$OUT/profile.log" 2>&1
-    grep -E "step|busy|wall|ms" "$OUT/profile.log" | head -20
+    [ "${PROFILE:-1}" = 0 ] || grep -E "^##" "$OUT/profile.log"
 fi
 
-if [ "$what" = tests ] || [ "$what" = all ]; then
+if want plan; then
+    echo "==> plan accuracy on the GPU (2 gloo ranks sharing it, Hugging Face, LoRA, QLoRA)"
+    timeout 120 $PY benchmarks/plan_accuracy.py --device cuda --models hf >"$OUT/plan.log" 2>&1
+    echo "plan_accuracy exit $?"
+    grep -E "^(llama|bert|t5|model)" "$OUT/plan.log" | tail -30
+fi
+
+if want tests; then
     echo "==> CPU suite on this torch (background, ${suite_s} s)"
-    ( timeout "$suite_s" $PY -m pytest -q -p no:cacheprovider -x --ignore=tests/test_cuda.py \
+    # shellcheck disable=SC2086
+    ( timeout "$suite_s" $PY -m pytest -q -p no:cacheprovider -x ${SUITE:---ignore=tests/test_cuda.py} \
         >"$OUT/suite.log" 2>&1; echo "suite exit $?" >>"$OUT/suite.log" ) &
     suite=$!
     echo "==> tests/test_cuda.py"

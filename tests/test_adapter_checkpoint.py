@@ -129,6 +129,12 @@ def _plain_load(path: str, full: dict[str, torch.Tensor], want: torch.Tensor,
         from benchmarks._lora_models import quantize_nf4 as _quantize
 
         base = _quantize(base.to(torch.bfloat16))
+        # The kernel the wrapped model ran (fsdp_wrap keeps flattened 4-bit
+        # weights off bitsandbytes' AVX512-BF16 repacking, which also fails
+        # outright on this model's 32-wide layers: narrower than a 64 block).
+        for m in base.modules():
+            if hasattr(m, "support_avx512bf16_for_cpu"):
+                m.support_avx512bf16_for_cpu = False
     loaded = PeftModel.from_pretrained(base, path).eval()
     sd = loaded.state_dict()
     adapters = sorted(k for k in full if "lora_" in k)

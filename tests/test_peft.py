@@ -145,7 +145,26 @@ def _qlora_rows() -> list[Any]:
         out.append(None)
     except ValueError as e:
         out.append(str(e))
+    out.append(_eval_on_an_avx512_bf16_cpu())
     return out
+
+
+def _eval_on_an_avx512_bf16_cpu() -> tuple[list[str], bool]:
+    """bitsandbytes repacks a ``Linear4bit``'s weight in place for its CPU kernel
+    at the first inference forward where the CPU has AVX512-BF16 (the flag set
+    here by hand, as bitsandbytes sets it on such a CPU): fsdp_wrap must switch
+    that off for the weights it flattens.  Returns the modules left on, and
+    whether two inference forwards (a reshard between them) agree."""
+    model = tiny_llama(True)
+    for m in model.modules():
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = True
+    model = _wrap("ours", model, True).eval()
+    left_on = [n for n, m in model.named_modules() if getattr(m, "support_avx512bf16_for_cpu", False)]
+    ids = torch.arange(16).view(1, 16)
+    with torch.no_grad():
+        first, second = (model(input_ids=ids).logits for _ in range(2))
+    return left_on, bool(torch.equal(first, second))
 
 
 @pytest.mark.slow
@@ -158,7 +177,7 @@ def test_qlora_nf4_on_cpu() -> None:
         results = pool.run(_qlora_rows)
     finally:
         pool.close()
-    for (ref, torch_ratio), *ours, refusal, int8 in results:
+    for (ref, torch_ratio), *ours, refusal, int8, (repack_left_on, evals_agree) in results:
         for losses, ratio in ours:
             # bf16 compute, the same kernels on the same packed weights: equal
             assert losses == pytest.approx(ref, rel=2**-8), (losses, ref)
@@ -168,3 +187,5 @@ def test_qlora_nf4_on_cpu() -> None:
         # 8-bit bases (int8 weights, scales on the Parameter object): refused, naming the fixes
         assert int8 is not None and "Cannot flatten integer dtype tensors" in int8, int8
         assert "load_in_4bit" in int8 and "ignored_states" in int8, int8
+        # no in-place repacking of a flattened 4-bit weight on any CPU
+        assert repack_left_on == [] and evals_agree, (repack_left_on, evals_agree)

@@ -154,6 +154,23 @@ def check_quantized_storage(
             )
 
 
+def keep_quantized_layout(params: Sequence[tuple[str, nn.Module, str, nn.Parameter]]) -> None:
+    """Keep each flattened 4-bit weight in the layout it was flattened in.
+
+    bitsandbytes (0.49+) repacks a ``Linear4bit``'s weight for its CPU kernel
+    at the first inference forward on a CPU with AVX512-BF16: it replaces
+    ``weight.data`` with a tensor of another dtype and shape and rewrites the
+    quantization state in place.  Inside a flat parameter that breaks the
+    weight's view (the next gather restores the old packing under the
+    rewritten state, or the rewrite itself fails on a small layer): the
+    repacking is switched off for the weights fsdp_wrap flattens, so a
+    wrapped model gives the same results on every CPU (the general kernel).
+    """
+    for _, module, _, p in params:
+        if is_quantized(p) and getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
+
+
 def check_flat_group(
     params: Sequence[tuple[str, nn.Module, str, nn.Parameter]], where: str, use_orig_params: bool
 ) -> None:

@@ -32,6 +32,7 @@ from fsdp_wrap.handle.layout import (
     check_quantized_storage,
     check_unit_params,
     collect_unit_params,
+    keep_quantized_layout,
     split_unit_params,
 )
 from fsdp_wrap.runtime.exec_order import ExecOrder
@@ -154,6 +155,7 @@ def build_handle(
         check_unit_params(params, where, state._use_orig_params)
         mp = state.mixed_precision
         check_quantized_storage(params, mp.param_dtype, where)
+        keep_quantized_layout(params)
         config = HandleConfig(
             device=state.compute_device,
             strategy=state.sharding_strategy,
