@@ -121,6 +121,7 @@ class FlatParamHandle:
         self.compute_dtype = config.param_dtype or dtype
         self.reduce_dtype = config.reduce_dtype or config.param_dtype or dtype
         self.shard_device = torch.device("cpu") if config.offload_params else config.device
+        self._dtypes_changed()
         self.layout = FlatLayout.build(
             [p.numel() for *_, p in params],
             align=alignment(config.param_dtype or dtype, self.use_orig_params),
@@ -225,6 +226,7 @@ class FlatParamHandle:
             self.orig_dtype = data.dtype
             self.compute_dtype = param_dtype or data.dtype
             self.reduce_dtype = reduce_dtype or param_dtype or data.dtype
+            self._dtypes_changed()
             self._reduce_spec = dataclasses.replace(self._reduce_spec,
                                                     reduce_dtype=self.reduce_dtype)
             self.grads.retype((self.orig_dtype, self.compute_dtype, self.reduce_dtype),
@@ -280,26 +282,27 @@ class FlatParamHandle:
     def forward_views_reusable(self) -> bool:
         """Whether backward may keep the forward's views."""
         return self.views.forward_views_reusable(
-            self._needs_copy, self.state is HandleState.UNSHARDED
+            self.flat_param, self._needs_copy, self.state is HandleState.UNSHARDED
         )
 
-    # Sizes come from the layout (names kept: the state-dict code reads them).
-    @property
-    def _needs_copy(self) -> bool:
-        """Whether unsharded data lives apart from the shard: always when sharded;
-        NO_SHARD only to cast or move it."""
-        return (self.uses_sharded_strategy or self.compute_dtype != self.orig_dtype
-                or self.shard_device != self.device)
+    def _dtypes_changed(self) -> None:
+        """Derived from the dtypes and devices, kept as plain attributes (read
+        several times per unit and step): whether unsharded data lives apart
+        from the shard (always when sharded; NO_SHARD only to cast or move
+        it), and whether a mixed precision is set that ``computes_in_full_precision``
+        may skip."""
+        self._needs_copy = (self.uses_sharded_strategy or self.compute_dtype != self.orig_dtype
+                            or self.shard_device != self.device)
+        self._may_skip_mp = self._use_full_prec_in_eval and (
+            (self.compute_dtype, self.reduce_dtype) != (self.orig_dtype, self.orig_dtype))
 
     @property
     def computes_in_full_precision(self) -> bool:
         """Mixed precision is skipped: ``FSDP_USE_FULL_PREC_IN_EVAL=1`` and the
         module in ``eval()`` (torch's ``_force_full_precision`` outside summon)."""
-        return (
-            self._use_full_prec_in_eval
-            and not self.module.training
-            and (self.compute_dtype, self.reduce_dtype) != (self.orig_dtype, self.orig_dtype)
-        )
+        return self._may_skip_mp and not self.module.training
+
+    # Sizes come from the layout (names kept: the state-dict code reads them).
 
     @property
     def unpadded_numel(self) -> int:

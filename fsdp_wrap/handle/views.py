@@ -44,7 +44,12 @@ class ParamViews:
         self.flat_name = flat_name  # registered under this name on ``module``
         self.module = module  # the unit's wrapped module (holds the flat parameter)
         self.infos, self.shared = infos, shared
-        self._segments, self._info_segment = layout.segments, layout.info_segment
+        self._segments = list(layout.segments)
+        # Per original parameter: its piece of the split, and the shape to view
+        # it as (``None`` for 1-D parameters: the piece already has that shape,
+        # and a view more per step and parameter is host time on every step).
+        self._pieces = [(seg, info.shape if len(info.shape) != 1 else None)
+                        for info, seg in zip(infos, layout.info_segment)]
         self._shard_slices = shard_slices
         self.use_orig_params = use_orig_params
         self.uses_sharded_strategy = sharded
@@ -78,11 +83,15 @@ class ParamViews:
         freed storage (shape only), so ``repr(module)`` and attribute checks
         work before the first forward.
         """
-        views = flat.detach().split(self._segments)
-        self._stale_views = [
-            views[seg].view(info.shape) for info, seg in zip(self.infos, self._info_segment)
-        ]
+        self._stale_views = self._split(flat.detach())
         self._install_views(self._stale_views)
+
+    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """The original parameters' views of ``flat`` (one split, then a view per
+        parameter of more than one dimension)."""
+        pieces = flat.split_with_sizes(self._segments)
+        return [pieces[seg] if shape is None else pieces[seg].view(shape)
+                for seg, shape in self._pieces]
 
     def _install_views(self, tensors: Sequence[torch.Tensor]) -> None:
         for info, view in zip(self.infos, tensors):
@@ -114,25 +123,27 @@ class ParamViews:
         """
         if as_params:
             flat = flat_param.detach() if source is None else source
-            views = flat.split(self._segments)
-            self.register_params(
-                [views[seg].view(info.shape) for info, seg in zip(self.infos, self._info_segment)],
-                flat_param,
-            )
+            self.register_params(self._split(flat), flat_param)
             return
-        orig, plain = self.use_orig_params, self._plain_modules
+        orig = self.use_orig_params
         tensors = self._reusable_views(flat_param, needs_copy)
         if tensors is None:
-            views = flat_param.split(self._segments)
+            pieces = flat_param.split_with_sizes(self._segments)
             if track_graph:
-                self._track_graph(views[0].grad_fn)
-            tensors = []
-            for info, seg in zip(self.infos, self._info_segment):
-                view = views[seg].view(info.shape)
-                if orig and not info.param.requires_grad:
-                    view = view.detach()  # (without, views follow flat_param's requires_grad)
-                tensors.append(view)
+                self._track_graph(pieces[0].grad_fn)
+            tensors = [pieces[seg] if shape is None else pieces[seg].view(shape)
+                       for seg, shape in self._pieces]
+            if orig:
+                for i, info in enumerate(self.infos):
+                    if not info.param.requires_grad:
+                        # (without, views follow flat_param's requires_grad)
+                        tensors[i] = tensors[i].detach()
             self._keep_views(tensors, flat_param, needs_copy)
+        self._install_compute_views(tensors)
+        self._views_have_history = torch.is_grad_enabled()
+
+    def _install_compute_views(self, tensors: list[torch.Tensor]) -> None:
+        orig, plain = self.use_orig_params, self._plain_modules
         for info, view in zip(self.infos, tensors):
             if not plain:
                 self._set_tensor(info.module, info.name, view)
@@ -142,7 +153,6 @@ class ParamViews:
             else:
                 info.module.__dict__[info.name] = view
         self.compute_views = tensors
-        self._views_have_history = torch.is_grad_enabled()
         for shared in self.shared:
             self._set_tensor(shared.module, shared.name, tensors[shared.index])
 
@@ -187,18 +197,34 @@ class ParamViews:
         if key is not None:  # (views of a no-grad forward leave the kept ones alone)
             self._kept_views = (key, tensors)
 
-    def forward_views_reusable(self, needs_copy: bool, unsharded: bool) -> bool:
-        """Whether backward may keep the forward's views instead of making new ones.
+    def forward_views_reusable(self, flat_param: nn.Parameter, needs_copy: bool,
+                               unsharded: bool) -> bool:
+        """Whether backward may keep the forward's views instead of making new
+        ones (putting them back where the modules no longer hold them).
 
-        Only where the unsharded data *is* the flat parameter (NO_SHARD with no
-        cast or move: nothing is gathered or freed, so no early free watches
-        the views' split node), the views were made with autograd history (a
-        recompute inside backward then routes its gradients through them), and
-        every module still holds them.
+        Only under NO_SHARD (no early free watches the views' split node), for
+        views made with autograd history (a recompute inside backward then
+        routes its gradients through them), and only where they view the data
+        backward computes on: the flat parameter itself, which every module
+        must still hold, or a cast or moved copy, which is freed after forward
+        and made again in the same storage (as the sharded strategies' gathered
+        data: autograd's saved views see it again) and which views nobody
+        hooked are then put back into.
         """
-        if (needs_copy or not self._views_have_history  # (needs_copy: always when sharded)
-                or not self.compute_views or not unsharded):
+        views = self.compute_views
+        if (self.uses_sharded_strategy or not self._views_have_history
+                or not views or not unsharded):
             return False
+        if needs_copy:
+            if not _same_storage(views[0], flat_param):
+                return False  # (e.g. the full-precision copy of an eval-mode backward)
+            trains, orig = flat_param.requires_grad, self.use_orig_params
+            for info, view in zip(self.infos, views):
+                if (view._backward_hooks or view.retains_grad or view.requires_grad
+                        != (trains and (not orig or info.param.requires_grad))):
+                    return False  # (hooked, or frozen / unfrozen since forward)
+            self._install_compute_views(views)
+            return True
         orig = self.use_orig_params
         for info, view in zip(self.infos, self.compute_views):
             held = info.module._parameters if orig else info.module.__dict__
@@ -318,6 +344,10 @@ class ParamViews:
             self._set_param(shared.module, shared.name, self.infos[shared.index].param)
         self.module._parameters.pop(self.flat_name, None)
         self.params_registered = True
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _overrides_setattr(module: nn.Module) -> bool:

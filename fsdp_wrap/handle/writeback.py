@@ -192,19 +192,29 @@ def _nothing_replaced(handle: OwningHandle) -> bool:
     alive, no other storage can occupy its bytes.  ``False`` only sends the
     caller down the full path, which decides (and copies) exactly.
     """
-    shard_lo, shard_hi = _span(handle.local_shard)
+    shard = handle.local_shard
+    shard_lo, shard_hi = _span(shard)
     flat_grad = handle.flat_param.grad
     grad_lo, grad_hi = _span(flat_grad) if flat_grad is not None else (0, 0)
-    for info in handle.infos:
+    full = not handle.uses_sharded_strategy or handle.grads.has_unreduced_grad
+    for i, info in enumerate(handle.infos):
         current = info.module._parameters.get(info.name)
         if current is None:
             continue  # (deregistered or None: the full path skips it too)
-        if current is not info.param or not shard_lo <= current.data_ptr() < shard_hi:
+        if current is not info.param:
+            return False
+        ptr = current.data_ptr()  # (0 for an empty view: nothing of it in this shard)
+        if not (shard_lo <= ptr < shard_hi or (ptr == 0 and _same_storage(current, shard))):
             return False
         grad = current.grad
         if grad is None:
+            # No gradient where the flat one has one: the full path zeroes this
+            # parameter's range of it, unless that range is empty (a parameter
+            # with nothing in this rank's shard, whose .grad is always None).
             if flat_grad is not None:
-                return False
+                lo, hi = _shard_range(handle, i, full)
+                if lo != hi:
+                    return False
         elif not grad_lo <= grad.data_ptr() < grad_hi:
             return False
     for shared in handle.shared:

@@ -47,6 +47,12 @@ if TYPE_CHECKING:
 KEEP_VIEWS_AFTER_FORWARD = frozenset({ShardingStrategy.SHARD_GRAD_OP,
                                       ShardingStrategy._HYBRID_SHARD_ZERO2})
 
+# The hooks' runtime flags (training_state, _ran_pre_backward, ...) are plain
+# attributes, never parameters, buffers or modules: they are written past
+# nn.Module.__setattr__, whose checks cost more than the flag (several writes
+# per unit and step).
+_set_flag = object.__setattr__
+
 
 def register_handle_hooks(state: UnitState) -> None:
     """The unit's gradient hooks, per trainable flat parameter: reduce when its
@@ -134,7 +140,7 @@ def pre_forward(state: UnitState, inputs: Any = None) -> None:
     """Gather this unit's parameters (all its flat parameters) and expose them
     as unsharded views; ``inputs`` (the forward's arguments) tell when a
     frozen flat parameter's backward is over."""
-    state.training_state = TrainingState.FORWARD_BACKWARD
+    _set_flag(state, "training_state", TrainingState.FORWARD_BACKWARD)
     handles = state._handles
     if not handles:
         return
@@ -233,9 +239,9 @@ def post_forward(state: UnitState, output: Any) -> Any:
             # torch does (its pre-backward shows the unsharded ones again).
             handle.reshard(free=False)
     if grad_enabled:
-        state._root._forward_pending_backward = True
+        _set_flag(state._root, "_forward_pending_backward", True)
         output = _register_pre_backward_hooks(state, output)
-    state.training_state = TrainingState.IDLE
+    _set_flag(state, "training_state", TrainingState.IDLE)
     return output
 
 
@@ -264,8 +270,8 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor | N
     _queue_final_callback(state._root)
     if state._ran_pre_backward:
         return None
-    state._ran_pre_backward = True
-    state.training_state = TrainingState.FORWARD_BACKWARD
+    _set_flag(state, "_ran_pre_backward", True)
+    _set_flag(state, "training_state", TrainingState.FORWARD_BACKWARD)
     handles = state._handles
     if not handles:
         return None
@@ -370,7 +376,7 @@ def _prefetch_backward(state: UnitState) -> None:
 
 def _queue_final_callback(root: UnitState) -> None:
     if not root._final_callback_queued:
-        root._final_callback_queued = True
+        _set_flag(root, "_final_callback_queued", True)
         Variable._execution_engine.queue_callback(functools.partial(_final_callback, root))
 
 
@@ -402,11 +408,11 @@ def finalize_units(root: UnitState, free_all: bool) -> None:
                 # one backward) keeps its count, so nothing is freed early.
                 handle.views.forget_graphs()
         if not free_all:
-            state._frozen_open_graphs = 0
-        state._ran_pre_backward = False
-        state.training_state = TrainingState.IDLE
-    root._final_callback_queued = False
-    root._forward_pending_backward = False
+            _set_flag(state, "_frozen_open_graphs", 0)
+        _set_flag(state, "_ran_pre_backward", False)
+        _set_flag(state, "training_state", TrainingState.IDLE)
+    _set_flag(root, "_final_callback_queued", False)
+    _set_flag(root, "_forward_pending_backward", False)
     root._exec_order.next_iteration()
     if not free_all and root._exec_order.order_check is not None:
         root._exec_order.order_check.end_of_iteration()
