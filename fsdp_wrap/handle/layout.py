@@ -168,7 +168,7 @@ def keep_quantized_layout(params: Sequence[tuple[str, nn.Module, str, nn.Paramet
     """
     for _, module, _, p in params:
         if is_quantized(p) and getattr(module, "support_avx512bf16_for_cpu", False):
-            module.support_avx512bf16_for_cpu = False
+            module.__dict__["support_avx512bf16_for_cpu"] = False  # (a plain attribute)
 
 
 def check_flat_group(
