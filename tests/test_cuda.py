@@ -14,7 +14,8 @@ The step-by-step sweeps are the CPU suite's own (``tests/test_parity.py``,
 ``tests/test_mixed_precision.py``) with ``device_id`` set to the GPU.  The rest
 are CUDA-only behaviours: stream ordering while the GPU lags far behind the
 CPU, bounded unsharded memory, pinned offload, the scaler's inf check on the
-device, ``sync_module_states`` and meta-device init onto the GPU.
+device, ``sync_module_states`` and meta-device init onto the GPU, and QLoRA
+with bitsandbytes' CUDA NF4 kernels against torch's FSDP1.
 """
 
 from __future__ import annotations
