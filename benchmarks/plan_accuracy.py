@@ -150,6 +150,10 @@ def measure(cfg: dict[str, Any], device: str = "cpu") -> dict[str, Any]:
     opt = torch.optim.Adam([p for p in real.parameters() if p.requires_grad], lr=1e-4)
     handles = [h for u in fw.FullyShardedDataParallel.fsdp_modules(real) for h in u._handles]
     peak = 0
+
+    def forward_backward() -> None:
+        output_tensor(real(**x)).float().pow(2).mean().backward()
+
     for step in range(1 + 3):
         opt.zero_grad(set_to_none=True)
         if step == 0:
@@ -157,7 +161,7 @@ def measure(cfg: dict[str, Any], device: str = "cpu") -> dict[str, Any]:
             # the matmul shapes it first meets (MKL: 0.5 MiB kept after one
             # 2048x2 @ 2x256 weight gradient), cuBLAS its workspaces.  The plan
             # is of a step in steady state.
-            output_tensor(real(**x)).float().pow(2).mean().backward()
+            forward_backward()
             opt.step()
             continue
         # With use_orig_params the flat gradients behind the (now None) views
@@ -168,14 +172,14 @@ def measure(cfg: dict[str, Any], device: str = "cpu") -> dict[str, Any]:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated() - stale
-            output_tensor(real(**x)).float().pow(2).mean().backward()
+            forward_backward()
             torch.cuda.synchronize()
             peak = max(peak, torch.cuda.max_memory_allocated() - base)
         else:
             base = live_bytes() - stale
             sampler = LivePeak()
             with sampler:
-                output_tensor(real(**x)).float().pow(2).mean().backward()
+                forward_backward()
             peak = max(peak, sampler.peak - base)
         opt.step()
     params = [h.flat_param for h in handles] + [i.param for h in handles for i in h.infos]

@@ -58,6 +58,11 @@ class FlatParameter(nn.Parameter, metaclass=_FlatParameterMeta):
         return param
 
 
+def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are views of one storage."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 class HandleState(Enum):
     SHARDED = auto()
     UNSHARDED = auto()

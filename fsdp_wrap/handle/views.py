@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME
+from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME, same_storage
 from fsdp_wrap.handle.layout import FlatLayout, ParamInfo, SharedParamInfo
 
 
@@ -87,9 +87,12 @@ class ParamViews:
         self._install_views(self._stale_views)
 
     def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """The original parameters' views of ``flat`` (one split, then a view per
-        parameter of more than one dimension)."""
-        pieces = flat.split_with_sizes(self._segments)
+        """The original parameters' views of ``flat``."""
+        return self._views_of(flat.split_with_sizes(self._segments))
+
+    def _views_of(self, pieces: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The original parameters' views of a split's pieces (a view more only
+        for parameters of more than one dimension)."""
         return [pieces[seg] if shape is None else pieces[seg].view(shape)
                 for seg, shape in self._pieces]
 
@@ -131,8 +134,7 @@ class ParamViews:
             pieces = flat_param.split_with_sizes(self._segments)
             if track_graph:
                 self._track_graph(pieces[0].grad_fn)
-            tensors = [pieces[seg] if shape is None else pieces[seg].view(shape)
-                       for seg, shape in self._pieces]
+            tensors = self._views_of(pieces)
             if orig:
                 for i, info in enumerate(self.infos):
                     if not info.param.requires_grad:
@@ -216,7 +218,7 @@ class ParamViews:
                 or not views or not unsharded):
             return False
         if needs_copy:
-            if not _same_storage(views[0], flat_param):
+            if not same_storage(views[0], flat_param):
                 return False  # (e.g. the full-precision copy of an eval-mode backward)
             trains, orig = flat_param.requires_grad, self.use_orig_params
             for info, view in zip(self.infos, views):
@@ -344,10 +346,6 @@ class ParamViews:
             self._set_param(shared.module, shared.name, self.infos[shared.index].param)
         self.module._parameters.pop(self.flat_name, None)
         self.params_registered = True
-
-
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _overrides_setattr(module: nn.Module) -> bool:

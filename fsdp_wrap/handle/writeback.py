@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_wrap.api import ShardingStrategy
-from fsdp_wrap.handle.flat_tensor import HandleState
+from fsdp_wrap.handle.flat_tensor import HandleState, same_storage
 from fsdp_wrap.handle.grads import FlatGrads, _assign_grad
 from fsdp_wrap.handle.layout import ParamInfo, SharedParamInfo
 
@@ -69,10 +69,6 @@ def _where(handle: OwningHandle, fqn: str) -> str:
     unit = handle.unit_fqn
     full = f"{unit}.{fqn}" if unit else fqn
     return f"(rank {handle.rank}, FSDP unit '{unit or '<root>'}') '{full}'"
-
-
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _shard_range(handle: OwningHandle, index: int, full: bool) -> tuple[int, int]:
@@ -160,7 +156,7 @@ def write_back_orig_params(handle: OwningHandle) -> bool:
                     if shared.index == i:
                         shared.module._parameters[shared.name] = current
                 wrote = True
-            elif not _same_storage(current, shard):
+            elif not same_storage(current, shard):
                 wrote = True
                 _copy_into(handle, "parameter", i, current.detach(), shard,
                            not handle.uses_sharded_strategy)
@@ -204,7 +200,7 @@ def _nothing_replaced(handle: OwningHandle) -> bool:
         if current is not info.param:
             return False
         ptr = current.data_ptr()  # (0 for an empty view: nothing of it in this shard)
-        if not (shard_lo <= ptr < shard_hi or (ptr == 0 and _same_storage(current, shard))):
+        if not (shard_lo <= ptr < shard_hi or (ptr == 0 and same_storage(current, shard))):
             return False
         grad = current.grad
         if grad is None:
@@ -235,7 +231,7 @@ def _write_back_grad(handle: OwningHandle, index: int, full: bool) -> None:
         lo, hi = _shard_range(handle, index, full)
         flat_grad[lo:hi].zero_()  # torch's meaning of a gradient set to None
         return
-    if flat_grad is not None and _same_storage(param.grad, flat_grad):
+    if flat_grad is not None and same_storage(param.grad, flat_grad):
         return
     if flat_grad is None:
         flat_grad = torch.zeros_like(flat)
@@ -256,7 +252,7 @@ def check_unchanged_since_forward(handle: OwningHandle, views: list[torch.Tensor
     flat = handle.flat_param
     for info, view in zip(handle.infos, views):
         current = info.module._parameters.get(info.name, view)
-        if current is view and _same_storage(view, flat):
+        if current is view and same_storage(view, flat):
             continue
         raise AssertionError(
             f"{_where(handle, info.fqn)}: FSDP does not support changing the parameters "
