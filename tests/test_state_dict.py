@@ -100,6 +100,37 @@ def test_sharded_and_local_formats_match_torch(ws: int, pool2: Any, pool4: Any) 
     assert pool.run(_formats_match_torch, _formats_configs(kinds)) == [[]] * ws
 
 
+def _every_rank_holds_a_shard() -> list[str]:
+    """At 4 ranks the 3-row parameters of "seq" leave rank 3 without a row:
+    torch's FSDP1 lists no shard for it, fsdp_wrap an empty one (so that a DCP
+    load template keeps the key on every rank), in the model and the optimizer
+    state dicts alike."""
+    ours = C.wrap_ours("seq", False)
+    opt = torch.optim.Adam(ours.parameters(), lr=0.01)
+    C.train(ours, opt, "seq", range(1))
+    with FSDP.state_dict_type(ours, SDT.SHARDED_STATE_DICT):
+        sd = ours.state_dict()
+        osd = FSDP.optim_state_dict(ours, opt)
+    values = {k: v for k, v in sd.items() if k != "buf"}
+    values.update({f"{k}.{n}": v for k, st in osd["state"].items() for n, v in st.items()
+                   if n != "step"})
+    problems = []
+    for k, v in values.items():
+        listed = [list(m.shard_sizes) for m in v.metadata().shards_metadata]
+        mine = [list(s.metadata.shard_sizes) for s in v.local_shards()]
+        problems += C.problem(f"{k}: {len(listed)} shards listed, {len(mine)} held here",
+                              len(listed) != dist.get_world_size() or len(mine) != 1)
+    small = values["2.weight"]  # 3 rows over 4 ranks: rank 3 holds none
+    rows = small.local_shards()[0].tensor.shape[0]
+    problems += C.problem(f"2.weight: rank {dist.get_rank()} holds {rows} rows",
+                          rows != (0 if dist.get_rank() == 3 else 1))
+    return problems
+
+
+def test_every_rank_holds_a_shard(pool4: Any) -> None:
+    assert pool4.run(_every_rank_holds_a_shard) == [[]] * 4
+
+
 def _use_dtensor_flag_and_offload() -> list[str]:
     problems = []
     ours = C.wrap_ours("seq", False)

@@ -37,7 +37,7 @@ class ChunkLayout:
     """How sharded state-dict values are cut: dim 0, ``torch.chunk``, over ``group``.
 
     Rank ``r`` holds rows ``[r * c, (r + 1) * c)`` with ``c = ceil(d0 / world_size)``;
-    trailing ranks may hold nothing.  ``mesh`` set means DTensor values.
+    trailing ranks may hold no row (an empty shard).  ``mesh`` set means DTensor values.
     """
 
     group: ProcessGroup
@@ -109,20 +109,23 @@ def wrap_chunk(
             stride=_contiguous_stride(full_shape),
         )
     device = local.device
+    # Every rank holds a shard, an empty one past torch.chunk's last piece (a
+    # parameter with fewer rows than ranks), and the metadata lists it.  torch's
+    # FSDP1 lists no shard there, and DCP's load planner then drops the value
+    # from that rank's template; in a state dict that also holds lists (an
+    # optimizer's param_groups) it then misreads the checkpoint as a pre-2.4 one
+    # and fails ("Missing key in checkpoint state_dict: ...param_groups").  An
+    # empty shard reads nothing and loads; torch's FSDP1 reads such checkpoints.
     shards_md: list[ShardMetadata] = []
     for r in range(layout.world_size):
         r_start, r_rows = chunk_rows(d0, layout.world_size, r)
-        if r_rows == 0 and r > 0:
-            continue  # torch.chunk made fewer chunks: no metadata entry
         offsets = [r_start] + [0] * (len(full_shape) - 1)
         sizes = [r_rows, *full_shape[1:]]
         global_rank = dist.get_global_rank(layout.group, r)
         shards_md.append(ShardMetadata(offsets, sizes, placement(global_rank, device)))
-    local_shards = []
-    if rows > 0 or layout.rank == 0:
-        offsets = [start] + [0] * (len(full_shape) - 1)
-        global_rank = dist.get_global_rank(layout.group, layout.rank)
-        local_shards.append(Shard.from_tensor_and_offsets(local, offsets, global_rank))
+    offsets = [start] + [0] * (len(full_shape) - 1)
+    local_shards = [Shard.from_tensor_and_offsets(
+        local, offsets, dist.get_global_rank(layout.group, layout.rank))]
     metadata = ShardedTensorMetadata(
         shards_metadata=shards_md,
         size=full_shape,
