@@ -26,7 +26,11 @@ What it does, in one step that either completes or leaves nothing changed:
   internals (``torch.distributed.fsdp._*``) excepted, so torch's FSDP1 keeps
   working for anyone holding it directly;
 * teaches DCP's ``state_dict`` helpers to recognise fsdp_wrap's units (they
-  ask torch's private FSDP state lookup, which only knows torch's units).
+  ask torch's private FSDP state lookup, which only knows torch's units);
+* makes Accelerate's sharded optimizer load exact for fsdp_wrap's units
+  (:mod:`fsdp_wrap.installer_accelerate`: a fresh optimizer is given state
+  shaped by the checkpoint before Accelerate builds its load template), now if
+  Accelerate is imported, else when it is.
 
 :func:`uninstall` undoes exactly what :func:`install` did.  This module is the
 one place in fsdp_wrap that imports torch's FSDP1, and only to replace it.
@@ -46,6 +50,7 @@ from typing import Any
 import torch.nn as nn
 
 import fsdp_wrap.api as api
+import fsdp_wrap.installer_accelerate as _acc
 import fsdp_wrap.wrap as wrap
 from fsdp_wrap._compat import __version__
 from fsdp_wrap.api import HYBRID_STRATEGIES
@@ -124,7 +129,7 @@ class _Patch:
 
 
 _lock = threading.Lock()
-_applied: list[_Patch] = []
+_applied: list[Any] = []  # (_Patch or _MetaPathEntry, in the order applied)
 
 
 def installed() -> bool:
@@ -195,6 +200,40 @@ def _dcp_patches(patches: list[_Patch], originals: dict[int, Any]) -> None:
         patches.append(_Patch(init_utils, "HYBRID_SHARDING_STRATEGIES", both))
 
 
+class _MetaPathEntry:
+    """A finder put first on ``sys.meta_path``; undone by taking it off."""
+
+    def __init__(self, finder: Any) -> None:
+        self.finder = finder
+
+    def apply(self) -> None:
+        sys.meta_path.insert(0, self.finder)
+
+    def undo(self) -> None:
+        if self.finder in sys.meta_path:
+            sys.meta_path.remove(self.finder)
+
+
+def _accelerate_patches(patches: list[Any], originals: dict[int, Any]) -> None:
+    """Wrap Accelerate's ``load_fsdp_optimizer`` (see :mod:`fsdp_wrap.installer_accelerate`)."""
+    module = sys.modules.get(_acc.MODULE)
+    if module is None:
+        def patch_when_imported(mod: types.ModuleType) -> None:
+            original = getattr(mod, _acc.FUNCTION, None)
+            if callable(original) and not hasattr(original, _acc._MARK):
+                p = _Patch(mod, _acc.FUNCTION, _acc.wrap(original))
+                p.apply()
+                _applied.append(p)
+
+        patches.append(_MetaPathEntry(_acc._AfterImport(_acc.MODULE, patch_when_imported)))
+        return
+    original = getattr(module, _acc.FUNCTION, None)
+    if callable(original) and not hasattr(original, _acc._MARK):
+        wrapped = _acc.wrap(original)
+        originals[id(original)] = wrapped  # (accelerate.utils, the Trainer: rebound below)
+        patches.append(_Patch(module, _acc.FUNCTION, wrapped))
+
+
 def _importers(originals: dict[int, Any], skip: set[str]) -> Iterator[_Patch]:
     """Attributes of already-imported modules bound to one of torch's objects."""
     for mod_name, mod in list(sys.modules.items()):
@@ -221,13 +260,14 @@ def install(verbose: bool = True) -> None:
     with _lock:
         if _applied:
             return
-        patches: list[_Patch] = []
+        patches: list[Any] = []
         originals: dict[int, Any] = {}
         modules = _plan_module_patches(patches, originals)
         _dcp_patches(patches, originals)
-        rebinds = list(_importers(originals, skip=set(modules)))
+        _accelerate_patches(patches, originals)
+        rebinds = list(_importers(originals, skip=set(modules) | {_acc.MODULE}))
         patches.extend(rebinds)
-        done: list[_Patch] = []
+        done: list[Any] = []
         try:
             for p in patches:
                 p.apply()
@@ -239,7 +279,7 @@ def install(verbose: bool = True) -> None:
         _applied.extend(done)
     if verbose:
         rebound = len(rebinds)
-        created = [p.name for p in done if isinstance(p.owner, dict)]
+        created = [p.name for p in done if isinstance(getattr(p, "owner", None), dict)]
         _say(f"fsdp_wrap.install(): torch.distributed.fsdp's FSDP1 names now point at fsdp_wrap "
              f"{_version()} ({rebound} earlier imports rebound"
              + (f"; created {', '.join(created)}" if created else "") + ")")
@@ -253,6 +293,7 @@ def uninstall(verbose: bool = False) -> None:
     with _lock:
         while _applied:
             _applied.pop().undo()
+        _acc.unwrap_everywhere()
     if verbose:
         _say("fsdp_wrap.uninstall(): torch.distributed.fsdp's names are torch's again")
 

@@ -78,20 +78,18 @@ def test_transformers_trainer(tmp_path: Any) -> None:
     for r in _launch("trainer_run.py", tmp_path):
         torch_run = "torch/SHARDED_STATE_DICT/True"
         assert r[torch_run + "/class"].startswith("torch.distributed.fsdp")
-        for run in ("ours/SHARDED_STATE_DICT/True", "ours/FULL_STATE_DICT/False"):
+        ours = ("ours/SHARDED_STATE_DICT/True", "ours/SHARDED_STATE_DICT/False",
+                "ours/FULL_STATE_DICT/False")
+        for run in ours:
             assert r[run + "/class"] == "fsdp_wrap.fully_sharded_data_parallel"
             assert len(r[run + "/losses"]) == 4
             assert _close(r[run + "/losses"], r[torch_run + "/losses"]), (run, r)
-        # Resuming from checkpoint-2 replays steps 3-4.  FULL: exactly.
-        full = "ours/FULL_STATE_DICT/False"
-        assert r[full + "/resumed"] == r[full + "/losses"], r
-        assert r[full + "/plain_vs_trained"] == 0.0
-        # SHARDED: Accelerate loads the optimizer into a fresh optimizer's
-        # (empty) state and so drops Adam's moments on torch's FSDP1 as well:
-        # fsdp_wrap resumes step for step as torch does (docs/frameworks/accelerate.rst).
-        sharded = "ours/SHARDED_STATE_DICT/True"
-        assert r[sharded + "/resumed"][:3] == r[sharded + "/losses"][:3]
-        assert _close(r[sharded + "/resumed"], r[torch_run + "/resumed"]), r
+            # Resuming from checkpoint-2 replays steps 3-4 exactly, SHARDED too:
+            # fsdp_wrap.install() gives the Trainer's fresh optimizer state shaped
+            # by the checkpoint before Accelerate builds its load template (on
+            # torch's FSDP1 Adam's moments are not read; not asserted here).
+            assert r[run + "/resumed"] == r[run + "/losses"], (run, r)
+        assert r["ours/FULL_STATE_DICT/False/plain_vs_trained"] == 0.0
 
 
 def test_lightning_fabric_and_trainer(tmp_path: Any) -> None:

@@ -93,10 +93,11 @@ def run(impl: str, name: str, sdt: str, uop: bool, bf16: bool) -> None:
         record(key + "/plain_vs_trained", full_params_match(model, sd))
     record(key + "/ref", [step(acc, model, opt, i) for i in range(3, 5)])
     acc2, model2, opt2 = make()
-    if sdt == "SHARDED_STATE_DICT":
+    if sdt == "SHARDED_STATE_DICT" and impl == "torch":
         # Accelerate loads a sharded optimizer state into the *current* state's
         # structure (an empty one for a fresh optimizer loads nothing, on
-        # torch's FSDP1 too): give the optimizer state first.
+        # torch's FSDP1): give torch's optimizer state first.  fsdp_wrap.install()
+        # does this itself, from the checkpoint (fsdp_wrap/installer_accelerate.py).
         init_optimizer_state(model2, opt2)
     acc2.load_state(ckpt)
     record(key + "/resumed", [step(acc2, model2, opt2, i) for i in range(3, 5)])
