@@ -21,8 +21,8 @@ script reports as a failure.  That is the most common resume bug.
 
 Every rank writes only its own shards (no rank gathers the whole model), and
 the checkpoint can be loaded by a different number of ranks: DCP reshards it.
-Written against torch's FSDP the script would differ only in the two imports
-marked "the only fsdp_wrap-specific lines".
+Written against torch's FSDP the script would differ only in the lines marked
+"the only fsdp_wrap-specific lines".
 """
 
 from __future__ import annotations
@@ -42,10 +42,13 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-# The only fsdp_wrap-specific lines.  With torch's FSDP they would read
+# The only fsdp_wrap-specific lines.  With torch's FSDP the first two would read
 #   import torch.distributed.fsdp as fsdp
 #   from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+# and torch has no init_optim_state_from_checkpoint (there, take one optimizer
+# step at learning rate 0 on zero gradients before building the template).
 import fsdp_wrap as fsdp
+from fsdp_wrap.checkpoint import init_optim_state_from_checkpoint
 from fsdp_wrap.wrap import transformer_auto_wrap_policy
 
 FSDP = fsdp.FullyShardedDataParallel
@@ -120,35 +123,26 @@ def save_checkpoint(model: FSDP, optim: torch.optim.Optimizer, step: int, path: 
     dcp.save(state, checkpoint_id=path)
 
 
-def init_optimizer_state(optim: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state tensors with a zero-learning-rate step.
-
-    DCP loads *in place* into a template state dict, so the template must
-    already hold every state tensor (``exp_avg`` ...) with its sharded shape;
-    a fresh optimizer has none.  The values are overwritten by the load, and
-    with ``lr = 0`` the step changes no parameter (not even AdamW's weight decay).
-    """
-    lrs = [group["lr"] for group in optim.param_groups]
-    for group in optim.param_groups:
-        group["lr"] = 0.0
-        for p in group["params"]:
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
-    optim.step()
-    optim.zero_grad(set_to_none=True)
-    for group, lr in zip(optim.param_groups, lrs):
-        group["lr"] = lr
-
-
 def load_checkpoint(model: FSDP, optim: torch.optim.Optimizer, path: str, with_optim: bool = True) -> int:
-    """Load model and optimizer state into this job's (possibly differently sized) FSDP model."""
-    init_optimizer_state(optim)
+    """Load model and optimizer state into this job's (possibly differently sized) FSDP model.
+
+    DCP loads *in place* into a template state dict, so the optimizer's
+    template must already hold every state tensor (``exp_avg`` ...) in its
+    sharded shape; a fresh optimizer has none (Adam makes them at its first
+    step), and its template would read back the learning rate but not the
+    moments.  ``init_optim_state_from_checkpoint`` gives it zero placeholders
+    shaped by what the checkpoint stores (from its metadata, on each rank, no
+    collective); the load then overwrites them.
+    """
+    if with_optim:
+        init_optim_state_from_checkpoint(model, optim, path, key="optim")
     with FSDP.state_dict_type(model, fsdp.StateDictType.SHARDED_STATE_DICT):
         state = {
             "model": model.state_dict(),  # templates: this job's shards
-            "optim": FSDP.optim_state_dict(model, optim),
             "trainer": {"step": -1},
         }
+        if with_optim:
+            state["optim"] = FSDP.optim_state_dict(model, optim)
         dcp.load(state, checkpoint_id=path)  # fills the templates in place
         model.load_state_dict(state["model"])
         if with_optim:
