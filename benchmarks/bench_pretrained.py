@@ -20,6 +20,13 @@ one decoder layer per unit, three ways, each in fresh processes:
 * **(b) every rank loads**: every rank ``from_pretrained``, then wraps; by
   fsdp_wrap and, once more, by torch's FSDP1.
 
+and two rows to read those against: **fp32 shard written once** (each rank
+allocates its fp32 shard and converts bf16 from memory into it: what any
+loader into fp32 units must do besides reading, the machine's floor), and
+**load_pretrained, bf16 units** (the same flow into bf16 units: no conversion,
+each rank reads its bytes straight into its shard).  ``--recipes`` runs a
+subset (``load_pretrained`` always runs).
+
 Per rank: peak RSS growth (``VmHWM`` after a reset through
 ``/proc/self/clear_refs``, minus ``VmRSS`` at the start; imports, the process
 group and a warm-up done before) and wall time from the first line of the
@@ -136,12 +143,13 @@ def _load(how: str, path: str) -> Any:
     """The recipe being measured; returns the wrapped model."""
     from transformers import AutoConfig, LlamaForCausalLM
 
-    if how == "fsdp_wrap":
+    if how in ("fsdp_wrap", "fsdp_wrap_bf16"):
         import fsdp_wrap
 
         cfg = AutoConfig.from_pretrained(path)
+        dtype = torch.bfloat16 if how == "fsdp_wrap_bf16" else torch.float32
         with torch.device("meta"):
-            model = LlamaForCausalLM._from_config(cfg, dtype=torch.float32)
+            model = LlamaForCausalLM._from_config(cfg, dtype=dtype)
         model = fsdp_wrap.FullyShardedDataParallel(
             model, auto_wrap_policy=_policy(True), device_id=CPU,
             param_init_fn=fsdp_wrap.pretrained_init(model, path))
@@ -192,6 +200,8 @@ def job_load(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import fsdp_wrap  # noqa: F401  (imports outside the window)
 
     mem = PeakMemory(CPU)
+    if cfg["how"] == "floor":
+        return _floor(cfg, mem)
     # warm-up: the same recipe on a toy checkpoint, so that the window below
     # holds no import or first-call cost (transformers imports lazily)
     _load(cfg["how"], cfg["warm_path"])
@@ -213,6 +223,28 @@ def job_load(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg["how"] == "fsdp_wrap" and cfg["export"]:
         out.update(_export(model, mem))
     return out
+
+
+def _floor(cfg: dict[str, Any], mem: PeakMemory) -> dict[str, Any]:
+    """What any loader into fp32 units must do at least, reading aside: allocate
+    this rank's fp32 shard and write every element once, converted from bf16
+    (from memory here, already touched)."""
+    numel = -(-cfg["params"] // dist.get_world_size())
+    src = torch.empty(numel, dtype=torch.bfloat16).fill_(1.0)
+    for n in (1 << 16, numel):  # (the first, small, is the warm-up)
+        dist.barrier()
+        malloc_trim()
+        before = mem.current()
+        mem.start_window()
+        t0, c0 = time.perf_counter(), time.process_time()
+        shard = torch.empty(n, dtype=torch.float32)
+        shard.copy_(src[:n])
+        cpu = time.process_time() - c0
+        dist.barrier()
+        wall = time.perf_counter() - t0
+        peak = mem.peak() - before
+        del shard
+    return dict(peak=peak, wall=wall, cpu=cpu, shard=numel * 4, unit=0)
 
 
 def _export(model: Any, mem: PeakMemory) -> dict[str, Any]:
@@ -260,7 +292,9 @@ def _mib(n: float) -> str:
 
 
 HOWS = {"fsdp_wrap": "load_pretrained", "rank0_sync": "(a) rank 0 loads, sync",
-        "every_rank": "(b) every rank loads", "torch_every_rank": "(b) on torch's FSDP1"}
+        "every_rank": "(b) every rank loads", "torch_every_rank": "(b) on torch's FSDP1",
+        "floor": "fp32 shard written once",
+        "fsdp_wrap_bf16": "load_pretrained, bf16 units"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,7 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="toy sizes (smoke test)")
     ap.add_argument("--dir", default=None, help="where the checkpoint goes (default: a temp dir)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--recipes", default=",".join(HOWS),
+                    help=f"comma-separated subset of {','.join(HOWS)} (fsdp_wrap is always run)")
     args = ap.parse_args(argv)
+    hows = {h: HOWS[h] for h in HOWS if h == "fsdp_wrap" or h in args.recipes.split(",")}
     if args.tiny:
         args.width, args.ffn, args.layers, args.heads, args.vocab = 64, 128, 2, 4, 256
         args.max_shard_size, args.repeat = "100KB", 1
@@ -292,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         on_disk = sum(os.path.getsize(f) for f in _files(path))
         n_files = len(_files(path))
         base = dict(path=path, warm_path=warm_path, nproc=args.nproc, threads=args.threads,
-                    export=False)
+                    export=False, params=n_params)
         results: dict[str, Any] = {"params": n_params, "bytes_on_disk": on_disk, "runs": {}}
         for cold in (False, True):
             temp = "cold" if cold else "warm"
@@ -303,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                 reads.append(read_once(path))
             results[f"read_{temp}"] = min(r[0] for r in reads)
             results[f"read_cpu_{temp}"] = min(r[1] for r in reads)
-            for how in HOWS:
+            for how in hows:
                 runs = [launch(job_load, {**base, "how": how, "cold": cold,
                                 "export": how == "fsdp_wrap" and not cold})
                         for _ in range(args.repeat)]
@@ -318,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     for temp in ("warm", "cold"):
         read, read_cpu = results[f"read_{temp}"], results[f"read_cpu_{temp}"]
         rows = []
-        for how, label in HOWS.items():
+        for how, label in hows.items():
             runs = results["runs"][f"{how}/{temp}"]
             best = min(runs, key=lambda r: max(x["wall"] for x in r))
             wall = max(x["wall"] for x in best)
@@ -331,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                              f"{r['cpu']:.2f}", f"{r['cpu'] / read_cpu:.2f}"])
         print(f"loading, files {temp} (read once: {read:.2f} s wall, {read_cpu:.2f} s CPU); "
               "peak RSS growth per rank, MiB; seconds\n")
-        print(rst_table(["recipe", "rank", "peak RSS growth", "fp32 shard", "largest unit",
+        print(rst_table(["recipe", "rank", "peak RSS growth", "shard", "largest unit",
                       "wall", "x read", "CPU (rank)", "x read CPU"], rows))
         print()
     runs = results["runs"]["fsdp_wrap/warm"]

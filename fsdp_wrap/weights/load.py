@@ -19,6 +19,7 @@ gathered and no rank ever holds a whole unit's worth of checkpoint data.
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = ["PretrainedLoad", "load_pretrained"]
 
-_WINDOW_BYTES = 64 * 2**20  # read at most this much of one tensor at a time (dtype conversion)
+_WINDOW_BYTES = 64 * 2**20  # staged reads for a device shard: at most this much at a time
 
 
 class PretrainedLoad(NamedTuple):
@@ -176,38 +177,76 @@ def _agree(error: BaseException | None, groups: list[Any]) -> None:
     )
 
 
+class _Source:
+    """One checkpoint file, opened once: read for same-dtype copies, and mapped
+    range by range for converting copies, which then read the page cache
+    directly instead of copying through a staging buffer first."""
+
+    def __init__(self, file: str) -> None:
+        self.f: BinaryIO = open(file, "rb")  # noqa: SIM115
+
+    def convert_into(self, flat: torch.Tensor, s: StoredTensor, start: int) -> None:
+        """Elements ``[start, start + flat.numel())`` of ``s`` into the 1-D ``flat``.
+
+        The range is mapped copy-on-write (never written) and unmapped at once,
+        so the file's pages count in this process's RSS only while one range is
+        being converted.
+        """
+        item = _st._itemsize(s.dtype)
+        lo = s.begin + start * item
+        hi = lo + flat.numel() * item
+        if hi > s.end:
+            raise ValueError(f"{s.file} is truncated: tensor '{s.name}' is short")
+        base = lo - lo % mmap.ALLOCATIONGRANULARITY
+        m = mmap.mmap(self.f.fileno(), hi - base, access=mmap.ACCESS_COPY, offset=base)
+        try:
+            raw = torch.frombuffer(m, dtype=torch.uint8, count=hi - lo, offset=lo - base)
+            flat.copy_(raw.view(s.dtype))
+            del raw
+        finally:
+            m.close()
+
+    def close(self) -> None:
+        self.f.close()
+
+
 @contextmanager
 def _open_files() -> Iterator[Any]:
-    files: dict[str, BinaryIO] = {}
+    files: dict[str, _Source] = {}
 
-    def fh(file: str) -> BinaryIO:
+    def source(file: str) -> _Source:
         if file not in files:
-            files[file] = open(file, "rb")  # noqa: SIM115
+            files[file] = _Source(file)
         return files[file]
 
     try:
-        yield fh
+        yield source
     finally:
         for f in files.values():
             f.close()
 
 
-def _read_into(dst: torch.Tensor, s: StoredTensor, start: int, f: BinaryIO) -> None:
+def _read_into(dst: torch.Tensor, s: StoredTensor, start: int, src: _Source) -> None:
     """Elements ``[start, start + dst.numel())`` of ``s`` (flattened) into ``dst``,
-    converting dtype; straight into ``dst``'s memory when nothing needs converting."""
+    converting dtype; straight into ``dst``'s memory when nothing needs converting,
+    else converted from the file's mapped pages in one pass."""
     n = dst.numel()
     if n == 0:
         return
+    f = src.f
     if not dst.is_contiguous():  # (a buffer made by expand(), say)
         dst.copy_(_st.read_flat_range(s, start, n, f).view(dst.shape))
         return
-    if dst.dtype == s.dtype and dst.device.type == "cpu" and dst.is_contiguous():
+    if dst.dtype == s.dtype and dst.device.type == "cpu":
         view = dst.view(torch.uint8)
         item = dst.element_size()
         f.seek(s.begin + start * item)
         got = f.readinto(view.numpy().data)  # type: ignore[attr-defined]
         if got != n * item:
             raise ValueError(f"{s.file} is truncated: tensor '{s.name}' is short")
+        return
+    if dst.device.type == "cpu":
+        src.convert_into(dst.view(-1), s, start)
         return
     window = max(1, _WINDOW_BYTES // max(1, _st._itemsize(s.dtype)))
     flat = dst.view(-1)
