@@ -231,7 +231,7 @@ def _floor(cfg: dict[str, Any], mem: PeakMemory) -> dict[str, Any]:
     (from memory here, already touched)."""
     numel = -(-cfg["params"] // dist.get_world_size())
     src = torch.empty(numel, dtype=torch.bfloat16).fill_(1.0)
-    for n in (1 << 16, numel):  # (the first, small, is the warm-up)
+    for n in (min(1 << 16, numel), numel):  # (the first, small, is the warm-up)
         dist.barrier()
         malloc_trim()
         before = mem.current()
