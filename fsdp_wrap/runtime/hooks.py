@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -301,6 +302,17 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor | N
 
 
 def make_post_backward_hook(state: UnitState, handle: FlatParamHandle) -> Callable[[torch.Tensor], None]:
+    """The hook on ``handle``'s flat parameter; it holds the unit and the handle
+    weakly.
+
+    The flat parameter's Python object is kept alive from C++ while its views
+    (the module's parameters) exist, and Python's garbage collector does not
+    look inside a tensor held from C++: a strong reference from its hooks to
+    the unit would close a cycle the collector cannot see, and a dropped model
+    would keep every unit and its memory for the life of the process.
+    """
+    state_ref, handle_ref = weakref.ref(state), weakref.ref(handle)
+
     def post_backward(flat_param: torch.Tensor) -> None:
         """Runs after autograd accumulated this unit's unsharded gradient.
 
@@ -308,6 +320,9 @@ def make_post_backward_hook(state: UnitState, handle: FlatParamHandle) -> Callab
         ``no_sync``), and ``flat_param.grad`` is the mean sharded gradient, or
         the local unsharded one under ``no_sync``.
         """
+        state, handle = state_ref(), handle_ref()
+        if state is None or handle is None:
+            return  # (the model is gone; a gradient computed after that is the caller's)
         _queue_final_callback(state._root)
         sync = state._sync_gradients
         handle.reshard(free=handle.uses_sharded_strategy and (sync or handle.reshard_after_forward))
