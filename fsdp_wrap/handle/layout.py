@@ -317,11 +317,15 @@ class FlatLayout:
 def flatten_params(infos: Sequence[ParamInfo], unpadded_numel: int, has_padding: bool,
                    dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The unsharded flat tensor (no right padding) copied from ``infos``'
-    parameters, alignment padding ``PADDING_VALUE``."""
+    parameters, alignment padding ``PADDING_VALUE``; a parameter flagged
+    :data:`VALUES_PENDING` (a checkpoint will fill it) is not copied, as in
+    :func:`shard_from_params`."""
     flat = torch.empty(unpadded_numel, dtype=dtype, device=device)
     if has_padding:
         flat.fill_(PADDING_VALUE)
     for info in infos:
+        if getattr(info.param, VALUES_PENDING, False):
+            continue
         flat[info.offset : info.offset + info.numel].copy_(info.param.detach().reshape(-1))
     return flat
 
