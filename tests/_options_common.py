@@ -10,6 +10,7 @@ human-readable failures.  Everything here runs inside the workers.
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any, Callable
 
 import torch
@@ -17,9 +18,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tests._sweep import Injection, injected, run_sweep
+from tests.models import VOCAB
 
 FP32_TOL = 1e-5
 U32 = 2.0**-24  # unit roundoff of float32
+
+# A tolerance for :func:`cmp`: a number, or a function of the reference value
+# (for bounds that scale with its magnitude, see :func:`replicated_tol`).
+Tol = float | Callable[[torch.Tensor], float]
 
 
 def fp32_bound(step: int, ws: int, scale: float, longest_sum: int) -> float:
@@ -40,6 +46,52 @@ def fp32_bound(step: int, ws: int, scale: float, longest_sum: int) -> float:
     return (step + 1) * (longest_sum + ws - 1) * U32 * scale
 
 
+# The longest sum one training step of each model of tests.models computes
+# (for fp32_bound), forward and backward:
+LONGEST_SUM = {
+    # the loss's mean over the 3 x 5 x VOCAB logits (matmuls sum over at most
+    # HIDDEN = 10 terms, weight gradients over the 15 rows of a batch, the
+    # tied embedding's gradient over 15 head rows + 15 token lookups)
+    "transformer": 3 * 5 * VOCAB,
+    # the loss's mean over the 3 x 4 x 3 outputs (matmuls sum over at most 9
+    # terms, weight gradients over the 12 rows of a batch)
+    "deep": 3 * 4 * 3,
+}
+
+
+def longest_sum(model_name: str, model: nn.Module, clip: float | None = None) -> int:
+    """:data:`LONGEST_SUM` of ``model_name``, or with a finite-``clip`` norm (a
+    sum over every gradient element) the number of parameters if larger.  An
+    inf norm is a max, exact in any order, and adds no sum."""
+    n = LONGEST_SUM[model_name]
+    if clip is not None and math.isfinite(clip):
+        n = max(n, sum(p.numel() for p in model.parameters()))
+    return n
+
+
+def replicated_tol(step: int, ws: int, longest: int) -> Callable[[torch.Tensor], float]:
+    """fsdp_wrap against a plain replicated model, where the two compute the same
+    sums in different orders: each is within :func:`fp32_bound` of the exact
+    value (at the reference's largest magnitude), so within twice it of the
+    other (as in tests/test_buckets.py).
+
+    What may reorder the sums (each call site says which it sees): the
+    matmuls read the parameters as views into a flat parameter (offset,
+    alignment) where the reference has standalone tensors, and a BLAS may
+    block the same dot products differently for them (bit-exact on the
+    machines measured so far, not guaranteed); over 3+ ranks the reference's
+    all-reduce and FSDP's reductions add the ranks in different orders (over
+    2 it is one commutative add); a finite-norm clip sums the squares per
+    parameter there, per flat shard and then over ranks here.
+    """
+
+    def tol(ref: torch.Tensor) -> float:
+        scale = float(ref.detach().float().abs().max()) if ref.numel() else 0.0
+        return 2 * fp32_bound(step, ws, scale, longest)
+
+    return tol
+
+
 def rank_tag() -> str:
     return f"[rank {dist.get_rank()}]"
 
@@ -54,9 +106,12 @@ def shape_of(t: torch.Tensor | None) -> str:
     return "None" if t is None else f"{tuple(t.shape)}/{t.dtype}/{t.device.type}"
 
 
-def cmp(what: str, a: torch.Tensor | None, b: torch.Tensor | None, tol: float = FP32_TOL,
+def cmp(what: str, a: torch.Tensor | None, b: torch.Tensor | None, tol: Tol = FP32_TOL,
         check_dtype: bool = True) -> str | None:
-    """None if ``a`` (reference) and ``b`` (ours) agree within ``tol``, else why not."""
+    """None if ``a`` (reference) and ``b`` (ours) agree within ``tol``, else why not.
+
+    A callable ``tol`` gets the reference ``a``.
+    """
     bad = injected(what)
     if bad:
         return bad
@@ -65,7 +120,8 @@ def cmp(what: str, a: torch.Tensor | None, b: torch.Tensor | None, tol: float = 
     if a.shape != b.shape or (check_dtype and a.dtype != b.dtype):
         return f"{what}: ref {shape_of(a)} vs ours {shape_of(b)}"
     d = maxdiff(a, b)
-    return None if d <= tol else f"{what}: max |diff| {d:.3g} > {tol:g}"
+    bound = tol(a) if callable(tol) else tol
+    return None if d <= bound else f"{what}: max |diff| {d:.3g} > {bound:.3g}"
 
 
 def loss_of(out: torch.Tensor) -> torch.Tensor:
@@ -98,7 +154,7 @@ def train_step(
 
 
 def compare_step(tag: str, names: list[str], ref: tuple[Any, ...], ours: tuple[Any, ...],
-                 tol: float = FP32_TOL, loss_tol: float | None = None) -> list[str]:
+                 tol: Tol = FP32_TOL, loss_tol: Tol | None = None) -> list[str]:
     """Compare ``(loss, grads, params)`` triples; return at most one summary line."""
     (l1, g1, p1), (l2, g2, p2) = ref, ours
     errs = [cmp("loss", l1, l2, loss_tol if loss_tol is not None else tol)]
