@@ -144,7 +144,9 @@ def _train_big(cfg: dict[str, Any]) -> list[str]:
     for step in range(3):
         x = torch.randn(8, 16, generator=gen)
         res = [train_step(m, o, loss_of(m(x))) for m, o in zip(models, opts)]
-        fails += compare_step(f"{rank_tag()} {cfg} step {step}", names, res[0], res[1])
+        # Bit-exact: the same ops as torch's FSDP1 on the same flat layout; the
+        # gathers move bits, and the 2-rank reduction is one commutative add.
+        fails += compare_step(f"{rank_tag()} {cfg} step {step}", names, res[0], res[1], 0.0)
     return fails
 
 
