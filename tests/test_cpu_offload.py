@@ -33,8 +33,10 @@ from tests._options_common import (
     cmp,
     fsdp_grads_full,
     fsdp_params_full,
+    longest_sum,
     loss_of,
     rank_tag,
+    replicated_tol,
     run_configs,
 )
 from tests._sweep import Injection, any_rank
@@ -124,15 +126,28 @@ def _run_config(cfg: dict[str, Any]) -> list[str]:
                 clip = ref.clip_grad_norm_ if model is ref.module else model.clip_grad_norm_
                 norm = clip(MAX_NORM[cfg["clip"]], cfg["clip"])
             res.append((loss.detach(), norm))
-        errs = [cmp("loss vs reference", res[2][0], res[0][0]), cmp("loss vs no offload", res[1][0], res[0][0], 0.0)]
+        # Against the replicated reference (2 ranks: the reduction is one
+        # add): a 2-norm clip sums the squares of all gradients per parameter
+        # there, per flat shard and then over ranks here -- the same sum in
+        # another order, which differs in the last bits (measured: 2e-6 on
+        # norms of 12-36, 0.3% of this bound at most) and carries into the
+        # clipped gradients, the parameters and later losses; that sum over
+        # every parameter is then the longest (longest_sum).  Unclipped or
+        # with the inf norm (a max) it is bit-exact on the machines measured
+        # so far; the bound still covers a BLAS blocking the same sums
+        # differently for flat-parameter views (see replicated_tol).  Against
+        # no offload: bit-exact, the same ops on the same shards.
+        tol = replicated_tol(step, dist.get_world_size(), longest_sum(cfg["model"], base, cfg["clip"]))
+        errs = [cmp("loss vs reference", res[2][0], res[0][0], tol),
+                cmp("loss vs no offload", res[1][0], res[0][0], 0.0)]
         if cfg["clip"] is not None:
-            errs.append(cmp("clip norm vs reference", res[2][1], res[0][1]))
+            errs.append(cmp("clip norm vs reference", res[2][1], res[0][1], tol))
         # Offloading must not change a bit of the sharded grads.
         errs += [cmp(f"sharded grad #{i} vs no offload", a.grad, b.grad, 0.0)
                  for i, (a, b) in enumerate(zip(plain.parameters(), off.parameters()))]
         if cfg["uop"]:
             full = fsdp_grads_full(off)
-            errs += [cmp(f"full grad of {n} vs reference", p.grad, g)
+            errs += [cmp(f"full grad of {n} vs reference", p.grad, g, tol)
                      for n, p, g in zip(names, ref.module.parameters(), full)]
         for o in opts:
             o.step()
@@ -142,7 +157,7 @@ def _run_config(cfg: dict[str, Any]) -> list[str]:
         got = fsdp_params_full(off)
         if list(got) != names:
             errs.append(f"summoned names {list(got)} vs {names}")
-        errs += [cmp(f"param {n} vs reference", p, got.get(n)) for n, p in ref.module.named_parameters()]
+        errs += [cmp(f"param {n} vs reference", p, got.get(n), tol) for n, p in ref.module.named_parameters()]
         errs += [cmp(f"sharded param #{i} vs no offload", a, b, 0.0)
                  for i, (a, b) in enumerate(zip(plain.parameters(), off.parameters()))]
         errs = [e for e in errs if e]

@@ -27,12 +27,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tests._options_common import (
+    LONGEST_SUM,
     Replicated,
     cmp,
     compare_step,
     fsdp_params_full,
     loss_of,
     rank_tag,
+    replicated_tol,
     run_configs,
     train_step,
 )
@@ -137,8 +139,16 @@ def _train_vs_replicated(tag: str, ours: nn.Module, ref: Replicated, model: str,
             o.zero_grad()
             losses.append(loss.detach())
         got = fsdp_params_full(ours)
-        errs = [cmp("loss", losses[1], losses[0])]
-        errs += [cmp(f"param {n}", p, got.get(n)) for n, p in ref.module.named_parameters()]
+        # The replicated model sums the 4 ranks' gradients in one all-reduce,
+        # hybrid sharding in two levels (within the shard group, then across
+        # the replicas): the same sums in another order, which differs in the
+        # last bits (measured: up to 2e-7 of the value's magnitude, 1% of this
+        # bound at most; a shard group of size 1 leaves one all-reduce over
+        # the 4 replicas, which may still add them in another order than the
+        # reference's over the world).  No clipping here.
+        tol = replicated_tol(step, dist.get_world_size(), LONGEST_SUM[model])
+        errs = [cmp("loss", losses[1], losses[0], tol)]
+        errs += [cmp(f"param {n}", p, got.get(n), tol) for n, p in ref.module.named_parameters()]
         if list(got) != names:
             errs.append(f"names {list(got)} vs {names}")
         errs = [e for e in errs if e]

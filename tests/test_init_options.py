@@ -24,12 +24,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tests._options_common import (
+    LONGEST_SUM,
     Replicated,
     cmp,
     compare_step,
     fsdp_params_full,
     loss_of,
     rank_tag,
+    replicated_tol,
     run_configs,
     train_step,
 )
@@ -167,7 +169,12 @@ def _sync_module_states(configs: list[dict[str, Any]], inject: Injection | None 
                 o.step()
                 o.zero_grad()
             got = fsdp_params_full(ours)
-            errs = [e for e in (cmp(f"param {n}", p, got.get(n)) for n, p in ref.module.named_parameters()) if e]
+            # Against the replicated model: the same sums (2 ranks: one add),
+            # possibly blocked differently by the BLAS for flat-parameter views
+            # (see replicated_tol); bit-exact on the machines measured so far.
+            tol = replicated_tol(step, dist.get_world_size(), LONGEST_SUM["transformer"])
+            errs = [e for e in (cmp(f"param {n}", p, got.get(n), tol)
+                                for n, p in ref.module.named_parameters()) if e]
             if any_rank(bool(errs)):  # agreed, as above
                 return [f"{tag} step {step}: " + "; ".join(errs[:5])] if errs else []
         return []

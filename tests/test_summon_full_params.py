@@ -22,11 +22,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tests._options_common import (
+    LONGEST_SUM,
     Replicated,
     cmp,
     compare_step,
     loss_of,
     rank_tag,
+    replicated_tol,
     train_step,
 )
 from tests._sweep import Injection, injected, run_sweep
@@ -103,12 +105,16 @@ def _run(cfg: dict[str, Any]) -> list[str]:
                 grads.append([(n, None if p.grad is None else p.grad.clone()) for n, p in m.named_parameters()])
         if [n for n, _ in grads[0]] != [n for n, _ in grads[1]]:
             fails.append(f"{tag} with_grads: names {grads[0]} vs {grads[1]}")
-        # torch's: bit-exact (same reduction, same order).
+        # torch's: bit-exact (same reduction, same order).  The replicated mean:
+        # after one backward (step 0) on 2 ranks, the same sums possibly
+        # blocked differently by the BLAS for flat-parameter views (see
+        # replicated_tol); bit-exact on the machines measured so far.
         fails += [f"{tag} with_grads: {e}" for e in
                   (cmp(f"grad {n}", a, b, 0.0) for (n, a), (_, b) in zip(*grads)) if e]
         mean = dict(plain.module.named_parameters())
+        tol = replicated_tol(0, dist.get_world_size(), LONGEST_SUM[model])
         fails += [f"{tag} with_grads vs mean of per-rank grads: {e}" for e in
-                  (cmp(f"grad {n}", mean[n].grad, g) for n, g in grads[1] if n in mean) if e]
+                  (cmp(f"grad {n}", mean[n].grad, g, tol) for n, g in grads[1] if n in mean) if e]
 
     # Invalid combinations: the same exception and message as torch.
     invalid = [dict(writeback=True, rank0_only=True)]
