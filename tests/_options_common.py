@@ -20,11 +20,13 @@ import torch.nn as nn
 from tests._sweep import Injection, injected, run_sweep
 from tests.models import VOCAB
 
-FP32_TOL = 1e-5
 U32 = 2.0**-24  # unit roundoff of float32
 
 # A tolerance for :func:`cmp`: a number, or a function of the reference value
 # (for bounds that scale with its magnitude, see :func:`replicated_tol`).
+# There is no default: 0.0 (bit-exact) where both sides compute the same
+# values by the same operations in the same order, else a bound derived from
+# what differs, written beside the call.
 Tol = float | Callable[[torch.Tensor], float]
 
 
@@ -106,11 +108,11 @@ def shape_of(t: torch.Tensor | None) -> str:
     return "None" if t is None else f"{tuple(t.shape)}/{t.dtype}/{t.device.type}"
 
 
-def cmp(what: str, a: torch.Tensor | None, b: torch.Tensor | None, tol: Tol = FP32_TOL,
+def cmp(what: str, a: torch.Tensor | None, b: torch.Tensor | None, tol: Tol,
         check_dtype: bool = True) -> str | None:
     """None if ``a`` (reference) and ``b`` (ours) agree within ``tol``, else why not.
 
-    A callable ``tol`` gets the reference ``a``.
+    ``tol`` is required (see :data:`Tol`); a callable gets the reference ``a``.
     """
     bad = injected(what)
     if bad:
@@ -154,8 +156,9 @@ def train_step(
 
 
 def compare_step(tag: str, names: list[str], ref: tuple[Any, ...], ours: tuple[Any, ...],
-                 tol: Tol = FP32_TOL, loss_tol: Tol | None = None) -> list[str]:
-    """Compare ``(loss, grads, params)`` triples; return at most one summary line."""
+                 tol: Tol, loss_tol: Tol | None = None) -> list[str]:
+    """Compare ``(loss, grads, params)`` triples within ``tol`` (required, see
+    :data:`Tol`); return at most one summary line."""
     (l1, g1, p1), (l2, g2, p2) = ref, ours
     errs = [cmp("loss", l1, l2, loss_tol if loss_tol is not None else tol)]
     errs += [cmp(f"grad of {names[i]}", a, b, tol) for i, (a, b) in enumerate(zip(g1, g2))]

@@ -46,6 +46,13 @@ from tests.models import fsdp_api, fsdp_kwargs, wrap_api
 pytestmark = pytest.mark.gpu
 
 CUDA = "cuda:0"
+# The tolerance these GPU-only comparisons had as the former default of
+# tests._options_common.cmp (FP32_TOL), kept unchanged and explicit: they were
+# not run (no GPU) when that default was removed, so it is neither measured
+# nor derived yet.  To do on a GPU: 0.0 where torch's FSDP1 and fsdp_wrap run
+# the same kernels in the same order, replicated_tol / fp32_bound where the
+# reference sums in another order (NCCL's reduction, cuBLAS blocking, atomics).
+UNDERIVED_GPU_TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -179,8 +186,9 @@ def _lagged_training_matches_replicated() -> list[str]:
                     full = (list(fsdp_params_full(m).values()) if m is ours
                             else [p.detach().clone() for p in m.parameters()])
                     res.append((loss.detach(), full))
-                errs = [cmp("loss", res[0][0], res[1][0])]
-                errs += [cmp(f"param {n}", a, b) for n, a, b in zip(names, res[0][1], res[1][1])]
+                errs = [cmp("loss", res[0][0], res[1][0], UNDERIVED_GPU_TOL)]
+                errs += [cmp(f"param {n}", a, b, UNDERIVED_GPU_TOL)
+                         for n, a, b in zip(names, res[0][1], res[1][1])]
                 errs = [e for e in errs if e]
                 if errs:
                     fails.append(f"{tag} step {step}: " + "; ".join(errs[:4]))
@@ -313,14 +321,14 @@ def _offload_matches_torch() -> list[str]:
                 want = [p.detach() for p in rep.module.parameters()]
                 for impl, m in zip(("torch", "ours"), models):
                     got = [p.to(CUDA) for p in fsdp_params_full(m).values()]
-                    errs = [e for e in (cmp(f"param {n}", a, b) for n, a, b in
+                    errs = [e for e in (cmp(f"param {n}", a, b, UNDERIVED_GPU_TOL) for n, a, b in
                                         zip(rep_names, want, got)) if e]
                     if errs and impl == "ours":
                         fails.append(f"{tag} step {step}: ours vs a replicated model: "
                                      + "; ".join(errs[:3]))
                     torch_deviates |= bool(errs) and impl == "torch"
                 if not torch_deviates:
-                    fails += compare_step(f"{tag} step {step}", names, res[0], res[1])
+                    fails += compare_step(f"{tag} step {step}", names, res[0], res[1], UNDERIVED_GPU_TOL)
             known = (strategy, uop, dist.get_world_size()) in TORCH_OFFLOAD_MAY_DEPART
             if torch_deviates and not known:
                 fails.append(f"{tag}: torch's FSDP1 departs from the replicated model here too: "
@@ -415,7 +423,7 @@ def _scaler_matches_torch() -> list[str]:
                     fails.append(f"{tag} step {step}: inf flags on {w2}, want the GPU")
                 if step == 2 and not f2:
                     fails.append(f"{tag}: the injected inf was not found")
-                errs = [e for e in (cmp("param", a, b) for a, b in zip(p1, p2)) if e]
+                errs = [e for e in (cmp("param", a, b, UNDERIVED_GPU_TOL) for a, b in zip(p1, p2)) if e]
                 if errs:
                     fails.append(f"{tag} step {step}: " + "; ".join(errs[:3]))
                     break
