@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ U32 = 2.0**-24  # unit roundoff of float32
 # There is no default: 0.0 (bit-exact) where both sides compute the same
 # values by the same operations in the same order, else a bound derived from
 # what differs, written beside the call.
-Tol = float | Callable[[torch.Tensor], float]
+Tol = Union[float, Callable[[torch.Tensor], float]]
 
 
 def fp32_bound(step: int, ws: int, scale: float, longest_sum: int) -> float:
