@@ -33,11 +33,17 @@ OPTIMS = {
 
 
 def _configs(tmp: str) -> list[dict[str, Any]]:
-    return [dict(kind=kind, uop=uop, optim=o, steps=steps,
-                 path=os.path.join(tmp, f"{kind}-{uop}-{o}-{steps}"))
-            for kind in ("seq", "tied", "lora") for uop in (False, True)
-            for o in OPTIMS for steps in (2, 0)
-            if steps or (o == "adam" and kind == "seq")]
+    out = [dict(kind=kind, uop=uop, optim=o, steps=steps, strategy="FULL_SHARD")
+           for kind in ("seq", "tied", "lora") for uop in (False, True)
+           for o in OPTIMS for steps in (2, 0)
+           if steps or (o == "adam" and kind == "seq")]
+    # the other strategies (NO_SHARD's optimizer state is full tensors)
+    out += [dict(kind="tied", uop=uop, optim="adam", steps=2, strategy=s)
+            for s in ("SHARD_GRAD_OP", "NO_SHARD") for uop in (False, True)]
+    for c in out:
+        c["path"] = os.path.join(tmp, "-".join(str(c[k]) for k in
+                                               ("kind", "uop", "optim", "steps", "strategy")))
+    return out
 
 
 def _sweep(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
@@ -59,13 +65,14 @@ def _same(a: Any, b: Any) -> bool:
 
 def _one(c: dict[str, Any]) -> list[str]:
     kind, uop, path = c["kind"], c["uop"], c["path"]
-    tag = f"{kind} uop={uop} {c['optim']} after {c['steps']} steps"
-    src = C.wrap_ours(kind, uop)
+    tag = f"{kind} uop={uop} {c['strategy']} {c['optim']} after {c['steps']} steps"
+    strategy = fsdp_wrap.ShardingStrategy[c["strategy"]]
+    src = C.wrap_ours(kind, uop, sharding_strategy=strategy)
     sopt = OPTIMS[c["optim"]](src.parameters())
     C.train(src, sopt, kind, range(c["steps"]))
     with FSDP.state_dict_type(src, SHARDED):
         dcp.save({"optimizer": FSDP.optim_state_dict(src, sopt)}, checkpoint_id=path)
-    dst = C.wrap_ours(kind, uop, seed=3)
+    dst = C.wrap_ours(kind, uop, seed=3, sharding_strategy=strategy)
     with FSDP.state_dict_type(dst, fsdp_wrap.StateDictType.FULL_STATE_DICT):
         dst.load_state_dict(C.full_params(src), strict=False)
     dopt = OPTIMS[c["optim"]](dst.parameters())
