@@ -63,16 +63,20 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _one(c: dict[str, Any]) -> list[str]:
+def _one(c: dict[str, Any], mesh: Any = None) -> list[str]:
     kind, uop, path = c["kind"], c["uop"], c["path"]
-    tag = f"{kind} uop={uop} {c['strategy']} {c['optim']} after {c['steps']} steps"
-    strategy = fsdp_wrap.ShardingStrategy[c["strategy"]]
-    src = C.wrap_ours(kind, uop, sharding_strategy=strategy)
+    tag = f"{kind} uop={uop} {c['strategy']} {c.get('form', '')} {c['optim']} after {c['steps']} steps"
+    kw: dict[str, Any] = {"sharding_strategy": fsdp_wrap.ShardingStrategy[c["strategy"]]}
+    if c.get("form") == "tuple":
+        kw["process_group"] = (mesh.get_group("shard"), mesh.get_group("replicate"))
+    elif c.get("form") == "mesh":
+        kw["device_mesh"] = mesh
+    src = C.wrap_ours(kind, uop, **kw)
     sopt = OPTIMS[c["optim"]](src.parameters())
     C.train(src, sopt, kind, range(c["steps"]))
     with FSDP.state_dict_type(src, SHARDED):
         dcp.save({"optimizer": FSDP.optim_state_dict(src, sopt)}, checkpoint_id=path)
-    dst = C.wrap_ours(kind, uop, seed=3, sharding_strategy=strategy)
+    dst = C.wrap_ours(kind, uop, seed=3, **kw)
     with FSDP.state_dict_type(dst, fsdp_wrap.StateDictType.FULL_STATE_DICT):
         dst.load_state_dict(C.full_params(src), strict=False)
     dopt = OPTIMS[c["optim"]](dst.parameters())
@@ -114,6 +118,27 @@ def test_template_from_checkpoint_resumes_exactly(pool2: Any, pool3: Any, tmp_pa
     # 3 ranks: some parameters of "tied" and "lora" have fewer rows than ranks,
     # so a rank holds an empty chunk of their state (see state_dict/chunks.py)
     assert pool3.run(_sweep, _configs(str(tmp_path / "ws3"))) == [[], [], []]
+
+
+def _hybrid_configs(tmp: str) -> list[dict[str, Any]]:
+    return [dict(kind=kind, uop=uop, optim="adam", steps=2, strategy=s, form=form,
+                 path=os.path.join(tmp, f"{kind}-{uop}-{s}-{form}"))
+            for kind in ("seq", "tied") for uop in (False, True)
+            for s in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2") for form in ("tuple", "mesh")]
+
+
+def _hybrid_sweep(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # (a collective: once, up front) 2 replicas of 2-rank shard groups
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    return run_sweep(configs, lambda c: _one(c, mesh), inject=inject)
+
+
+def test_template_from_checkpoint_under_hybrid_sharding(pool4: Any, tmp_path: Any) -> None:
+    """4 ranks, 2 replicas of 2-rank shard groups, given as a process-group tuple
+    (ShardedTensor state) or a 2-D device mesh (DTensor state)."""
+    assert pool4.run(_hybrid_sweep, _hybrid_configs(str(tmp_path))) == [[]] * 4
 
 
 def _without_template(tmp: str) -> list[str]:
