@@ -219,16 +219,16 @@ def _accelerate_patches(patches: list[Any], originals: dict[int, Any]) -> None:
     module = sys.modules.get(_acc.MODULE)
     if module is None:
         def patch_when_imported(mod: types.ModuleType) -> None:
-            original = getattr(mod, _acc.FUNCTION, None)
-            if callable(original) and not hasattr(original, _acc._MARK):
+            original = _acc.original_in(mod)
+            if original is not None:
                 p = _Patch(mod, _acc.FUNCTION, _acc.wrap(original))
                 p.apply()
                 _applied.append(p)
 
         patches.append(_MetaPathEntry(_acc._AfterImport(_acc.MODULE, patch_when_imported)))
         return
-    original = getattr(module, _acc.FUNCTION, None)
-    if callable(original) and not hasattr(original, _acc._MARK):
+    original = _acc.original_in(module)
+    if original is not None:
         wrapped = _acc.wrap(original)
         originals[id(original)] = wrapped  # (accelerate.utils, the Trainer: rebound below)
         patches.append(_Patch(module, _acc.FUNCTION, wrapped))

@@ -63,6 +63,13 @@ def _should_seed(args: dict[str, Any]) -> bool:
     )
 
 
+def original_in(module: types.ModuleType) -> Callable[..., Any] | None:
+    """Accelerate's function in ``module``, or ``None`` if it is missing or
+    already wrapped."""
+    original = getattr(module, FUNCTION, None)
+    return original if callable(original) and not hasattr(original, _MARK) else None
+
+
 def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     """``load_fsdp_optimizer`` that first readies a stateless optimizer for the load."""
     signature = inspect.signature(original)

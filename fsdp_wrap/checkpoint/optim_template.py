@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+import fsdp_wrap.checkpoint._dcp as _dcp
 from fsdp_wrap.comm.collectives import global_rank
 from fsdp_wrap.state_dict.optim_index import _index
 
@@ -96,15 +96,14 @@ def init_optim_state_from_checkpoint(
     """
     if any(optim.state.values()):
         return 0
-    reader = FileSystemReader(os.fspath(checkpoint_id)) if isinstance(
-        checkpoint_id, (str, os.PathLike)) else checkpoint_id
-    try:
-        metadata = reader.read_metadata()
-    except FileNotFoundError as e:
-        raise FileNotFoundError(
-            f"[rank {global_rank()}] init_optim_state_from_checkpoint: no DCP checkpoint at "
-            f"{checkpoint_id!s} ({e}); pass the directory dcp.save wrote (it holds .metadata)"
-        ) from e
+    if isinstance(checkpoint_id, (str, os.PathLike)):
+        try:  # (the offline tool's reader: it tells a missing, incomplete or damaged one apart)
+            metadata = _dcp.read_metadata(os.fspath(checkpoint_id))
+        except (FileNotFoundError, ValueError) as e:
+            raise type(e)(f"[rank {global_rank()}] init_optim_state_from_checkpoint: {e}; "
+                          "pass the directory dcp.save wrote") from e
+    else:
+        metadata = checkpoint_id.read_metadata()
     prefix = f"{key}.state." if key else "state."
     stored = _stored_states(metadata, prefix)
     if not stored:
