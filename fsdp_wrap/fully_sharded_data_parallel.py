@@ -43,13 +43,15 @@ from fsdp_wrap.api import (
 from fsdp_wrap.comm.bucket import resolve_bucket_cap_mb
 from fsdp_wrap.comm.collectives import global_rank
 from fsdp_wrap.comm.gather_batch import resolve_all_gather_batch_mb
+from fsdp_wrap.comm.quant.config import CollectiveQuantization, resolve_quantization
+from fsdp_wrap.runtime.accumulation import AccumulationAPI, warn_if_partial
 from fsdp_wrap.runtime.names import clean_fqn
 from fsdp_wrap.runtime.state import TrainingState, UnitState
 from fsdp_wrap.state_dict.optim_api import OptimStateDictAPI
 
 __all__ = ["FullyShardedDataParallel", "OptimStateKeyType"]
 
-class FullyShardedDataParallel(UnitState, OptimStateDictAPI):
+class FullyShardedDataParallel(UnitState, OptimStateDictAPI, AccumulationAPI):
     """Shard a module's parameters across data-parallel ranks (FSDP1 semantics).
 
     The wrapped module's parameters (except those of nested FSDP units and
@@ -74,14 +76,19 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI):
     lazy initialisation: the outermost unit becomes the root and one
     ``all_gather_object`` checks that every rank built the same units.
 
-    Two keyword-only additions, whose root's values count for its whole tree
-    (:doc:`/options`): ``bucket_cap_mb`` (default
+    Keyword-only additions (:doc:`/options`); the first two count at the
+    root for its whole tree: ``bucket_cap_mb`` (default
     ``$FSDP_WRAP_BUCKET_CAP_MB``, else 1) reduces the gradients of
     consecutive units in one collective once their (unsharded,
     ``reduce_dtype``) bytes reach the cap; 0 reduces each unit on its own.
     ``all_gather_batch_mb`` (default ``$FSDP_WRAP_ALL_GATHER_BATCH_MB``, else
     1; 0: off) lets a unit whose gather is smaller gather the next units in
-    the same collective, within that many MiB.
+    the same collective, within that many MiB.  ``quantize_collectives``
+    (default ``$FSDP_WRAP_QUANTIZE_COLLECTIVES``, else off; a
+    :class:`~fsdp_wrap.CollectiveQuantization` or a string such as
+    ``"weights,grads"``) sends weights' all-gathers and/or gradients'
+    reductions as blockwise int8 (int4) codes, by default only where they
+    cross nodes; master weights, optimizer state and checkpoints stay exact.
 
     Example (under ``torchrun``, after ``dist.init_process_group``)::
 
@@ -115,6 +122,7 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI):
         *,
         bucket_cap_mb: float | None = None,
         all_gather_batch_mb: float | None = None,
+        quantize_collectives: CollectiveQuantization | str | None = None,
     ) -> None:
         super().__init__()
         if isinstance(module, FullyShardedDataParallel):
@@ -130,12 +138,14 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI):
         strategy = strategy or ShardingStrategy.FULL_SHARD
         cap_mb = resolve_bucket_cap_mb(bucket_cap_mb)
         batch_mb = resolve_all_gather_batch_mb(all_gather_batch_mb)
+        quant = resolve_quantization(quantize_collectives, f"[rank {global_rank()}] ")
         ignored_mods, ignored_params = _init.resolve_ignored(module, ignored_modules, ignored_states)
         self._ignored_modules, self._ignored_params = ignored_mods, ignored_params
         # 2. Process groups.
         pg_state, child_group = setup.init_process_groups(
             self, process_group, device_mesh, strategy, auto_wrap_policy is not None
         )
+        setup.init_wire(self, quant, pg_state, strategy, module)
         # 3. Children the policy picks become units of their own, with the
         # root's arguments (the ignored set resolved to parameters, as torch
         # passes it, so one-shot iterables are safe).
@@ -150,7 +160,7 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI):
                 sync_module_states=sync_module_states, forward_prefetch=forward_prefetch,
                 limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params,
                 ignored_states=list(ignored_params) if ignored_params else None,
-                device_mesh=device_mesh,
+                device_mesh=device_mesh, quantize_collectives=quant or "off",
             )
             _auto_wrap(module, auto_wrap_policy, ignored_mods, ignored_params, root_kwargs,
                        FullyShardedDataParallel)
@@ -365,6 +375,7 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI):
                 f"[rank {global_rank()}] clip_grad_norm_() must be called outside forward/backward "
                 f"(state {self.training_state})"
             )
+        warn_if_partial(self, "clip_grad_norm_()")
         max_norm, norm_type = float(max_norm), float(norm_type)
         sharded: list[torch.Tensor] = []
         nonsharded: list[torch.Tensor] = []
@@ -538,6 +549,11 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI):
                 )
             if st._comm_hook is not None:
                 raise AssertionError("A communication hook is already registered")
+            if st._wire.grads is not None or st._wire.replicas is not None:
+                raise AssertionError(
+                    "Communication hook is not supported with quantized gradient reductions "
+                    f"(quantize_collectives={st._quantize}) [rank {global_rank()}]: a hook "
+                    "replaces the reduction; quantize the weights only, or drop the hook")
         for st in states:
             st._comm_hook, st._comm_hook_state = hook, state
             for h in st._handles:

@@ -63,7 +63,10 @@ class UnitGrads(Protocol):
 
     @property
     def can_bucket_reduction(self) -> bool: ...
+    @property
+    def accumulating(self) -> bool: ...
     def reduce_gradient(self, sync: bool) -> None: ...
+    def reduce_taken(self, grad: torch.Tensor) -> None: ...
     def take_grad_for_reduction(self, sync: bool) -> torch.Tensor | None: ...
     def install_reduced_grad(self, reduced: torch.Tensor, release_input: bool = False) -> None: ...
 
@@ -176,7 +179,7 @@ class GradBuckets:
             _reduce_alone(unit, grad)
             return
         key = (spec.sharded, spec.reduce_dtype, grad.device, id(spec.group), spec.world_size,
-               spec.divide)
+               spec.divide, id(spec.wire))
         bucket = self._open
         if bucket.units and (key != bucket.key or bucket.nbytes + nbytes > self.cap_bytes):
             self._issue()
@@ -188,10 +191,18 @@ class GradBuckets:
         if bucket.nbytes >= self.cap_bytes:
             self._issue()
 
-    def finish(self) -> None:
-        """Reduce the open bucket and install every reduced gradient."""
+    def finish(self, wait_partial: bool = True) -> None:
+        """Reduce the open bucket and install every reduced gradient.
+
+        ``wait_partial=False`` (``set_is_last_backward(False)``): buckets whose
+        units all add to sharded partial sums (``unit.accumulating``: nothing
+        of theirs reaches ``.grad``) may stay in flight, to be finished by the
+        next call.
+        """
         self._issue()
         while self._in_flight:
+            if not wait_partial and all(u.accumulating for f in self._in_flight for u in f.units):
+                return
             self._wait()
 
     @property
@@ -241,9 +252,10 @@ class GradBuckets:
         if pre > 1:
             flat_in.div_(pre)
         if spec.sharded:
-            output = flat_in.new_empty(sum(widths))
-            work = C.reduce_scatter_sum(output, flat_in, spec.group, async_op=True,
-                                        input_is_scratch=True)
+            # (a coded wire's blocks start at each unit's columns: ``widths``)
+            output = flat_in.new_empty(sum(widths), dtype=spec.wire.sum_dtype(flat_in.dtype))
+            work = spec.wire.reduce_scatter(output, flat_in, spec.group, segments=widths,
+                                            async_op=True, input_is_scratch=True)
         else:
             output = flat_in
             work = C.all_reduce(output, spec.group, async_op=True)
@@ -270,7 +282,7 @@ class GradBuckets:
 
 def _reduce_alone(unit: UnitGrads, grad: torch.Tensor) -> None:
     """``unit``'s reduction on its own, as ``reduce_gradient`` does it."""
-    unit.install_reduced_grad(R.reduce_default(grad, unit.reduce_spec), release_input=True)
+    unit.reduce_taken(grad)
 
 
 def _copy_padded_columns(dst: torch.Tensor, grad: torch.Tensor) -> None:

@@ -33,8 +33,8 @@ from typing import Callable, Protocol, TypeVar
 import torch
 from torch.distributed import ProcessGroup
 
-import fsdp_wrap.comm.collectives as C
 from fsdp_wrap.comm.bucket import resolve_mb
+from fsdp_wrap.comm.quant.wire import Wire
 
 
 class GatherUnit(Protocol):
@@ -47,6 +47,7 @@ class GatherUnit(Protocol):
     process_group: ProcessGroup
     compute_dtype: torch.dtype
     async_gathers: bool
+    wire: Wire
 
     @property
     def computes_in_full_precision(self) -> bool: ...
@@ -108,6 +109,7 @@ def _plan(
             or nxt.computes_in_full_precision
             or nxt.process_group is not handle.process_group
             or nxt.compute_dtype != handle.compute_dtype
+            or nxt.wire is not handle.wire
             or nxt.device != handle.device
             or nbytes + nxt.gather_nbytes > cap_bytes
         ):
@@ -124,8 +126,9 @@ def _gather(batch: list[H]) -> None:
     widths = [t.numel() for t in inputs]
     send = torch.cat(inputs)
     world_size = batch[0].world_size
-    received = send.new_empty(world_size * send.numel())
-    C.all_gather_into(received, send, batch[0].process_group)
+    received = send.new_empty(world_size * send.numel(), dtype=batch[0].compute_dtype)
+    # (a coded wire's blocks start at each unit's shard: ``widths``)
+    batch[0].wire.all_gather(received, send, batch[0].process_group, segments=widths)
     rows = received.view(world_size, send.numel())
     col = 0
     for h, width in zip(batch, widths):

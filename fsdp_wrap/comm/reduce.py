@@ -14,6 +14,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 import fsdp_wrap.comm.collectives as C
+from fsdp_wrap.comm.quant.wire import EXACT, Wire
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class ReduceSpec:
     reduce_dtype: torch.dtype
     group: ProcessGroup
     replicate_group: ProcessGroup | None  # hybrid strategies: then all-reduced here
+    wire: Wire = EXACT  # how the collectives move their bytes (fsdp_wrap.comm.quant.wire)
 
 
 def pad_to(grad: torch.Tensor, numel: int) -> torch.Tensor:
@@ -39,11 +41,15 @@ def pad_to(grad: torch.Tensor, numel: int) -> torch.Tensor:
     return padded
 
 
-def reduce_default(grad: torch.Tensor, spec: ReduceSpec) -> torch.Tensor:
+def reduce_default(grad: torch.Tensor, spec: ReduceSpec, replicas: bool = True) -> torch.Tensor:
     """The mean over ranks: this rank's shard of it (sharded) or all of it (NO_SHARD).
 
     Divided by ``pre`` before and ``post`` after the sum (torch's split, which
-    keeps low-precision sums away from overflow); reduced in ``reduce_dtype``.
+    keeps low-precision sums away from overflow); reduced in ``reduce_dtype``
+    (float32 after decoding, where ``spec.wire`` codes the gradients).
+    ``replicas=False``: a hybrid strategy's replicate group is left out (sharded
+    accumulation adds these up and sums them over the replicas later, with
+    :func:`sum_over_replicas`).
     """
     pre, post = spec.divide
     if grad.dtype != spec.reduce_dtype:
@@ -52,21 +58,34 @@ def reduce_default(grad: torch.Tensor, spec: ReduceSpec) -> torch.Tensor:
         padded = pad_to(grad, spec.padded_numel)
         if pre > 1:
             padded.div_(pre)
-        reduced = grad.new_empty(spec.shard_numel)
+        reduced = grad.new_empty(spec.shard_numel, dtype=spec.wire.sum_dtype(grad.dtype))
         # ``padded`` is the gradient taken off the flat parameter (or a padded
         # or cast copy of it): nothing reads it after this reduction.
-        C.reduce_scatter_sum(reduced, padded, spec.group, input_is_scratch=True)
+        spec.wire.reduce_scatter(reduced, padded, spec.group, input_is_scratch=True)
     else:
         reduced = grad
         if pre > 1:
             reduced.div_(pre)
         if spec.world_size > 1:
-            C.all_reduce(reduced, spec.group)
-    if spec.replicate_group is not None:
-        C.all_reduce(reduced, spec.replicate_group)
+            reduced = spec.wire.all_reduce(reduced, spec.group)
+    if replicas and spec.replicate_group is not None:
+        reduced = spec.wire.all_reduce_replicas(reduced, spec.replicate_group)
     if post > 1:
         reduced.div_(post)
     return reduced
+
+
+def sum_over_replicas(shard: torch.Tensor, spec: ReduceSpec) -> torch.Tensor:
+    """The sum of ``shard`` over a hybrid strategy's replicate group, in the
+    dtype the replicas' all-reduce moves (``reduce_dtype``; float32 where it is
+    coded); ``shard`` itself where it can be reduced in place."""
+    if spec.replicate_group is None:
+        return shard
+    if spec.wire.replicas is None:
+        dtype = spec.wire.sum_dtype(spec.reduce_dtype)
+        if shard.dtype != dtype:
+            shard = shard.to(dtype)
+    return spec.wire.all_reduce_replicas(shard, spec.replicate_group)
 
 
 def reduce_with_hook(

@@ -9,6 +9,7 @@ from torch.distributed import ProcessGroup
 
 from fsdp_wrap.api import ShardingStrategy
 from fsdp_wrap.comm.collectives import DivideFactors
+from fsdp_wrap.comm.quant.wire import EXACT, Wire
 
 __all__ = ["HandleConfig"]
 
@@ -21,7 +22,8 @@ class HandleConfig:
     ``param_dtype``/``reduce_dtype``/``keep_low_precision_grads`` come from
     ``MixedPrecision``, ``offload_params`` from ``CPUOffload``;
     ``replicate_group`` is HYBRID_SHARD's group across replicas (``None``
-    otherwise); ``divide`` the gradient pre/post-divide factors.
+    otherwise); ``divide`` the gradient pre/post-divide factors; ``wire`` how
+    the unit's collectives move their bytes (``quantize_collectives``).
     """
 
     device: torch.device
@@ -38,3 +40,4 @@ class HandleConfig:
     replicate_group: ProcessGroup | None = None
     limit_all_gathers: bool = True
     use_full_prec_in_eval: bool = False
+    wire: Wire = EXACT

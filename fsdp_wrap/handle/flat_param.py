@@ -30,6 +30,7 @@ import torch.nn as nn
 import fsdp_wrap.comm.collectives as C
 import fsdp_wrap.comm.reduce as R
 from fsdp_wrap.api import RESHARD_AFTER_FORWARD, SHARDED_STRATEGIES
+from fsdp_wrap.comm.quant.wire import EXACT, Wire
 from fsdp_wrap.handle.config import HandleConfig
 from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME, FlatParameter, HandleState, _Gathered
 from fsdp_wrap.handle.grads import FlatGrads
@@ -121,6 +122,9 @@ class FlatParamHandle:
         self.compute_dtype = config.param_dtype or dtype
         self.reduce_dtype = config.reduce_dtype or config.param_dtype or dtype
         self.shard_device = torch.device("cpu") if config.offload_params else config.device
+        # Quantized collectives code floating-point data only (a 4-bit base's
+        # packed bytes travel as they are).
+        self.wire: Wire = config.wire if dtype.is_floating_point else EXACT
         self._dtypes_changed()
         self.layout = FlatLayout.build(
             [p.numel() for *_, p in params],
@@ -142,12 +146,14 @@ class FlatParamHandle:
             reduce_dtype=self.reduce_dtype,
             group=self.process_group,
             replicate_group=self.replicate_group,
+            wire=self.wire,
         )
         # Where the local shard starts, and how many of its elements hold data
         # (the rest is right padding); each parameter's slice of it.
         self.shard_offset = self.layout.shard_offset(self.rank)
         self.shard_valid_numel = self.layout.shard_valid_numel(self.rank)
         self._shard_slices = self.layout.shard_slices(self.rank)
+        self._pad_mask = self._alignment_padding_mask() if self.wire.weights else None
 
     def _init_flat_param(self, params: Sequence[tuple[str, nn.Module, str, nn.Parameter]]
                          ) -> torch.Tensor:
@@ -295,6 +301,9 @@ class FlatParamHandle:
                             or self.shard_device != self.device)
         self._may_skip_mp = self._use_full_prec_in_eval and (
             (self.compute_dtype, self.reduce_dtype) != (self.orig_dtype, self.orig_dtype))
+        # A coded compute copy is never the exact one summon and state dicts want.
+        self._full_copy_apart = (self.compute_dtype != self.orig_dtype
+                                 or self.wire.weights is not None)
 
     @property
     def computes_in_full_precision(self) -> bool:
@@ -344,7 +353,25 @@ class FlatParamHandle:
         return out.pin_memory() if pin and self.device.type == "cuda" else out
 
     def _slot(self, full_precision: bool) -> _Gathered:
-        return self._gathered[full_precision and self.compute_dtype != self.orig_dtype]
+        return self._gathered[full_precision and self._full_copy_apart]
+
+    def _coded_gather_source(self) -> torch.Tensor:
+        """What a coded all-gather encodes: the shard in the original dtype (no
+        rounding to the compute dtype first), alignment padding zeroed (its
+        ``PADDING_VALUE`` would set the scale of its block)."""
+        src = self.local_shard
+        if src.device != self.device:
+            src = src.to(self.device, non_blocking=True)
+        return src if self._pad_mask is None else src.masked_fill(self._pad_mask, 0)
+
+    def _alignment_padding_mask(self) -> torch.Tensor | None:
+        """The local shard's alignment padding (``None`` where it has none)."""
+        mask = torch.zeros(self.shard_numel, dtype=torch.bool)
+        mask[: self.shard_valid_numel] = True
+        for sl in self._shard_slices:
+            if sl is not None:
+                mask[sl[0] : sl[1]] = False
+        return mask.to(self.device) if bool(mask.any()) else None
 
     def _gather_source(self, dtype: torch.dtype) -> torch.Tensor:
         src = self.local_shard
@@ -361,6 +388,8 @@ class FlatParamHandle:
         """
         self.pre_unshard()
         slot = self._slot(full_precision)
+        if slot.valid and slot.version >= 0 and slot.version != self._shard_version():
+            slot.free()  # kept past a reshard, but the shard changed since (an optimizer step)
         if not self._needs_copy or slot.valid or slot.pending is not None:
             return
         dtype = self.orig_dtype if full_precision else self.compute_dtype
@@ -375,13 +404,14 @@ class FlatParamHandle:
             slot.buffer.copy_(self.local_shard, non_blocking=True)
             slot.valid = True
             return
-        src = self._gather_source(dtype)
+        coded = not full_precision and self.wire.weights is not None
+        src = self._coded_gather_source() if coded else self._gather_source(dtype)
         if slot.buffer is None or slot.buffer.dtype != dtype:
             slot.buffer = torch.empty(self.padded_numel, dtype=dtype, device=self.device)
         else:
             _ensure_storage(slot.buffer)
         slot.source = src  # keep the input alive until the gather finishes
-        slot.pending = C.all_gather_into(
+        slot.pending = (self.wire if coded else EXACT).all_gather(
             slot.buffer, src, self.process_group, async_op=self.async_gathers
         )
         if slot.pending is None:  # completed synchronously
@@ -402,8 +432,11 @@ class FlatParamHandle:
 
     def gather_input(self) -> torch.Tensor:
         """What this rank sends in an all-gather of the compute copy (its shard in
-        the compute dtype), after taking up replaced original parameters."""
+        the compute dtype; what a coded wire encodes), after taking up replaced
+        original parameters."""
         self.pre_unshard()
+        if self.wire.weights is not None:
+            return self._coded_gather_source()
         return self._gather_source(self.compute_dtype)
 
     def take_gathered(self, rows: torch.Tensor) -> None:
@@ -457,11 +490,22 @@ class FlatParamHandle:
             slot.wait()
             if free or full_precision or not self.uses_sharded_strategy:
                 slot.free()
+            elif slot.valid:
+                slot.version = self._shard_version()
         self.flat_param.data = self.local_shard
         self._current = None
         if self.state is HandleState.UNSHARDED:
             self.state = HandleState.SHARDED
             self.use_sharded_views()
+
+    def _shard_version(self) -> int:
+        """Grows whenever the shard is written in place between steps (an
+        optimizer steps the flat parameter, or with ``use_orig_params`` the
+        original parameters viewing it)."""
+        version = self.flat_param._version
+        if self.use_orig_params:
+            version += sum(info.param._version for info in self.infos)
+        return version
 
     def invalidate_unsharded(self) -> None:
         """The shard changed (load, writeback): drop any gathered copy."""

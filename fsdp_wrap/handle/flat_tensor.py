@@ -76,6 +76,7 @@ class _Gathered:
     valid: bool = False
     pending: C.Work | C.PendingWork | None = None
     source: torch.Tensor | None = None
+    version: int = -1  # the shard's version when kept past a reshard (see FlatParamHandle)
 
     def wait(self) -> None:
         if self.pending is not None:
@@ -83,6 +84,7 @@ class _Gathered:
             self.pending = None
             self.source = None
             self.valid = True
+            self.version = -1
 
     def free(self) -> None:
         """Release the memory but keep the storage *object* (resized to zero
@@ -91,3 +93,4 @@ class _Gathered:
         if self.buffer is not None:
             self.buffer.untyped_storage().resize_(0)
         self.valid = False
+        self.version = -1

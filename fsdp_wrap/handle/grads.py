@@ -57,6 +57,12 @@ class FlatGrads:
         # whether .grad holds an unreduced (no_sync) gradient.
         self._saved_grad_shard: torch.Tensor | None = None
         self.has_unreduced_grad = False
+        # Sharded accumulation (``set_requires_all_reduce(False)``, hybrid
+        # strategies): each backward's gradient is reduced over the shard group
+        # only and added to ``_partial``, a float32 shard; the replicas'
+        # all-reduce waits until it is required again.
+        self.requires_all_reduce = True
+        self._partial: torch.Tensor | None = None
 
     def retype(self, dtypes: tuple[torch.dtype, torch.dtype, torch.dtype],
                reduce_spec: R.ReduceSpec) -> None:
@@ -126,10 +132,64 @@ class FlatGrads:
         if grad is None:
             return
         if self.comm_hook is not None:
-            reduced = R.reduce_with_hook(grad, self.reduce_spec, *self.comm_hook)
+            self.install_reduced_grad(R.reduce_with_hook(grad, self.reduce_spec, *self.comm_hook))
         else:
-            reduced = R.reduce_default(grad, self.reduce_spec)
-        self.install_reduced_grad(reduced, release_input=self.comm_hook is None)
+            self.reduce_taken(grad)
+
+    def reduce_taken(self, grad: torch.Tensor) -> None:
+        """Reduce ``grad`` (taken by :meth:`take_grad_for_reduction`) on its own
+        and install the result (or, accumulating, add it to the partial sum)."""
+        spec = self.reduce_spec
+        if self.accumulating:
+            self.install_reduced_grad(R.reduce_default(grad, spec, replicas=False),
+                                      release_input=True)
+        elif self._partial is not None:
+            partial = self._take_partial(R.reduce_default(grad, spec, replicas=False))
+            self.install_reduced_grad(R.sum_over_replicas(partial, spec), release_input=True)
+        else:
+            self.install_reduced_grad(R.reduce_default(grad, spec), release_input=True)
+
+    # ------------------------------------------------ sharded accumulation
+
+    @property
+    def accumulating(self) -> bool:
+        """Whether reductions stop at the shard group and add up in ``_partial``
+        (``set_requires_all_reduce(False)`` on a hybrid unit)."""
+        return not self.requires_all_reduce and self.reduce_spec.replicate_group is not None
+
+    @property
+    def holds_partial(self) -> bool:
+        """Whether micro-batches' gradients wait for the replicas' all-reduce."""
+        return self._partial is not None
+
+    def _add_partial(self, shard: torch.Tensor) -> None:
+        """``_partial += shard`` (the shard group's mean part of one backward).
+
+        In float32 (or the reduce dtype, if wider): the sum of many
+        micro-batches in a low ``reduce_dtype`` would round at every addition.
+        """
+        if self._partial is None:
+            dtype = torch.promote_types(shard.dtype, torch.float32)
+            self._partial = torch.empty(shard.numel(), dtype=dtype, device=shard.device)
+            self._partial.copy_(shard)
+        else:
+            self._partial.add_(shard)
+
+    def _take_partial(self, shard: torch.Tensor | None) -> torch.Tensor:
+        """The partial sum (plus ``shard``, this backward's part), handed over."""
+        partial = self._partial
+        if partial is None:
+            raise RuntimeError("FSDP internal: no partial gradient sum to take")
+        self._partial = None
+        return partial if shard is None else partial.add_(shard)
+
+    def flush_partial(self) -> None:
+        """At the end of a backward that requires the all-reduce: a partial sum
+        that got no gradient in it (the unit was unused) is all-reduced and
+        installed all the same, so no micro-batch is lost."""
+        if self._partial is not None and not self.accumulating:
+            total = R.sum_over_replicas(self._take_partial(None), self.reduce_spec)
+            self.install_reduced_grad(total, release_input=True)
 
     @property
     def can_bucket_reduction(self) -> bool:
@@ -137,11 +197,17 @@ class FlatGrads:
 
         Not with a communication hook (it is called once per unit, with that
         unit's tensors: torch's protocol), not with hybrid strategies (the
-        replicate-group all-reduce follows each unit's reduce-scatter), and
-        not at world size 1 (there is no collective to save).
+        replicate-group all-reduce follows each unit's reduce-scatter) unless
+        accumulating (then only the reduce-scatter runs), not NO_SHARD with
+        coded gradients, and not at world size 1 (there is no collective to
+        save).
         """
         spec = self.reduce_spec
-        return self.comm_hook is None and spec.replicate_group is None and spec.world_size > 1
+        if self.comm_hook is not None or spec.world_size <= 1:
+            return False
+        if spec.replicate_group is not None:
+            return self.accumulating  # (the shard group's part alone)
+        return spec.sharded or spec.wire.grads is None  # (a coded NO_SHARD sum goes alone)
 
     def take_grad_for_reduction(self, sync: bool) -> torch.Tensor | None:
         """The local unsharded gradient to reduce now, taken off ``flat_param``.
@@ -167,7 +233,8 @@ class FlatGrads:
         return grad
 
     def install_reduced_grad(self, reduced: torch.Tensor, release_input: bool = False) -> None:
-        """Make ``reduced`` (the mean, this rank's shard or all of it) ``flat_param.grad``.
+        """Make ``reduced`` (the mean, this rank's shard or all of it) ``flat_param.grad``;
+        accumulating, add it (the shard group's part) to the partial sum instead.
 
         It is returned to the original dtype (unless
         ``keep_low_precision_grads``) and to CPU when offloading; a gradient
@@ -175,6 +242,12 @@ class FlatGrads:
         ``reduced`` is fsdp_wrap's own (no user hook kept it), so once cast its
         storage is freed at once (:func:`fsdp_wrap.comm.collectives.release`).
         """
+        if self.accumulating:
+            # (the shard group's part only: it waits for the replicas' all-reduce)
+            self._add_partial(reduced)
+            if release_input:
+                C.release(reduced)
+            return
         # The sharded gradient matches the master parameter's dtype, or stays in
         # the compute dtype with keep_low_precision_grads (as torch leaves it).
         grad_dtype = self.compute_dtype if self.keep_low_precision_grads else self.orig_dtype

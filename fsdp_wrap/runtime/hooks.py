@@ -114,6 +114,8 @@ def root_pre_forward(state: UnitState, args: tuple[Any, ...], kwargs: dict[str, 
         # evaluation forward with grad enabled).  Free what it kept: the shards
         # may change (optimizer step) before the next gather.
         finalize_units(state, free_all=True)
+    elif not state._grad_buckets.idle:
+        state._grad_buckets.finish()  # (left going by set_is_last_backward(False))
     if state.compute_device.type != "cpu":
         args, kwargs = _to_device((args, kwargs), state.compute_device)
     return args, kwargs
@@ -216,10 +218,9 @@ def _register_frozen_free(state: UnitState, inputs: Any) -> None:
         state._frozen_open_graphs -= 1
         if state._frozen_open_graphs > 0:
             return
-        sync = state._sync_gradients
         for h in state._handles:
             if not h.flat_param.requires_grad and (h.is_unsharded or h.holds_unsharded_storage):
-                h.reshard(free=h.uses_sharded_strategy and (sync or h.reshard_after_forward))
+                h.reshard(free=frees_after_backward(state, h))
 
     registered.append(torch.autograd.graph.register_multi_grad_hook(tensors, free_frozen))
 
@@ -325,7 +326,7 @@ def make_post_backward_hook(state: UnitState, handle: FlatParamHandle) -> Callab
             return  # (the model is gone; a gradient computed after that is the caller's)
         _queue_final_callback(state._root)
         sync = state._sync_gradients
-        handle.reshard(free=handle.uses_sharded_strategy and (sync or handle.reshard_after_forward))
+        handle.reshard(free=frees_after_backward(state, handle))
         if state.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             _prefetch_backward(state)
         if sync and state._optims_in_backward:
@@ -358,10 +359,24 @@ def make_early_free_hook(state: UnitState, handle: FlatParamHandle) -> Callable[
         """All of this unit's parameter gradients are computed: its gathered
         parameters are no longer needed (unless SHARD_GRAD_OP keeps them under
         ``no_sync``)."""
-        if handle.uses_sharded_strategy and (state._sync_gradients or handle.reshard_after_forward):
+        if frees_after_backward(state, handle):
             handle.free_unsharded_storage()
 
     return free_early
+
+
+def frees_after_backward(state: UnitState, handle: FlatParamHandle) -> bool:
+    """Whether ``handle`` frees its gathered parameters once its backward is done.
+
+    FSDP1's rule: a sharded unit does, except SHARD_GRAD_OP-like units under
+    ``no_sync`` (the next micro-batch reuses them).
+    ``set_reshard_after_backward`` overrides it either way.
+    """
+    if not handle.uses_sharded_strategy:
+        return False
+    if state._reshard_after_backward is not None:
+        return state._reshard_after_backward
+    return state._sync_gradients or handle.reshard_after_forward
 
 
 def _next_backward_pending(root: UnitState, handle: FlatParamHandle) -> FlatParamHandle | None:
@@ -410,10 +425,16 @@ def finalize_units(root: UnitState, free_all: bool) -> None:
     """
     # First: until a bucket is reduced its units' flat_param.grad is None,
     # which restore_parked_grad below would take for "no gradient this step".
-    root._grad_buckets.finish()
+    # (Not the last backward: reductions feeding partial sums only may go on.)
+    if free_all or root._is_last_backward:
+        root._grad_buckets.finish()
+    else:
+        root._grad_buckets.finish(wait_partial=False)
+    for handle in root._all_handles:
+        handle.grads.flush_partial()  # (all-reduced, though unused this backward)
     for state in root._all_fsdp_states:
         for handle in state._handles:
-            keep = not free_all and not state._sync_gradients and not handle.reshard_after_forward
+            keep = not free_all and not frees_after_backward(state, handle)
             if handle.is_unsharded or handle.holds_unsharded_storage:
                 handle.reshard(free=not keep)
             handle.grads.restore_parked_grad()

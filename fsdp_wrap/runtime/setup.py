@@ -16,6 +16,7 @@ import torch.nn as nn
 import fsdp_wrap.comm.collectives as C
 import fsdp_wrap.runtime.construct as construct
 from fsdp_wrap.api import (
+    HYBRID_STRATEGIES,
     BackwardPrefetch,
     CPUOffload,
     FullOptimStateDictConfig,
@@ -25,6 +26,8 @@ from fsdp_wrap.api import (
     StateDictType,
 )
 from fsdp_wrap.comm.bucket import GradBuckets
+from fsdp_wrap.comm.quant.config import QuantSpec
+from fsdp_wrap.comm.quant.wire import build_wire
 from fsdp_wrap.handle.config import HandleConfig
 from fsdp_wrap.handle.flat_param import FlatParamHandle
 from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME
@@ -40,6 +43,7 @@ from fsdp_wrap.runtime.state import TrainingState, UnitState, is_unit
 
 __all__ = [
     "init_process_groups",
+    "init_wire",
     "init_settings",
     "init_runtime_state",
     "place_module",
@@ -67,6 +71,19 @@ def init_process_groups(
     if pg_state.replicate_group is not None and device_mesh is None:
         process_group = (pg_state.group, pg_state.replicate_group)
     return pg_state, process_group
+
+
+def init_wire(state: UnitState, quant: QuantSpec | None, pg_state: construct.ProcessGroupState,
+              strategy: ShardingStrategy, module: nn.Module) -> None:
+    """How the unit's collectives move their bytes (``quantize_collectives``):
+    checked here, before the handle is built and before any collective of
+    the unit (it may create sub-groups for a group spanning nodes)."""
+    label = f"[rank {C.global_rank()}] FSDP unit of {type(module).__name__}: "
+    state._quantize = quant
+    state._wire = build_wire(
+        quant, pg_state.group,
+        pg_state.replicate_group if pg_state.replicate_size > 1 else None,
+        hybrid=strategy in HYBRID_STRATEGIES, label=label)
 
 
 def init_settings(
@@ -101,6 +118,8 @@ def init_runtime_state(state: UnitState, bucket_cap_mb: float, batch_mb: float) 
     # Plain attribute, not a submodule: the root is not a child of its units.
     object.__setattr__(state, "_root", state)
     state._sync_gradients = True
+    state._reshard_after_backward = None
+    state._is_last_backward = True
     state._ran_pre_backward = False
     state._final_callback_queued = False
     state._forward_pending_backward = False
@@ -173,6 +192,7 @@ def build_handle(
             replicate_group=state._inter_node_pg if pg_state.replicate_size > 1 else None,
             limit_all_gathers=state.limit_all_gathers,
             use_full_prec_in_eval=state._use_full_prec_in_eval,
+            wire=state._wire,
         )
         for i, (group, group_shared) in enumerate(split_unit_params(params, shared)):
             name = FLAT_PARAM_NAME if i == 0 else f"{FLAT_PARAM_NAME}_{i}"

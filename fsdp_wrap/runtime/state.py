@@ -27,6 +27,8 @@ if TYPE_CHECKING:
         StateDictType,
     )
     from fsdp_wrap.comm.bucket import GradBuckets
+    from fsdp_wrap.comm.quant.config import QuantSpec
+    from fsdp_wrap.comm.quant.wire import Wire
     from fsdp_wrap.handle.flat_param import FlatParamHandle
     from fsdp_wrap.runtime.exec_order import ExecOrder
 
@@ -82,6 +84,8 @@ class UnitState(nn.Module):
     _use_full_prec_in_eval: bool
     _sync_module_states: bool
     _comm_hook: Callable[..., Any] | None
+    _quantize: QuantSpec | None  # quantize_collectives, resolved
+    _wire: Wire  # how the unit's collectives move bytes (fsdp_wrap.comm.quant.wire)
     _comm_hook_state: object
     # state-dict settings
     _state_dict_type: StateDictType
@@ -97,6 +101,9 @@ class UnitState(nn.Module):
     _hooked_handles: set[FlatParamHandle]  # flat parameters whose gradient hooks are registered
     _buffers_in_full_precision: bool
     _optims_in_backward: bool
+    # accumulation controls (fsdp_wrap.runtime.accumulation)
+    _reshard_after_backward: bool | None  # None: FSDP1's rule
+    _is_last_backward: bool  # (the root's counts)
     # the tree (root bookkeeping)
     _is_root: bool | None  # None until lazy init
     _root: UnitState
