@@ -44,6 +44,7 @@ from fsdp_wrap.handle.layout import (
     check_flat_group,
     check_unit_params,
     flatten_params,
+    is_quantized,
     shard_from_params,
 )
 from fsdp_wrap.handle.views import ParamViews
@@ -122,9 +123,11 @@ class FlatParamHandle:
         self.compute_dtype = config.param_dtype or dtype
         self.reduce_dtype = config.reduce_dtype or config.param_dtype or dtype
         self.shard_device = torch.device("cpu") if config.offload_params else config.device
-        # Quantized collectives code floating-point data only (a 4-bit base's
-        # packed bytes travel as they are).
-        self.wire: Wire = config.wire if dtype.is_floating_point else EXACT
+        # Quantized collectives code floating-point values only: a flat
+        # parameter holding a 4-bit base's packed bytes (stored as integers or
+        # as ``bnb_4bit_quant_storage`` floats) travels as it is.
+        packed = not dtype.is_floating_point or any(is_quantized(p) for *_, p in params)
+        self.wire: Wire = EXACT if packed else config.wire
         self._dtypes_changed()
         self.layout = FlatLayout.build(
             [p.numel() for *_, p in params],

@@ -74,8 +74,8 @@ class _Plan:
         """Grid positions of the row's elements, in order."""
         return _valid_index(self, device)
 
-    def block_lengths(self, device: torch.device) -> torch.Tensor:
-        return _block_lengths(self, device)
+    def block_index(self, device: torch.device) -> torch.Tensor:
+        return _block_index(self, device)
 
 
 @functools.lru_cache(maxsize=512)
@@ -99,12 +99,9 @@ def _valid_index(plan: _Plan, device: torch.device) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=512)
-def _block_lengths(plan: _Plan, device: torch.device) -> torch.Tensor:
-    lengths: list[int] = []
-    for n in plan.segments:
-        full, rest = divmod(n, plan.block)
-        lengths += [plan.block] * full + ([rest] if rest else [])
-    return torch.tensor(lengths, dtype=torch.long, device=device)
+def _block_index(plan: _Plan, device: torch.device) -> torch.Tensor:
+    """The block of each of the row's elements."""
+    return torch.div(_valid_index(plan, device), plan.block, rounding_mode="floor")
 
 
 def _segments(n: int, segments: Sequence[int] | None) -> tuple[int, ...]:
@@ -181,7 +178,7 @@ def decode_row(packet: torch.Tensor, codec: Codec, segments: Sequence[int] | Non
     if plan.aligned:
         vals = codes.view(plan.blocks, plan.block).mul_(scale.unsqueeze(1)).view(-1)
     else:
-        vals = codes.mul_(scale.repeat_interleave(plan.block_lengths(packet.device)))
+        vals = codes.mul_(scale.index_select(0, plan.block_index(packet.device)))
     out.copy_(vals)
     return out
 
@@ -203,4 +200,4 @@ def error_bound(x: torch.Tensor, codec: Codec,
     flat.index_copy_(0, plan.valid_index(x.device), x.float().reshape(-1))
     absmax = flat.view(plan.blocks, plan.block).abs().amax(dim=1)
     per_block = absmax / codec.qmax / 2 + 4 * _U32 * absmax
-    return per_block.repeat_interleave(plan.block_lengths(x.device))
+    return per_block.index_select(0, plan.block_index(x.device))

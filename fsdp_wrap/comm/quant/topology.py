@@ -107,7 +107,7 @@ def hierarchy(group: ProcessGroup, topo: Topology, rank_tag: str, what: str) -> 
     if len(distinct) == 1:
         return None
     per_node = len(ranks) // len(distinct)
-    expected = [distinct[i // per_node] for i in range(len(ranks))]
+    expected = [distinct[min(i // per_node, len(distinct) - 1)] for i in range(len(ranks))]
     if nodes != expected or ranks != sorted(ranks) or per_node * len(distinct) != len(ranks):
         raise ValueError(
             f"{rank_tag}{what}: a quantized collective across nodes routes through one "

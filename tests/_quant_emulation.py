@@ -1,0 +1,341 @@
+"""A plain replicated model that applies fsdp_wrap's quantize/dequantize itself.
+
+The reference for quantized collectives (tests/test_quantized_collectives.py)
+and for sharded accumulation (tests/test_accumulation.py): every rank keeps
+a full master copy of the model and a compute copy; per step it
+
+1. builds each flat parameter from the master copy in the fsdp_wrap model's
+   layout (read from its handles: order, offsets, padding, shard size), and
+   gives the compute copy what a rank gathers: each shard passed through
+   :func:`fsdp_wrap.comm.quant.codec.roundtrip` where the unit's wire codes
+   the weights, else the shard as it is, cast to the compute dtype;
+2. runs forward and backward on this rank's data;
+3. all-gathers every rank's local flat gradient exactly (``dist.all_gather``)
+   and computes, for every shard, the mean gradient with the same operations
+   in the same order as the fsdp_wrap path: cast to ``reduce_dtype``, divide
+   by ``pre``, then the sums (exact ones as gloo adds two ranks, ``a + b``;
+   coded ones as decoded float32 values added in source-rank order), the
+   replicas' sum, divide by ``post``;
+4. steps its optimizer on the master copy.
+
+Nothing is shared with the fsdp_wrap code under test but the codec's pure
+functions (tested on their own against the error bound) and the layout.
+The exact sums are written for groups of at most two ranks (gloo's order
+of a longer sum is its own), which is what the tests use: 2 ranks, or 4 as
+2 nodes x 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fsdp_wrap.comm.collectives import divide_factors
+from fsdp_wrap.comm.quant.codec import Codec, roundtrip
+from fsdp_wrap.comm.quant.wire import EXACT, Wire
+
+
+@dataclass
+class Unit:
+    """One flat parameter of the fsdp_wrap model, as the emulation needs it."""
+
+    names: list[str]  # the plain model's parameter names, in flat order
+    offsets: list[int]
+    numels: list[int]
+    padded: int
+    shard: int
+    trainable: bool
+    sharded: bool
+    compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    wire: Wire
+
+
+def units_of(model: nn.Module) -> list[Unit]:
+    """The flat parameters of an (initialised) fsdp_wrap model."""
+    out = []
+    for h in model._all_handles:  # type: ignore[attr-defined]
+        prefix = h.unit_fqn + "." if h.unit_fqn else ""
+        out.append(Unit(
+            names=[prefix + i.fqn for i in h.infos], offsets=[i.offset for i in h.infos],
+            numels=[i.numel for i in h.infos], padded=h.padded_numel, shard=h.shard_numel,
+            trainable=h.flat_param.requires_grad, sharded=h.uses_sharded_strategy,
+            compute_dtype=h.compute_dtype,
+            reduce_dtype=h.reduce_dtype, wire=h.wire))
+    return out
+
+
+def fold(values: list[torch.Tensor]) -> torch.Tensor:
+    """``((v0 + v1) + v2) + ...`` in the first value's dtype."""
+    acc = values[0].clone()
+    for v in values[1:]:
+        acc.add_(v)
+    return acc
+
+
+def decoded_sum(values: list[torch.Tensor], codec: Codec) -> torch.Tensor:
+    """Each value through the codec, added in float32 in order (a coded reduce-scatter)."""
+    return fold([roundtrip(v, codec) for v in values])
+
+
+def coded_all_reduce(values: list[torch.Tensor], codec: Codec) -> torch.Tensor:
+    """What :func:`fsdp_wrap.comm.quant.collectives.all_reduce` returns for the
+    ranks' ``values``: pieces summed decoded, then each piece coded again."""
+    ws, n = len(values), values[0].numel()
+    piece = -(-n // ws)
+    padded = []
+    for v in values:
+        p = torch.zeros(ws * piece)
+        p[:n] = v.float()
+        padded.append(p)
+    sums = [decoded_sum([p[j * piece:(j + 1) * piece] for p in padded], codec) for j in range(ws)]
+    return torch.cat([roundtrip(s, codec) for s in sums])[:n]
+
+
+class Layout:
+    """Where the ranks sit: ``shard_groups[k]`` (global ranks, group order) and,
+    for hybrid strategies, the replicas; ``nodes``: ranks per node (2 x 2 at 4)."""
+
+    def __init__(self, hybrid: bool, per_node: int = 2) -> None:
+        ws = dist.get_world_size()
+        self.hybrid, self.per_node = hybrid, per_node
+        if hybrid:
+            self.shard_groups = [list(range(i, i + per_node)) for i in range(0, ws, per_node)]
+        else:
+            self.shard_groups = [list(range(ws))]
+        self.total = ws
+
+    def my_group(self) -> list[int]:
+        me = dist.get_rank()
+        return next(g for g in self.shard_groups if me in g)
+
+
+class Emulation:
+    """See the module docstring.  ``make_opt(params)`` builds the optimizer."""
+
+    def __init__(self, base: nn.Module, fsdp_model: nn.Module, layout: Layout,
+                 make_opt: Callable[[Any], torch.optim.Optimizer],
+                 buffer_dtype: torch.dtype | None = None) -> None:
+        self.master = copy.deepcopy(base)
+        self.compute = copy.deepcopy(base)
+        if buffer_dtype is not None:  # (MixedPrecision.buffer_dtype)
+            for b in self.compute.buffers():
+                if b.is_floating_point():
+                    b.data = b.data.to(buffer_dtype)
+        self.units = units_of(fsdp_model)
+        self.layout = layout
+        self.params = dict(self.master.named_parameters())
+        self.cparams = dict(self.compute.named_parameters())
+        self.opt = make_opt(self.master.parameters())
+        # the largest change coding made to a weight and to a gradient (tests
+        # check it is not zero: a comparison that coding never touched proves little)
+        self.moved = {"weights": 0.0, "grads": 0.0}
+
+    # ------------------------------------------------------------ weights
+
+    def _flat(self, u: Unit, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        flat = torch.zeros(u.padded, dtype=dtype)
+        for name, off, n in zip(u.names, u.offsets, u.numels):
+            t = tensors.get(name)
+            if t is not None:
+                flat[off:off + n] = t.detach().reshape(-1).to(dtype)
+        return flat
+
+    def load_compute(self) -> None:
+        """The compute copy gets what a rank of each unit gathers."""
+        for u in self.units:
+            master = self._flat(u, self.params, self.params[u.names[0]].dtype)
+            codec = u.wire.weights
+            if codec is None:
+                values = master.to(u.compute_dtype)
+            else:
+                shards = master.view(-1, u.shard)
+                coded = torch.cat([roundtrip(s, codec) for s in shards])
+                self._moved("weights", coded, master)
+                values = coded.to(u.compute_dtype)
+            with torch.no_grad():
+                for name, off, n in zip(u.names, u.offsets, u.numels):
+                    p = self.cparams[name]
+                    p.data = values[off:off + n].view(p.shape).clone()
+
+    # --------------------------------------------------------- gradients
+
+    def reduce(self, u: Unit, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The mean flat gradient (all shards) from every rank's local one."""
+        pre, post = divide_factors(self.layout.total)
+        scaled = [(g.to(u.reduce_dtype) / pre) if pre > 1 else g.to(u.reduce_dtype)
+                  for g in grads]
+        if not u.sharded and not self.layout.hybrid:
+            total = self._all_reduce(scaled, u)
+            return total / post if post > 1 else total
+        shard_sums = []  # per shard group: its sum over the group, flat
+        for group in self.layout.shard_groups:
+            chunks = [scaled[r].view(len(group), u.shard) for r in group]
+            shard_sums.append(torch.cat([self._group_sum([c[d] for c in chunks], u)
+                                         for d in range(len(group))]))
+        if self.layout.hybrid and len(self.layout.shard_groups) > 1:
+            width = len(self.layout.shard_groups[0])
+            cols = []
+            for d in range(width):
+                piece = [s.view(width, u.shard)[d] for s in shard_sums]
+                if u.wire.replicas is not None:
+                    cols.append(coded_all_reduce(piece, u.wire.replicas))
+                else:
+                    cols.append(fold(piece))
+            total = torch.cat(cols)
+        else:
+            total = shard_sums[0]
+        return total / post if post > 1 else total
+
+    def _moved(self, what: str, coded: torch.Tensor, exact: torch.Tensor) -> None:
+        diff = (coded.double() - exact.double()).abs().nan_to_num(0.0)
+        self.moved[what] = max(self.moved[what], float(diff.max()) if diff.numel() else 0.0)
+
+    def _all_reduce(self, values: list[torch.Tensor], u: Unit) -> torch.Tensor:
+        """NO_SHARD's sum over all ranks (exact, coded, or coded between nodes)."""
+        codec, hier = u.wire.grads, u.wire.hierarchy
+        if codec is None:
+            return fold(values)
+        if hier is None:
+            return coded_all_reduce(values, codec)
+        per, n = self.layout.per_node, values[0].numel()
+        piece = -(-n // per)
+        padded = [torch.cat([v, v.new_zeros(per * piece - n)]) for v in values]
+        nodes = [padded[i:i + per] for i in range(0, len(padded), per)]
+        parts = []
+        for local in range(per):  # the ranks of one local index, node after node
+            node_sums = [fold([p[local * piece:(local + 1) * piece] for p in node])
+                         for node in nodes]
+            parts.append(coded_all_reduce(node_sums, codec))
+        return torch.cat(parts)[:n]
+
+    def _group_sum(self, rows: list[torch.Tensor], u: Unit) -> torch.Tensor:
+        """One shard's sum over a shard group (rows in group-rank order)."""
+        codec, hier = u.wire.grads, u.wire.hierarchy
+        if codec is None:
+            return fold(rows)
+        if hier is None:
+            return decoded_sum(rows, codec)
+        per = self.layout.per_node
+        node_sums = [fold(rows[i:i + per]) for i in range(0, len(rows), per)]
+        return decoded_sum(node_sums, codec)
+
+    def step(self, x: torch.Tensor, loss_of: Callable[[torch.Tensor], torch.Tensor],
+             cast_input: torch.dtype | None = None) -> torch.Tensor:
+        """One optimizer step on this rank's ``x``; returns the loss."""
+        self.load_compute()
+        self.compute.zero_grad(set_to_none=True)
+        inp = x.to(cast_input) if cast_input is not None and x.is_floating_point() else x
+        loss = loss_of(self.compute(inp))
+        loss.backward()
+        cgrads = {n: p.grad for n, p in self.cparams.items() if p.grad is not None}
+        for u in self.units:
+            if not u.trainable:
+                continue
+            local = self._flat(u, cgrads, u.compute_dtype)
+            everyone = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+            dist.all_gather(everyone, local)
+            mean = self.reduce(u, everyone)
+            if not u.wire.is_exact and u.trainable:
+                self._moved("grads", mean, self.reduce(dataclasses.replace(u, wire=EXACT),
+                                                       everyone))
+            for name, off, n in zip(u.names, u.offsets, u.numels):
+                p = self.params[name]
+                p.grad = mean[off:off + n].view(p.shape).to(p.dtype).clone()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+# ---------------------------------------------------------------------------
+# building a model pair for a configuration (tests of quantization and accumulation)
+# ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def nodes_of(per_node: int | None) -> Iterator[None]:
+    """Inside: the environment torchrun gives ``per_node`` ranks per node
+    (``LOCAL_WORLD_SIZE``, ``LOCAL_RANK``; ``None``: unset); restored after."""
+    saved = {k: os.environ.get(k) for k in ("LOCAL_WORLD_SIZE", "LOCAL_RANK")}
+    if per_node is None:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+        os.environ.pop("LOCAL_RANK", None)
+    else:
+        os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
+        os.environ["LOCAL_RANK"] = str(dist.get_rank() % per_node)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def model_input(model: str, gen: torch.Generator) -> torch.Tensor:
+    from tests.models import float_input, transformer_input
+
+    return transformer_input(gen) if model == "transformer" else float_input(gen)
+
+
+def build_pair(cfg: dict[str, Any], lr: float = 0.1) -> tuple[nn.Module, Emulation,
+                                                                torch.optim.Optimizer]:
+    """fsdp_wrap and its :class:`Emulation` for ``cfg``: ``model``
+    ("transformer" | "lora"), ``strategy``, ``uop``, optional ``groups``
+    ("mesh" | "tuple": hybrid 2 x 2), ``mp`` (a dtype: param, reduce and buffer
+    dtype; "reduce": fp32 compute, bf16 reduction), ``offload``, ``quant``,
+    ``cap``, ``batch``, ``limit``; SGD at ``lr`` on both."""
+    import fsdp_wrap
+    from tests.models import LoraNet, TinyTransformer, lora_policy, transformer_policy
+
+    torch.manual_seed(cfg.get("seed", 0))
+    base: nn.Module = TinyTransformer() if cfg["model"] == "transformer" else LoraNet()
+    policy = transformer_policy("ours") if cfg["model"] == "transformer" else lora_policy("ours")
+    kw: dict[str, Any] = dict(
+        sharding_strategy=fsdp_wrap.ShardingStrategy[cfg["strategy"]],
+        use_orig_params=cfg["uop"], auto_wrap_policy=policy,
+        bucket_cap_mb=cfg.get("cap"), all_gather_batch_mb=cfg.get("batch"),
+        limit_all_gathers=cfg.get("limit", True),
+        quantize_collectives=cfg.get("quant") or "off")
+    hybrid = "HYBRID" in cfg["strategy"]
+    if hybrid:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        if cfg.get("groups", "mesh") == "mesh":
+            kw["device_mesh"] = mesh
+        else:
+            kw["process_group"] = (mesh.get_group("shard"), mesh.get_group("replicate"))
+    mp, buffer_dtype = cfg.get("mp"), None
+    if mp == "reduce":
+        kw["mixed_precision"] = fsdp_wrap.MixedPrecision(reduce_dtype=torch.bfloat16)
+    elif mp is not None:
+        kw["mixed_precision"] = fsdp_wrap.MixedPrecision(param_dtype=mp, reduce_dtype=mp,
+                                                         buffer_dtype=mp)
+        buffer_dtype = mp
+    if cfg.get("offload"):
+        kw["cpu_offload"] = fsdp_wrap.CPUOffload(offload_params=True)
+    ours = fsdp_wrap.FullyShardedDataParallel(copy.deepcopy(base), **kw)
+    ours._lazy_init()
+    emu = Emulation(base, ours, Layout(hybrid), lambda ps: torch.optim.SGD(ps, lr=lr),
+                    buffer_dtype=buffer_dtype)
+    return ours, emu, torch.optim.SGD(ours.parameters(), lr=lr)
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """An fsdp_wrap model's full parameters by clean name (an exact gather)."""
+    import fsdp_wrap
+
+    with fsdp_wrap.FullyShardedDataParallel.summon_full_params(model, writeback=False):
+        return {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone()
+                for n, p in model.named_parameters()}

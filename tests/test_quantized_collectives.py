@@ -1,0 +1,224 @@
+"""``quantize_collectives``: equal, bit for bit, to a plain model applying the same codes.
+
+Every configuration trains fsdp_wrap and :class:`tests._quant_emulation.Emulation`
+(a plain replicated model that quantizes and dequantizes what a rank would
+receive, with the same codec functions, and reduces in the same order) in
+lockstep on different data per rank, and compares losses and full
+parameters after every step with tolerance 0.  Each also checks the coding
+moved some value (a comparison coding never touched would prove little).
+
+* 2 ranks, ``where="all"``: FULL_SHARD / SHARD_GRAD_OP / NO_SHARD; int8 and
+  int4; gradient buckets and batched gathers on and off (codes restart at
+  each unit); bf16 ``param_dtype``; CPU offload; asynchronous gathers;
+  ``use_orig_params`` both ways; split (LoRA) units with frozen weights.
+* 4 ranks as 2 nodes x 2 (``LOCAL_WORLD_SIZE=2``), ``where="cross_node"``:
+  FULL_SHARD and NO_SHARD routed through the nodes (only the step between
+  nodes coded), hybrid strategies with only the replicas' all-reduce coded,
+  and hybrid ``where="all"``.
+* The collectives on their own: a coded reduce-scatter and all-gather are
+  within the codec's error bound of the exact ones.
+* What it refuses, on every rank alike and before any collective: a
+  ``where="cross_node"`` it cannot place (no ``LOCAL_WORLD_SIZE``, a hybrid
+  shard group across nodes, a group not made of whole nodes), a
+  communication hook with coded gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tests._dist import progress
+from tests._options_common import cmp, loss_of, rank_tag, run_configs
+from tests._quant_emulation import build_pair, full_params, model_input, nodes_of
+from tests._sweep import Injection
+
+STEPS = 2
+
+
+def _configs(ws: int) -> list[dict[str, Any]]:
+    if ws == 2:
+        q8, q84 = "both,block=8,where=all", "weights,grads=int4,block=5,where=all"
+        return [
+            dict(model="transformer", strategy="FULL_SHARD", uop=False, quant=q8),
+            dict(model="transformer", strategy="FULL_SHARD", uop=True, quant=q8, cap=0, batch=0),
+            dict(model="transformer", strategy="SHARD_GRAD_OP", uop=False, quant=q84),
+            dict(model="transformer", strategy="FULL_SHARD", uop=True, quant=q8,
+                 mp=torch.bfloat16),
+            dict(model="transformer", strategy="FULL_SHARD", uop=False, quant=q84, offload=True),
+            dict(model="transformer", strategy="FULL_SHARD", uop=False, quant=q8, limit=False),
+            dict(model="lora", strategy="FULL_SHARD", uop=True, quant=q84),
+            dict(model="transformer", strategy="NO_SHARD", uop=False, quant="grads,block=8,where=all"),
+        ]
+    return [
+        dict(model="transformer", strategy="FULL_SHARD", uop=False, quant="both,block=8"),
+        dict(model="transformer", strategy="FULL_SHARD", uop=True, quant="both,grads=int4,block=8",
+             mp=torch.bfloat16, cap=0),
+        dict(model="transformer", strategy="HYBRID_SHARD", uop=False, quant="both,block=8"),
+        dict(model="lora", strategy="_HYBRID_SHARD_ZERO2", uop=True, quant="grads=int4,block=6",
+             groups="tuple"),
+        dict(model="transformer", strategy="HYBRID_SHARD", uop=True, quant="both,block=8,where=all",
+             offload=True),
+        dict(model="transformer", strategy="NO_SHARD", uop=False, quant="grads,block=8"),
+    ]
+
+
+def _train_vs_emulation(cfg: dict[str, Any]) -> list[str]:
+    tag = f"{rank_tag()} {cfg}"
+    with nodes_of(2):
+        ours, emu, opt = build_pair(cfg)
+    gen = torch.Generator().manual_seed(100 + dist.get_rank())
+    cast = cfg["mp"] if isinstance(cfg.get("mp"), torch.dtype) else None
+    fails: list[str | None] = []
+    for step in range(STEPS):
+        x = model_input(cfg["model"], gen)
+        loss = loss_of(ours(x))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = emu.step(x, loss_of, cast_input=cast)
+        fails.append(cmp(f"step {step} loss", ref_loss, loss.detach(), 0.0))
+        got, want = full_params(ours), dict(emu.master.named_parameters())
+        for name, p in want.items():
+            fails.append(cmp(f"step {step} param {name}", p, got[name], 0.0))
+    coded = ours._all_handles[0].wire  # type: ignore[union-attr]
+    if coded.weights is not None and not emu.moved["weights"] > 0:
+        fails.append("coding the weights changed no value")
+    if (coded.grads or coded.replicas) is not None and not emu.moved["grads"] > 0:
+        fails.append("coding the gradients changed no value")
+    found = [f for f in fails if f]
+    return [f"{tag}: " + "; ".join(found[:4])] if found else []
+
+
+def _sweep(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
+    return run_configs(configs, _train_vs_emulation, inject=inject)
+
+
+def test_equal_to_emulation_2_ranks(pool2: Any) -> None:
+    assert pool2.run(_sweep, _configs(2)) == [[], []]
+
+
+def test_equal_to_emulation_2_nodes_x_2(pool4: Any) -> None:
+    assert pool4.run(_sweep, _configs(4)) == [[]] * 4
+
+
+# ------------------------------------------------------- the collectives alone
+
+
+def _collectives_within_bound() -> list[str]:
+    """Coded reduce-scatters, all-gathers and all-reduces (flat and routed
+    through 2 nodes) against the exact results: within the codec's bound."""
+    from fsdp_wrap.comm.quant import collectives as Q
+    from fsdp_wrap.comm.quant.codec import Codec, error_bound
+    from fsdp_wrap.comm.quant.topology import Topology, hierarchy
+
+    world, me = dist.get_world_size(), dist.get_rank()
+    group = dist.group.WORLD
+    hier = hierarchy(group, Topology(2), "", "test")
+    fails = []
+    for codec in (Codec(8, 16), Codec(4, 7)):
+        gen = torch.Generator().manual_seed(7)
+        xs = [torch.randn(world * 50, generator=gen) * (1 + r) for r in range(world)]
+        exact = sum(x.double() for x in xs)
+        bound = sum(error_bound(x.view(world, 50)[me], codec) for x in xs)
+        for name in ("flat", "routed"):
+            out = torch.empty(50)
+            if name == "flat":
+                Q.reduce_scatter(out, xs[me].clone(), group, codec)
+                limit = bound.double()
+            else:
+                Q.hier_reduce_scatter(out, xs[me].clone(), hier, codec)
+                # the routed one sums each node's rows exactly first (float32: a
+                # rounding of the node sum) and codes those: its own bound
+                node_sums = [xs[i] + xs[i + 1] for i in range(0, world, 2)]
+                limit = (sum(error_bound(s.view(world, 50)[me], codec) for s in node_sums)
+                         + 4 * 2.0**-24 * exact.view(world, 50)[me].abs())
+            err = (out.double() - exact.view(world, 50)[me]).abs()
+            if not bool((err <= limit).all()):
+                fails.append(f"{name} reduce-scatter {codec}: {float((err - limit).max())} over")
+        shard = xs[0].view(world, 50)[me]
+        rows = xs[0].view(world, 50)
+        for name in ("flat", "routed"):
+            out = torch.empty(world * 50)
+            if name == "flat":
+                Q.all_gather(out, shard, group, codec)
+            else:
+                Q.hier_all_gather(out, shard, hier, codec)
+            for r in range(world):
+                err = (out.view(world, 50)[r] - rows[r]).abs()
+                if not bool((err <= error_bound(rows[r], codec)).all()):
+                    fails.append(f"{name} all-gather {codec}: row {r} out of bound")
+        total = Q.all_reduce(xs[me], group, codec)
+        same = [torch.empty_like(total) for _ in range(world)]
+        dist.all_gather(same, total)
+        if not all(torch.equal(s, total) for s in same):
+            fails.append(f"all-reduce {codec}: ranks disagree")
+        progress()
+    return fails
+
+
+def test_collectives_within_the_error_bound(pool4: Any) -> None:
+    assert pool4.run(_collectives_within_bound) == [[]] * 4
+
+
+# ------------------------------------------------------------------ refusals
+
+
+def _refusals() -> list[str]:
+    """Each case: the error every rank raised (type: first line)."""
+    import fsdp_wrap
+    from tests.models import TinyTransformer, transformer_policy
+
+    def attempt(per_node: int | None, **kw: Any) -> str:
+        try:
+            with nodes_of(per_node):
+                model = fsdp_wrap.FullyShardedDataParallel(
+                    TinyTransformer(), auto_wrap_policy=transformer_policy("ours"), **kw)
+        except (ValueError, AssertionError) as e:
+            return f"{type(e).__name__}: {e}"
+        try:
+            model.register_comm_hook(None, lambda state, grad, out=None: None)
+        except AssertionError as e:
+            return f"AssertionError: {e}"
+        return "accepted"
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    three = dist.new_group([0, 1, 2])
+    out = [
+        attempt(None, quantize_collectives="grads"),
+        attempt(1, quantize_collectives="grads", sharding_strategy=fsdp_wrap.ShardingStrategy.HYBRID_SHARD,
+                device_mesh=mesh),
+        attempt(3, quantize_collectives="grads"),
+        attempt(2, quantize_collectives="grads,where=all"),
+        attempt(2, quantize_collectives="weights,where=all"),
+    ]
+    if dist.get_rank() < 3:
+        out.append(attempt(2, quantize_collectives="grads", process_group=three))
+    return out
+
+
+def test_refusals(pool4: Any) -> None:
+    results = pool4.run(_refusals)
+    for rank, res in enumerate(results):
+        tag = f"[rank {rank}] FSDP unit of TinyTransformer: quantize_collectives"
+        assert res[0].startswith(f"ValueError: {tag} where='cross_node' needs to know"), res[0]
+        assert "LOCAL_WORLD_SIZE" in res[0] and "where='all'" in res[0], res[0]
+        nodes = "[0, 1]" if rank < 2 else "[2, 3]"  # (one rank per node)
+        assert res[1].startswith(f"ValueError: {tag} where='cross_node' with a hybrid strategy "
+                                 "expects each shard group within one node"), res[1]
+        assert f"but got a shard group on nodes {nodes}" in res[1], res[1]
+        assert "divides the world size 4 but got 3" in res[2], res[2]
+        assert res[3].startswith("AssertionError: Communication hook is not supported with "
+                                 "quantized gradient reductions"), res[3]
+        assert res[4] == "accepted", res[4]  # coded weights, exact gradients: a hook may reduce
+        if rank < 3:
+            assert "expecting the group's ranks in ascending order with the same number on " \
+                "every node but got ranks [0, 1, 2] on nodes [0, 0, 1]" in res[5], res[5]
+    # every rank raised the same (but for its rank and its shard group's nodes)
+    same = {tuple(s.replace(f"rank {i}", "rank R").replace("[2, 3]", "[0, 1]") for s in res[:5])
+            for i, res in enumerate(results)}
+    assert len(same) == 1, same
