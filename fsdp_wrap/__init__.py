@@ -21,6 +21,7 @@ from fsdp_wrap.api import (
     StateDictSettings,
     StateDictType,
 )
+from fsdp_wrap.comm.quant.config import CollectiveQuantization
 from fsdp_wrap.fully_sharded_data_parallel import FullyShardedDataParallel, OptimStateKeyType
 from fsdp_wrap.handle.flat_tensor import FlatParameter
 from fsdp_wrap.installer import install, installed, uninstall
@@ -30,6 +31,7 @@ from fsdp_wrap.weights import PretrainedLoad, iter_full_weights, load_pretrained
 __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
+    "CollectiveQuantization",
     "FlatParameter",
     "FullOptimStateDictConfig",
     "FullStateDictConfig",

@@ -169,8 +169,10 @@ class Emulation:
 
     # --------------------------------------------------------- gradients
 
-    def reduce(self, u: Unit, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The mean flat gradient (all shards) from every rank's local one."""
+    def reduce(self, u: Unit, grads: list[torch.Tensor], replicas: bool = True) -> torch.Tensor:
+        """The mean flat gradient (all shards) from every rank's local one.
+        ``replicas=False`` (hybrid): this rank's shard group's part, divided
+        by ``post`` (what sharded accumulation adds up)."""
         pre, post = divide_factors(self.layout.total)
         scaled = [(g.to(u.reduce_dtype) / pre) if pre > 1 else g.to(u.reduce_dtype)
                   for g in grads]
@@ -182,19 +184,32 @@ class Emulation:
             chunks = [scaled[r].view(len(group), u.shard) for r in group]
             shard_sums.append(torch.cat([self._group_sum([c[d] for c in chunks], u)
                                          for d in range(len(group))]))
+        if not replicas:
+            mine = shard_sums[self.layout.shard_groups.index(self.layout.my_group())]
+            return mine / post if post > 1 else mine
         if self.layout.hybrid and len(self.layout.shard_groups) > 1:
-            width = len(self.layout.shard_groups[0])
-            cols = []
-            for d in range(width):
-                piece = [s.view(width, u.shard)[d] for s in shard_sums]
-                if u.wire.replicas is not None:
-                    cols.append(coded_all_reduce(piece, u.wire.replicas))
-                else:
-                    cols.append(fold(piece))
-            total = torch.cat(cols)
+            total = self.sum_over_replicas(u, shard_sums)
         else:
             total = shard_sums[0]
         return total / post if post > 1 else total
+
+    def sum_over_replicas(self, u: Unit, per_group: list[torch.Tensor],
+                          cast: bool = False) -> torch.Tensor:
+        """Every shard's sum over the replicas (``per_group``: each shard group's
+        flat values, in replicate-group order); ``cast``: first to the dtype
+        the replicas' all-reduce moves (sharded accumulation's float32 sums)."""
+        width = len(self.layout.shard_groups[0])
+        cols = []
+        for d in range(width):
+            piece = [s.view(width, u.shard)[d] for s in per_group]
+            if u.wire.replicas is not None:
+                cols.append(coded_all_reduce(piece, u.wire.replicas))
+            else:
+                if cast:
+                    dtype = u.wire.sum_dtype(u.reduce_dtype)
+                    piece = [p.to(dtype) for p in piece]
+                cols.append(fold(piece))
+        return torch.cat(cols)
 
     def _moved(self, what: str, coded: torch.Tensor, exact: torch.Tensor) -> None:
         diff = (coded.double() - exact.double()).abs().nan_to_num(0.0)
@@ -228,6 +243,57 @@ class Emulation:
         per = self.layout.per_node
         node_sums = [fold(rows[i:i + per]) for i in range(0, len(rows), per)]
         return decoded_sum(node_sums, codec)
+
+    def step_accumulated(self, xs: list[torch.Tensor],
+                         loss_of: Callable[[torch.Tensor], torch.Tensor],
+                         cast_input: torch.dtype | None = None,
+                         no_sync: int = 0) -> list[torch.Tensor]:
+        """One optimizer step over the micro-batches ``xs`` with sharded
+        accumulation (hybrid): the first ``no_sync`` are not reduced (their
+        local gradients add up, as under ``no_sync()``), the others are
+        reduced over the shard group and added in float32, the last all-reduced
+        over the replicas.  Returns the losses."""
+        self.load_compute()
+        partial: dict[int, torch.Tensor] = {}
+        unreduced: dict[int, torch.Tensor] = {}
+        losses = []
+        world = dist.get_world_size()
+        for i, x in enumerate(xs):
+            self.compute.zero_grad(set_to_none=True)
+            inp = x.to(cast_input) if cast_input is not None and x.is_floating_point() else x
+            loss = loss_of(self.compute(inp))
+            loss.backward()
+            losses.append(loss.detach())
+            cgrads = {n: p.grad for n, p in self.cparams.items() if p.grad is not None}
+            for k, u in enumerate(self.units):
+                if not u.trainable:
+                    continue
+                local = self._flat(u, cgrads, u.compute_dtype)
+                if k in unreduced:
+                    local = unreduced.pop(k).add_(local)
+                if i < no_sync:
+                    unreduced[k] = local
+                    continue
+                everyone = [torch.empty_like(local) for _ in range(world)]
+                dist.all_gather(everyone, local)
+                part = self.reduce(u, everyone, replicas=False)
+                if k not in partial:
+                    partial[k] = part.to(torch.promote_types(part.dtype, torch.float32))
+                else:
+                    partial[k].add_(part)
+        for k, u in enumerate(self.units):
+            if k not in partial:
+                continue
+            everyone = [torch.empty_like(partial[k]) for _ in range(world)]
+            dist.all_gather(everyone, partial[k])
+            per_group = [everyone[g[0]] for g in self.layout.shard_groups]
+            mean = self.sum_over_replicas(u, per_group, cast=True)
+            for name, off, n in zip(u.names, u.offsets, u.numels):
+                p = self.params[name]
+                p.grad = mean[off:off + n].view(p.shape).to(p.dtype).clone()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return losses
 
     def step(self, x: torch.Tensor, loss_of: Callable[[torch.Tensor], torch.Tensor],
              cast_input: torch.dtype | None = None) -> torch.Tensor:
@@ -282,6 +348,22 @@ def nodes_of(per_node: int | None) -> Iterator[None]:
                 os.environ[k] = v
 
 
+_MESHES: dict[int, tuple[Any, Any]] = {}
+
+
+def mesh_2x2() -> Any:
+    """A ``(replicate, shard)`` mesh over 4 ranks, made once per process group
+    (each new mesh creates process groups: slow on a busy machine)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.distributed_c10d._get_default_group()
+    cached = _MESHES.get(id(world))
+    if cached is None or cached[0] is not world:
+        cached = (world, init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+        _MESHES[id(world)] = cached
+    return cached[1]
+
+
 def model_input(model: str, gen: torch.Generator) -> torch.Tensor:
     from tests.models import float_input, transformer_input
 
@@ -309,9 +391,7 @@ def build_pair(cfg: dict[str, Any], lr: float = 0.1) -> tuple[nn.Module, Emulati
         quantize_collectives=cfg.get("quant") or "off")
     hybrid = "HYBRID" in cfg["strategy"]
     if hybrid:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        mesh = mesh_2x2()
         if cfg.get("groups", "mesh") == "mesh":
             kw["device_mesh"] = mesh
         else:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from tests._dist import progress
 from tests._options_common import cmp, loss_of, rank_tag, run_configs
-from tests._quant_emulation import build_pair, full_params, model_input, nodes_of
+from tests._quant_emulation import build_pair, full_params, mesh_2x2, model_input, nodes_of
 from tests._sweep import Injection
 
 STEPS = 2
@@ -184,9 +184,7 @@ def _refusals() -> list[str]:
             return f"AssertionError: {e}"
         return "accepted"
 
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    mesh = mesh_2x2()
     three = dist.new_group([0, 1, 2])
     out = [
         attempt(None, quantize_collectives="grads"),

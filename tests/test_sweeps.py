@@ -110,6 +110,12 @@ SWEEPS: dict[str, tuple[str, str, int, Callable[[], list[Any]]]] = {
     "ckpt-wrapper-state-dict-2": ("tests.test_module_conversion", "_ckpt_wrapper_sweep", 2,
                                   lambda: [dict(strategy="FULL_SHARD", uop=True, sd_type="LOCAL_STATE_DICT"),
                                            dict(strategy="FULL_SHARD", uop=False, sd_type="FULL_STATE_DICT")]),
+    "quantized-2": ("tests.test_quantized_collectives", "_sweep", 2,
+                    lambda: importlib.import_module("tests.test_quantized_collectives")._configs(2)[:2]),
+    "quantized-4": ("tests.test_quantized_collectives", "_sweep", 4,
+                    lambda: importlib.import_module("tests.test_quantized_collectives")._configs(4)[:2]),
+    "accumulation-4": ("tests.test_accumulation", "_sweep", 4,
+                       lambda: importlib.import_module("tests.test_accumulation")._configs()[:2]),
     # --- the other sweeps ---
     "orig-params-writeback": ("tests.test_orig_params_writeback", "_sweep", 2,
                               lambda: importlib.import_module("tests.test_orig_params_writeback")._configs()[:2]),

@@ -179,7 +179,7 @@ class GradBuckets:
             _reduce_alone(unit, grad)
             return
         key = (spec.sharded, spec.reduce_dtype, grad.device, id(spec.group), spec.world_size,
-               spec.divide, id(spec.wire))
+               spec.divide, spec.wire)
         bucket = self._open
         if bucket.units and (key != bucket.key or bucket.nbytes + nbytes > self.cap_bytes):
             self._issue()

@@ -109,7 +109,7 @@ def _plan(
             or nxt.computes_in_full_precision
             or nxt.process_group is not handle.process_group
             or nxt.compute_dtype != handle.compute_dtype
-            or nxt.wire is not handle.wire
+            or nxt.wire != handle.wire
             or nxt.device != handle.device
             or nbytes + nxt.gather_nbytes > cap_bytes
         ):

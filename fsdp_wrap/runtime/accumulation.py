@@ -24,7 +24,12 @@ def _units(state: UnitState, recurse: bool) -> list[UnitState]:
 
 
 def _check(state: UnitState, name: str, value: object) -> None:
-    """``ValueError`` unless ``value`` is a bool and no unit is in forward/backward."""
+    """``ValueError`` unless ``value`` is a bool and no unit is in forward/backward.
+
+    Then reductions left in flight by ``set_is_last_backward(False)`` are
+    finished: they were issued under the flags about to change (a partial
+    sum's part must not land as a gradient).
+    """
     if not isinstance(value, bool):
         raise ValueError(f"{name} should be a bool, got {type(value)} [rank {global_rank()}]")
     for st in _units(state, True):
@@ -32,6 +37,8 @@ def _check(state: UnitState, name: str, value: object) -> None:
             raise ValueError(
                 f"[rank {global_rank()}] set_{name}() was called during forward/backward; "
                 "call it between iterations (before the forward whose backward it is for)")
+    if state._is_root is not None and not state._root._grad_buckets.idle:
+        state._root._grad_buckets.finish()
 
 
 class AccumulationAPI:

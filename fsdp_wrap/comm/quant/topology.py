@@ -33,11 +33,12 @@ class Topology:
         return [self.node_of(r) for r in dist.get_process_group_ranks(group)]
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class Hierarchy:
     """A group of ``nodes * per_node`` ranks, node after node: ``intra`` is this
     rank's node's part of it (group rank = local index), ``cross`` the ranks of
-    this rank's local index on every node (group rank = node index)."""
+    this rank's local index on every node (group rank = node index).  Equal
+    for every unit over the same group (the sub-groups are created once)."""
 
     nodes: int
     per_node: int

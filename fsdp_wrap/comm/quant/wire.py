@@ -27,7 +27,7 @@ from fsdp_wrap.comm.quant.topology import Hierarchy, hierarchy, topology_from_en
 __all__ = ["EXACT", "Wire", "build_wire"]
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class Wire:
     """Which of a unit's collectives are coded, and how.
 
@@ -35,7 +35,8 @@ class Wire:
     ``grads``: the gradient reductions over the shard group; ``replicas``: the
     replicate group's all-reduce (hybrid strategies).  ``hierarchy``: the
     shard group spans nodes and only its step between nodes is coded.
-    ``None`` everywhere: exact.
+    ``None`` everywhere: exact.  Units whose wires are equal may share a
+    collective (gradient buckets, batched gathers).
     """
 
     weights: Codec | None = None
