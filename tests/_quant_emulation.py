@@ -247,18 +247,22 @@ class Emulation:
     def step_accumulated(self, xs: list[torch.Tensor],
                          loss_of: Callable[[torch.Tensor], torch.Tensor],
                          cast_input: torch.dtype | None = None,
-                         no_sync: int = 0) -> list[torch.Tensor]:
+                         no_sync: int = 0,
+                         before: Callable[[int], None] | None = None) -> list[torch.Tensor]:
         """One optimizer step over the micro-batches ``xs`` with sharded
         accumulation (hybrid): the first ``no_sync`` are not reduced (their
         local gradients add up, as under ``no_sync()``), the others are
         reduced over the shard group and added in float32, the last all-reduced
-        over the replicas.  Returns the losses."""
+        over the replicas; ``before(i)`` runs before micro-batch ``i``.  Returns
+        the losses."""
         self.load_compute()
         partial: dict[int, torch.Tensor] = {}
         unreduced: dict[int, torch.Tensor] = {}
         losses = []
         world = dist.get_world_size()
         for i, x in enumerate(xs):
+            if before is not None:
+                before(i)
             self.compute.zero_grad(set_to_none=True)
             inp = x.to(cast_input) if cast_input is not None and x.is_floating_point() else x
             loss = loss_of(self.compute(inp))
@@ -367,7 +371,27 @@ def mesh_2x2() -> Any:
 def model_input(model: str, gen: torch.Generator) -> torch.Tensor:
     from tests.models import float_input, transformer_input
 
-    return transformer_input(gen) if model == "transformer" else float_input(gen)
+    return float_input(gen) if model == "lora" else transformer_input(gen)
+
+
+class SkippingTransformer(nn.Module):
+    """``TinyTransformer`` whose block ``skip`` (an attribute, ``None``: none)
+    is left out of the forward: a unit unused in some micro-batches."""
+
+    def __init__(self) -> None:
+        from tests.models import TinyTransformer
+
+        super().__init__()
+        self.inner = TinyTransformer()
+        self.skip: int | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.inner
+        h = t.emb(x)
+        for i, b in enumerate(t.blocks):
+            if i != self.skip:
+                h = b(h)
+        return t.head(t.norm(h) * t.scale)
 
 
 def build_pair(cfg: dict[str, Any], lr: float = 0.1) -> tuple[nn.Module, Emulation,
@@ -381,8 +405,9 @@ def build_pair(cfg: dict[str, Any], lr: float = 0.1) -> tuple[nn.Module, Emulati
     from tests.models import LoraNet, TinyTransformer, lora_policy, transformer_policy
 
     torch.manual_seed(cfg.get("seed", 0))
-    base: nn.Module = TinyTransformer() if cfg["model"] == "transformer" else LoraNet()
-    policy = transformer_policy("ours") if cfg["model"] == "transformer" else lora_policy("ours")
+    base: nn.Module = (SkippingTransformer() if cfg["model"] == "skipping"
+                       else TinyTransformer() if cfg["model"] == "transformer" else LoraNet())
+    policy = lora_policy("ours") if cfg["model"] == "lora" else transformer_policy("ours")
     kw: dict[str, Any] = dict(
         sharding_strategy=fsdp_wrap.ShardingStrategy[cfg["strategy"]],
         use_orig_params=cfg["uop"], auto_wrap_policy=policy,

@@ -6,7 +6,8 @@
   the same order: tolerance 0) for HYBRID_SHARD / _HYBRID_SHARD_ZERO2,
   ``use_orig_params`` both ways, buckets on and off, a bf16 ``reduce_dtype``
   (partial sums in float32), CPU offload, split (LoRA) units, coded replicas,
-  a first micro-batch under ``no_sync()``, ``set_is_last_backward(False)``;
+  a first micro-batch under ``no_sync()``, ``set_is_last_backward(False)``,
+  a unit unused in the last micro-batch;
   and against a plain replicated model's accumulation (sums in another order:
   a bound derived from the terms).  Between micro-batches each rank holds
   the sharded float32 partial sum and no unsharded gradient; the replicas
@@ -50,6 +51,9 @@ def _configs() -> list[dict[str, Any]]:
         dict(model="lora", strategy=hy, uop=True, quant="grads,block=6"),
         dict(model="transformer", strategy=z2, uop=False, quant="grads=int4,block=8",
              not_last=True),
+        # a unit unused in the all-reducing micro-batch: its partial sum is
+        # all-reduced at the end of that backward all the same
+        dict(model="skipping", strategy=hy, uop=True, skip_last=True),
     ]
 
 
@@ -154,9 +158,14 @@ def _train(cfg: dict[str, Any]) -> list[str]:
     for step in range(STEPS):
         xs = [model_input(cfg["model"], gen) for _ in range(MICRO)]
         losses = []
+        def before(i: int, module: Any) -> None:
+            if cfg.get("skip_last"):
+                module.skip = 1 if i == MICRO - 1 else None
+
         with _ReplicaTraffic(replicate) as traffic:
             for i, x in enumerate(xs):
                 last = i == MICRO - 1
+                before(i, ours.module)
                 ours.set_requires_all_reduce(last)
                 if cfg.get("not_last"):
                     ours.set_is_last_backward(last)
@@ -176,7 +185,8 @@ def _train(cfg: dict[str, Any]) -> list[str]:
             fails += _plain_accumulation_bound(cfg, ours, emu, xs)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        ref = emu.step_accumulated(xs, loss_of, no_sync=cfg.get("no_sync", 0))
+        ref = emu.step_accumulated(xs, loss_of, no_sync=cfg.get("no_sync", 0),
+                                   before=functools.partial(before, module=emu.compute))
         for i, (a, b) in enumerate(zip(ref, losses)):
             fails.append(cmp(f"step {step} micro-batch {i} loss", a, b, 0.0))
         got = full_params(ours)
