@@ -258,41 +258,33 @@ def test_killed_node_fails_its_peers_and_restart_resumes(tmp_path: Any, pool4: A
 # nothing left behind; the command line
 # ---------------------------------------------------------------------------
 
-# Opens a cluster, starts a process inside node 1, says so, and waits to be stopped.
-_HOLDER = r"""
-import subprocess, sys, time
-from fsdp_wrap.testbed import Cluster
-with Cluster(2, rate="100mbit") as c:
-    inside = subprocess.Popen(["ip", "netns", "exec", c.nodes[1].namespace, "sleep", "300"])
-    print(c.run_name, inside.pid, flush=True)
-    time.sleep(300)
-"""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"  # a zombie has ended
-
-
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_removes_the_cluster_and_what_runs_in_it(sig: signal.Signals) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", _HOLDER], stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, **_env()))
-    try:
-        assert proc.stdout is not None
-        name, inside = proc.stdout.readline().split()
-        assert testbed.leftovers(name), "the cluster was not made"
-        proc.send_signal(sig)
-        proc.wait(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode != 0
+    # in this process: SIGINT is KeyboardInterrupt, SIGTERM the cluster's Interrupted
+    inside = None
+    handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        with testbed.Cluster(NODES, rate="100mbit") as cluster:
+            name = cluster.run_name
+            inside = subprocess.Popen(["ip", "netns", "exec", cluster.nodes[1].namespace,
+                                       "sleep", "300"])
+            assert testbed.leftovers(name), "the cluster was not made"
+            os.kill(os.getpid(), sig)
+            time.sleep(30)  # the signal interrupts this
+    assert isinstance(caught.value, testbed.Interrupted) == (sig == signal.SIGTERM)
+    assert inside is not None and inside.wait(timeout=10) == -signal.SIGKILL
     assert not testbed.leftovers(name), testbed.leftovers(name)
-    assert not _alive(int(inside)), f"process {inside} inside node 1 survived"
+    assert signal.getsignal(signal.SIGTERM) is handler, "the SIGTERM handler was not restored"
+
+
+def test_a_run_past_its_timeout_is_stopped_and_removed() -> None:
+    with testbed.Cluster(NODES) as cluster:
+        name = cluster.run_name
+        result = cluster.run(["sleep", "300"], PER_NODE, timeout=3)
+        pids = [p for i in range(NODES) for p in cluster.network.pids(i)]  # type: ignore[union-attr]
+    assert result.timed_out and all(result.stopped) and not result.ok, result.summary()
+    assert not pids, f"processes left in the nodes after the timeout: {pids}"
+    assert not testbed.leftovers(name), testbed.leftovers(name)
 
 
 def test_stale_clusters_of_dead_processes_are_removed() -> None:
@@ -311,37 +303,34 @@ def test_stale_clusters_of_dead_processes_are_removed() -> None:
         subprocess.run(["ip", "link", "del", f"{run}b"], capture_output=True)
 
 
-def _cli(*args: str, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-    from tests._proc import run_bounded
-
-    return run_bounded([sys.executable, "-m", "fsdp_wrap", "cluster", *args], timeout=timeout,
-                       env=dict(os.environ, **_env()))
-
-
 def _cluster_names(stderr: str) -> str:
     first = stderr.splitlines()[0]  # "cluster fwt<pid><tag>: node 0 ..., node 1 ...; link ..."
     assert first.startswith("cluster fwt"), stderr
     return first.split()[1].rstrip(":")
 
 
-def test_cluster_command_runs_every_rank_and_reports_each_node() -> None:
-    # every rank says who it is, then fails: the nodes' exit codes and links are reported
-    got = _cli("--nodes", "2", "--nproc-per-node", "2", "--rate", "1gbit", "--",
-               "sh", "-c", "echo rank $RANK of $WORLD_SIZE node $GROUP_RANK "
-               "local $LOCAL_RANK/$LOCAL_WORLD_SIZE if $GLOO_SOCKET_IFNAME; exit 3")
-    assert got.returncode == 1, got  # torchrun's code for a failed rank
+def test_cluster_command_runs_every_rank_and_stops_on_sigterm() -> None:
+    # every rank says who it is and waits; once all have spoken, SIGTERM to the command
+    cmd = [sys.executable, "-m", "fsdp_wrap", "cluster", "--nodes", "2", "--nproc-per-node", "2",
+           "--rate", "1gbit", "--", "sh", "-c", "echo rank $RANK of $WORLD_SIZE node $GROUP_RANK "
+           "local $LOCAL_RANK/$LOCAL_WORLD_SIZE if $GLOO_SOCKET_IFNAME; exec sleep 300"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, **_env()))
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        while sum(" rank " in line for line in lines) < 4:
+            line = proc.stdout.readline()
+            assert line, "the command ended before every rank spoke:\n" + "".join(lines)
+            lines.append(line)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, err)
     for rank in range(4):
         node = rank // 2
-        line = (f"[node {node}] rank {rank} of 4 node {node} local {rank % 2}/2 if ")
-        assert line in got.stdout, got.stdout
-    summary = got.stderr.strip().splitlines()[-3:]
-    assert summary[0].startswith("node 0: exit code 1, sent ") and summary[1].startswith(
-        "node 1: exit code 1, sent "), got.stderr
-    assert not testbed.leftovers(_cluster_names(got.stderr))
-
-
-def test_cluster_command_stops_every_node_at_its_timeout() -> None:
-    got = _cli("--nodes", "2", "--timeout", "3", "--quiet", "--", "sleep", "300")
-    assert got.returncode == 124, got
-    assert "timed out" in got.stderr and "stopped by the test bed" in got.stderr, got.stderr
-    assert not testbed.leftovers(_cluster_names(got.stderr))
+        want = f"[node {node}] rank {rank} of 4 node {node} local {rank % 2}/2 if fwt"
+        assert any(line.startswith(want) for line in lines), "".join(lines)
+    assert "stopped every node, removed the cluster" in err, err
+    assert not testbed.leftovers(_cluster_names(err))

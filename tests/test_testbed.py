@@ -91,6 +91,15 @@ def test_cluster_command_usage_errors(capsys: pytest.CaptureFixture[str]) -> Non
     assert "link rate 'fast'" in capsys.readouterr().err
 
 
+def test_cluster_command_exit_code() -> None:
+    from fsdp_wrap.cli.cluster import exit_code
+
+    assert exit_code([0, 0], False) == 0
+    assert exit_code([0, 0], True) == 124
+    assert exit_code([-9, 3], False) == 3  # the node that failed, not the one stopped after it
+    assert exit_code([-9, 0], False) == 1
+
+
 def _imports(path: str) -> set[str]:
     tree = ast.parse(open(path, encoding="utf-8").read())
     found: set[str] = set()

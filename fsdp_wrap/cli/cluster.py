@@ -104,9 +104,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"fsdp-wrap cluster: {e}: stopped every node, removed the cluster", file=sys.stderr)
         return 128 + e.signum
     print(result.summary(), file=sys.stderr, flush=True)
-    if result.timed_out:
+    return exit_code(result.returncodes, result.timed_out)
+
+
+def exit_code(returncodes: list[int], timed_out: bool) -> int:
+    """The command's exit code: 124 at the timeout, else 0 if every node's
+    torchrun succeeded, else the first positive code of a node (one that
+    failed by itself says more than one killed after it), else 1."""
+    if timed_out:
         return EXIT_TIMEOUT
-    # a node that failed by itself says more than one the test bed stopped after it
-    codes = sorted(result.returncodes, key=lambda rc: (rc <= 0, rc == 0))
-    failed = [rc for rc in codes if rc != 0]
-    return (failed[0] if failed[0] > 0 else 1) if failed else 0
+    failed = [rc for rc in returncodes if rc != 0]
+    if not failed:
+        return 0
+    return next((rc for rc in failed if rc > 0), 1)
