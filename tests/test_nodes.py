@@ -10,7 +10,11 @@ which fsdp_wrap builds its default hybrid groups.  The job is
   ``device_mesh``, train bit for bit as torch's FSDP1 does with the same
   strategy on 4 ranks of one host (the suite's pool; each level of the
   reduction sums 2 ranks, one commutative add), and so do FULL_SHARD,
-  SHARD_GRAD_OP and NO_SHARD (the same gloo collectives over the same ranks);
+  SHARD_GRAD_OP and NO_SHARD: every unit of the job's model is larger than
+  fsdp_wrap's 1 MiB gradient buckets, so each reduction is one all-reduce of
+  one unit's gradient over the same 4 ranks, as torch's (gloo's ring sums in
+  the same order wherever the ranks run; a bucket of several units would sum
+  some elements in another order, docs/performance.rst);
 * the bytes each node's link sends per step equal what the strategy must send
   (:func:`fsdp_wrap.testbed.wire.step_bytes`) times the link's protocol
   overhead, measured in the same run by exchanging a known payload, within 5%;

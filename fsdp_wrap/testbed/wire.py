@@ -21,16 +21,16 @@ Per step and unit (``unit_bytes``: each unit's unsharded, padded flat parameter
 in bytes; ``root_bytes``: the root unit's, which FSDP1 keeps gathered from
 forward to backward):
 
-==================  =====================================================
-strategy            collectives over the link
-==================  =====================================================
-FULL_SHARD          all-gather in forward and in backward (not the root's),
-                    reduce-scatter
-SHARD_GRAD_OP       all-gather in forward, reduce-scatter
-HYBRID_SHARD,       all-reduce of the shards across nodes
+=======================  ======================================================
+strategy                 collectives over the link
+=======================  ======================================================
+FULL_SHARD               all-gather in forward and in backward (not the
+                         root's), reduce-scatter
+SHARD_GRAD_OP            all-gather in forward, reduce-scatter
+HYBRID_SHARD,            all-reduce of the shards across nodes
 _HYBRID_SHARD_ZERO2
-NO_SHARD, DDP       all-reduce over every rank
-==================  =====================================================
+NO_SHARD, DDP            all-reduce over every rank
+=======================  ======================================================
 
 What the wire carries on top (TCP/IP and Ethernet headers, the acks of what
 the node receives) is the protocol overhead: measure it on the same link
