@@ -71,16 +71,21 @@ def gradient_bytes(model: Any) -> int:
 
     def add(t: Any) -> None:
         nonlocal total
-        if t is not None and t.untyped_storage().data_ptr() not in seen and t.numel():
-            seen.add(t.untyped_storage().data_ptr())
-            total += t.numel() * t.element_size()
+        if t is None:
+            return
+        storage = t.untyped_storage()  # (gradients may be views of one bucket)
+        if storage.data_ptr() not in seen and storage.nbytes():
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
 
     for p in model.parameters():
         add(p.grad)
         add(getattr(p, "_saved_grad_shard", None))
     for h in getattr(model, "_all_handles", []):
-        add(h.grads._partial)
-        add(h.grads._saved_grad_shard)
+        grads = getattr(h, "grads", None)  # (fsdp_wrap's handles; torch's have none)
+        if grads is not None:
+            add(grads._partial)
+            add(grads._saved_grad_shard)
     return total
 
 

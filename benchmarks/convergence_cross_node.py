@@ -54,7 +54,7 @@ REFERENCE = {HYBRID: "HYBRID_SHARD exact", FULL: "FULL_SHARD exact"}
 def _shape(tiny: bool) -> dict[str, int]:
     if tiny:
         return dict(layers=2, width=32, heads=2, vocab=32, seq_len=16, batch=4)
-    return dict(layers=4, width=128, heads=4, vocab=64, seq_len=32, batch=8)
+    return dict(layers=4, width=96, heads=4, vocab=64, seq_len=32, batch=4)
 
 
 # ---------------------------------------------------------------------------
@@ -150,16 +150,19 @@ def plot(res: dict[str, Any], path: str) -> None:
     def smooth(v: list[float]) -> list[float]:
         return [statistics.mean(v[max(0, i - window + 1):i + 1]) for i in range(len(v))]
 
-    for c in CONFIGS:
+    colours = ["#000000", "#2171b5", "#238b45", "#d94801", "#6a51a3", "#737373", "#e7298a",
+               "#a6761d"]
+    for c, colour in zip(CONFIGS, colours):
         curve = res["losses"].get(c.name)
         if curve is None:
             continue
         style = "-" if c.strategy == HYBRID else "--"
-        loss_ax.plot(range(1, len(curve) + 1), smooth(curve), style, label=c.name, linewidth=1.2)
+        loss_ax.plot(range(1, len(curve) + 1), smooth(curve), style, color=colour, label=c.name,
+                     linewidth=1.2)
         ref = res["losses"].get(REFERENCE[c.strategy])
         if ref is not None and c.name != REFERENCE[c.strategy]:
             rel = [100 * (a / b - 1) for a, b in zip(smooth(curve), smooth(ref))]
-            rel_ax.plot(range(1, len(rel) + 1), rel, style, label=c.name, linewidth=1.0)
+            rel_ax.plot(range(1, len(rel) + 1), rel, style, color=colour, linewidth=1.0)
     loss_ax.set_yscale("log")
     loss_ax.set_ylabel(f"loss (moving mean of {window} steps)")
     loss_ax.set_title("2 nodes x 2 ranks: the same GPT with and without each option")

@@ -430,8 +430,9 @@ def finalize_units(root: UnitState, free_all: bool) -> None:
         root._grad_buckets.finish()
     else:
         root._grad_buckets.finish(wait_partial=False)
-    for handle in root._all_handles:
-        handle.grads.flush_partial()  # (all-reduced, though unused this backward)
+    if not free_all:
+        for handle in root._all_handles:
+            handle.grads.flush_partial()  # (all-reduced, though unused this backward)
     for state in root._all_fsdp_states:
         for handle in state._handles:
             keep = not free_all and not frees_after_backward(state, handle)

@@ -30,7 +30,7 @@ collective sends packets of the same size.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,48 +60,67 @@ class Codec:
 
 
 @dataclass(frozen=True)
+class _Piece:
+    """One segment: ``full`` whole blocks from ``offset`` (its first block is
+    ``block0``), then a shorter block of ``rest`` elements if ``rest``."""
+
+    offset: int
+    block0: int
+    full: int
+    rest: int
+
+
+@dataclass(frozen=True)
 class _Plan:
-    """Where each segment's blocks lie in a zero-padded ``(blocks, block_size)`` grid."""
+    """Where each segment's blocks lie in the row and in the scales."""
 
     numel: int
     blocks: int
     block: int
-    starts: tuple[int, ...]  # each segment's first element in the grid (flattened)
-    segments: tuple[int, ...]
-    aligned: bool  # every segment a whole number of blocks: the grid is the row itself
+    pieces: tuple[_Piece, ...]
+    aligned: bool  # every segment a whole number of blocks: one (blocks, block) view
 
     def valid_index(self, device: torch.device) -> torch.Tensor:
-        """Grid positions of the row's elements, in order."""
+        """Positions of the row's elements in a zero-padded ``(blocks, block)`` grid."""
         return _valid_index(self, device)
-
-    def block_index(self, device: torch.device) -> torch.Tensor:
-        return _block_index(self, device)
 
 
 @functools.lru_cache(maxsize=512)
 def _plan(segments: tuple[int, ...], block: int) -> _Plan:
-    starts, pos, blocks = [], 0, 0
+    pieces, offset, blocks = [], 0, 0
     for n in segments:
-        starts.append(pos)
-        nb = -(-n // block)
-        blocks += nb
-        pos += nb * block
-    numel = sum(segments)
-    aligned = all(n % block == 0 for n in segments)
-    return _Plan(numel, blocks, block, tuple(starts), segments, aligned)
+        full, rest = divmod(n, block)
+        pieces.append(_Piece(offset, blocks, full, rest))
+        offset += n
+        blocks += full + (1 if rest else 0)
+    aligned = all(p.rest == 0 for p in pieces)
+    return _Plan(offset, blocks, block, tuple(pieces), aligned)
 
 
 @functools.lru_cache(maxsize=512)
 def _valid_index(plan: _Plan, device: torch.device) -> torch.Tensor:
-    parts = [torch.arange(s, s + n) for s, n in zip(plan.starts, plan.segments)]
+    parts = [torch.arange(p.block0 * plan.block, p.block0 * plan.block + p.full * plan.block
+                          + p.rest) for p in plan.pieces]
     idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
     return idx.to(device)
 
 
-@functools.lru_cache(maxsize=512)
-def _block_index(plan: _Plan, device: torch.device) -> torch.Tensor:
-    """The block of each of the row's elements."""
-    return torch.div(_valid_index(plan, device), plan.block, rounding_mode="floor")
+def _blocks_of(x: torch.Tensor, plan: _Plan, whole: bool) -> Iterator[tuple[torch.Tensor, slice]]:
+    """``(view, scales)`` per run of blocks of ``x`` (``(rows, n)``): the view is
+    ``(rows, k, size)`` (whole blocks, or one shorter block), ``scales`` the
+    blocks' columns in the ``(rows, blocks)`` scales.  ``whole``: one view of
+    every block (``plan.aligned`` and ``x`` contiguous)."""
+    rows, b = x.shape[0], plan.block
+    if whole:
+        yield x.view(rows, plan.blocks, b), slice(0, plan.blocks)
+        return
+    for p in plan.pieces:
+        end = p.offset + p.full * b
+        if p.full:
+            yield x[:, p.offset:end].view(rows, p.full, b), slice(p.block0, p.block0 + p.full)
+        if p.rest:
+            blk = p.block0 + p.full
+            yield x[:, end:end + p.rest].view(rows, 1, p.rest), slice(blk, blk + 1)
 
 
 def _segments(n: int, segments: Sequence[int] | None) -> tuple[int, ...]:
@@ -131,21 +150,21 @@ def encode_rows(x: torch.Tensor, codec: Codec,
     rows, n = x.shape
     plan = _plan(_segments(n, segments), codec.block_size)
     xf = x if x.dtype == torch.float32 else x.float()
-    if plan.aligned and xf.is_contiguous():
-        grid = xf.view(rows, plan.blocks, plan.block)
-    else:
-        flat = xf.new_zeros(rows, plan.blocks * plan.block)
-        flat.index_copy_(1, plan.valid_index(x.device), xf)
-        grid = flat.view(rows, plan.blocks, plan.block)
-    absmax = grid.abs().amax(dim=2)  # (rows, blocks); NaN where a block holds one
-    scale = absmax / codec.qmax
-    scale = torch.where(torch.isfinite(scale), scale, torch.full_like(scale, float("nan")))
+    whole = plan.aligned and xf.is_contiguous()
+    absmax = torch.empty(rows, plan.blocks, device=x.device)  # NaN where a block holds one
+    for view, cols in _blocks_of(xf, plan, whole):
+        absmax[:, cols] = view.abs().amax(dim=2)
+    scale = absmax.div_(codec.qmax)
+    finite = bool(torch.isfinite(scale).all())
+    if not finite:
+        scale = torch.where(torch.isfinite(scale), scale, torch.full_like(scale, float("nan")))
     inv = torch.where(scale > 0, scale.reciprocal(), torch.zeros_like(scale))
-    codes = (grid * inv.unsqueeze(2)).round_().clamp_(-codec.qmax, codec.qmax).view(rows, -1)
-    if not bool(torch.isfinite(scale).all()):
+    codes = torch.empty(rows, n, device=x.device)
+    for (view, cols), (out, _) in zip(_blocks_of(xf, plan, whole), _blocks_of(codes, plan, whole)):
+        torch.mul(view, inv[:, cols].unsqueeze(2), out=out)
+    codes.round_().clamp_(-codec.qmax, codec.qmax)
+    if not finite:
         codes.nan_to_num_(0.0)  # (a non-finite block: its NaN scale carries it)
-    if not plan.aligned:
-        codes = codes.index_select(1, plan.valid_index(x.device))
     cb = _code_bytes(n, codec.bits)
     packet = torch.empty(rows, _round4(cb) + 4 * plan.blocks, dtype=torch.uint8, device=x.device)
     packet[:, cb : _round4(cb)] = 0
@@ -174,12 +193,10 @@ def decode_row(packet: torch.Tensor, codec: Codec, segments: Sequence[int] | Non
         pair = torch.stack([(raw & 0xF), (raw >> 4)], dim=1).view(-1)[:n]
         codes = pair.float().sub_(8.0)
     start = _round4(cb)
-    scale = packet[start : start + 4 * plan.blocks].view(torch.float32)
-    if plan.aligned:
-        vals = codes.view(plan.blocks, plan.block).mul_(scale.unsqueeze(1)).view(-1)
-    else:
-        vals = codes.mul_(scale.index_select(0, plan.block_index(packet.device)))
-    out.copy_(vals)
+    scale = packet[start : start + 4 * plan.blocks].view(torch.float32).view(1, -1)
+    for view, cols in _blocks_of(codes.view(1, n), plan, plan.aligned):
+        view.mul_(scale[:, cols].unsqueeze(2))
+    out.copy_(codes)
     return out
 
 
@@ -200,4 +217,5 @@ def error_bound(x: torch.Tensor, codec: Codec,
     flat.index_copy_(0, plan.valid_index(x.device), x.float().reshape(-1))
     absmax = flat.view(plan.blocks, plan.block).abs().amax(dim=1)
     per_block = absmax / codec.qmax / 2 + 4 * _U32 * absmax
-    return per_block.index_select(0, plan.block_index(x.device))
+    lengths = [b for p in plan.pieces for b in [plan.block] * p.full + ([p.rest] if p.rest else [])]
+    return per_block.repeat_interleave(torch.tensor(lengths, device=x.device))

@@ -110,8 +110,11 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup, codec: Codec) -> torch
     world = dist.get_world_size(group)
     n = tensor.numel()
     piece = -(-n // world)
-    padded = torch.zeros(world * piece, dtype=torch.float32, device=tensor.device)
-    padded[:n].copy_(tensor.reshape(-1))
+    if n == world * piece:
+        padded = tensor.reshape(-1)  # (encoding reads it in float32 whatever its dtype)
+    else:
+        padded = torch.zeros(world * piece, dtype=torch.float32, device=tensor.device)
+        padded[:n].copy_(tensor.reshape(-1))
     mine = torch.empty(piece, dtype=torch.float32, device=tensor.device)
     reduce_scatter(mine, padded, group, codec)
     out = torch.empty(world * piece, dtype=torch.float32, device=tensor.device)
