@@ -248,6 +248,21 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 FSDP_INSTANCES_WORD = "instances" if torch_at_least(2, 14) else "instacnes"
 
 
+# ------------------------------------------------------------ checkpoint formats
+
+def _dcp_properties_have_strides() -> bool:
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    return "strides" in {f.name for f in dataclasses.fields(TensorProperties)}
+
+
+#: torch 2.15 records each tensor's strides in DCP's ``.metadata``
+#: (``TensorProperties`` pickles six fields, not five); older torch cannot
+#: unpickle such a file, and fsdp_wrap's offline reader then drops the strides
+#: (``fsdp_wrap.checkpoint._dcp.read_metadata``).
+DCP_PROPERTIES_HAVE_STRIDES = _dcp_properties_have_strides()
+
+
 # --------------------------------------------------------------- optional packages
 
 PLOT_EXTRA_HINT = ("pip install matplotlib (or, from a checkout, pip install -e \".[plot]\")")
