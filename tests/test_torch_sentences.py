@@ -1,7 +1,7 @@
 """Every torch sentence fsdp_wrap's messages carry is the installed torch's.
 
 fsdp_wrap starts a message with torch's own sentence where torch has one
-(docs/design.rst).  :data:`SENTENCES` lists, per package file, each piece of
+(docs/testing.rst, docs/getting_started.rst).  :data:`SENTENCES` lists, per package file, each piece of
 torch's text the package carries (found by comparing the package's string
 literals with torch 2.13's source; ``{NAME}`` stands for a wording that
 ``fsdp_wrap._compat`` chooses by torch version).  For the installed torch, each
