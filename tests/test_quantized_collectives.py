@@ -20,7 +20,9 @@ moved some value (a comparison coding never touched would prove little).
 * What it refuses, on every rank alike and before any collective: a
   ``where="cross_node"`` it cannot place (no ``LOCAL_WORLD_SIZE``, a hybrid
   shard group across nodes, a group not made of whole nodes), a
-  communication hook with coded gradients.
+  communication hook with coded gradients; ranks that disagree on the
+  setting (a node launched with another ``$FSDP_WRAP_QUANTIZE_COLLECTIVES``),
+  at the first forward, within the shard group and across the replicas.
 """
 
 from __future__ import annotations
@@ -220,3 +222,38 @@ def test_refusals(pool4: Any) -> None:
     same = {tuple(s.replace(f"rank {i}", "rank R").replace("[2, 3]", "[0, 1]") for s in res[:5])
             for i, res in enumerate(results)}
     assert len(same) == 1, same
+
+
+def _disagreements() -> list[str]:
+    """Ranks 2 and 3 (node 1) quantize, ranks 0 and 1 do not: the error each
+    rank raised at the first forward (FULL_SHARD over every rank; HYBRID_SHARD,
+    where each shard group agrees and only the replicas' all-reduce differs)."""
+    import fsdp_wrap
+    from tests.models import TinyTransformer, transformer_policy
+
+    quant = "grads,where=all" if dist.get_rank() >= 2 else "off"
+    out = []
+    for kw in (dict(), dict(sharding_strategy=fsdp_wrap.ShardingStrategy.HYBRID_SHARD,
+                            device_mesh=mesh_2x2())):
+        with nodes_of(2):
+            torch.manual_seed(0)
+            model = fsdp_wrap.FullyShardedDataParallel(
+                TinyTransformer(), auto_wrap_policy=transformer_policy("ours"),
+                quantize_collectives=quant, **kw)
+        try:
+            model(model_input("transformer", torch.Generator().manual_seed(0))).sum().backward()
+            out.append("accepted")
+        except RuntimeError as e:
+            out.append(str(e))
+    return out
+
+
+def test_ranks_disagreeing_are_refused(pool4: Any) -> None:
+    results = pool4.run(_disagreements)
+    for rank, res in enumerate(results):
+        # FULL_SHARD: the first rank of the other node; hybrid: this rank's replica
+        for got, other in zip(res, (2 if rank < 2 else 0, rank ^ 2)):
+            assert got.startswith(f"[rank {rank}] FSDP units differ between rank {rank} and "
+                                  f"rank {other} at unit #0"), got
+            assert "quantize_collectives weights=exact grads=int8/2048" in got, got
+            assert "quantize_collectives or $FSDP_WRAP_QUANTIZE_COLLECTIVES" in got, got

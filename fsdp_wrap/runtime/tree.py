@@ -91,6 +91,7 @@ def unit_signature(state: UnitState) -> tuple[Any, ...]:
             tuple(h.flat_param.shape),
             state.sharding_strategy.name,
             state._use_orig_params,
+            state._wire.signature(),  # (quantize_collectives: coded on every rank or none)
         )
         for h in state._handles
     )
@@ -111,7 +112,16 @@ def all_gather_unit_signatures(state: UnitState) -> None:
     later as a hang or a silently wrong all-gather.
     """
     mine = [(unit_signature(s), unit_names(s)) for s in state._all_fsdp_states]
-    everyone = C.all_gather_objects(mine, state.process_group)
+    _compare_signatures(mine, state.process_group)
+    replicas = state._inter_node_pg
+    if replicas is not None and dist.get_world_size(replicas) > 1:
+        # Hybrid strategies: the replicas' all-reduce must line up too (a node
+        # launched with another $FSDP_WRAP_QUANTIZE_COLLECTIVES codes it).
+        _compare_signatures(mine, replicas)
+
+
+def _compare_signatures(mine: list[Any], group: dist.ProcessGroup) -> None:
+    everyone = C.all_gather_objects(mine, group)
     for r, theirs in enumerate(everyone):
         theirs_list: list[Any] = theirs  # type: ignore[assignment]
         if [sig for sig, _ in theirs_list] == [sig for sig, _ in mine]:
@@ -120,12 +130,13 @@ def all_gather_unit_signatures(state: UnitState) -> None:
             a = mine[i] if i < len(mine) else None
             b = theirs_list[i] if i < len(theirs_list) else None
             if a is None or b is None or a[0] != b[0]:
-                me, them = global_rank(), dist.get_global_rank(state.process_group, r)
+                me, them = global_rank(), dist.get_global_rank(group, r)
                 raise RuntimeError(
                     f"[rank {me}] FSDP units differ between rank {me} and rank "
                     f"{them} at unit #{i}: rank {me} has {_describe_unit(a)}, rank {them} "
                     f"has {_describe_unit(b)}. Every rank must wrap the same model the same "
-                    "way (same auto_wrap_policy, sizes, dtypes and sharding strategy); "
+                    "way (same auto_wrap_policy, sizes, dtypes, sharding strategy and "
+                    "quantize_collectives or $FSDP_WRAP_QUANTIZE_COLLECTIVES); "
                     "otherwise collectives would hang."
                 )
 
@@ -140,9 +151,12 @@ def _describe_unit(entry: Any) -> str:
     shapes = [shape for sig in sigs for shape in sig[0]]
     params = ", ".join(f"{n!r} {shape}" for n, shape in zip(names, shapes))
     flats = ", ".join(f"{sig[2]} {sig[1]}" for sig in sigs)
+    wire = sigs[0][5]
+    coded = "" if all(w.endswith("exact") for w in wire[:3]) and not wire[3] else \
+        f" quantize_collectives {' '.join(w for w in wire if w)}"
     return (
         f"unit {unit!r} [{params}] flat {flats} {sigs[0][3]} "
-        f"use_orig_params={sigs[0][4]}"
+        f"use_orig_params={sigs[0][4]}{coded}"
     )
 
 

@@ -48,6 +48,14 @@ class Wire:
     def is_exact(self) -> bool:
         return self.weights is None and self.grads is None and self.replicas is None
 
+    def signature(self) -> tuple[str, ...]:
+        """What every rank of the unit's groups must agree on (no process
+        groups: it is compared across ranks at lazy initialisation)."""
+        hier = "" if self.hierarchy is None else \
+            f"routed {self.hierarchy.nodes}x{self.hierarchy.per_node}"
+        return (f"weights={self.weights or 'exact'}", f"grads={self.grads or 'exact'}",
+                f"replicas={self.replicas or 'exact'}", hier)
+
     def sum_dtype(self, reduce_dtype: torch.dtype) -> torch.dtype:
         """The dtype a reduction over the shard group returns: ``reduce_dtype``,
         or float32 where decoded values are summed."""
