@@ -161,13 +161,14 @@ def report(rate: str, res: dict[str, Any], targets: list[tuple[str, float, float
     sent = {n: statistics.mean(res["sent"][n]) for n in res["names"]}
     time_ = {n: statistics.median(res["times"][n]) for n in res["names"]}
     ref = "torch FULL_SHARD"
+    has_ref = ref in sent  # (--only may leave it out: no ratios then)
     rows = []
     for n in res["names"]:
-        rows.append([n, f"{sent[n] / 1e6:.2f}", f"{sent[n] / sent[ref]:.3f}",
-                     f"{time_[n]:.2f}", f"{time_[n] / time_[ref]:.2f}",
+        rows.append([n, f"{sent[n] / 1e6:.2f}", f"{sent[n] / sent[ref]:.3f}" if has_ref else "",
+                     f"{time_[n]:.2f}", f"{time_[n] / time_[ref]:.2f}" if has_ref else "",
                      f"{res['held'][n] / 2**20:.2f}"])
     quant = "ours HYBRID_SHARD, int8 w+g"
-    if quant in sent:
+    if quant in sent and has_ref:
         targets.append((f"{rate}: bytes, hybrid int8 w+g / torch FULL_SHARD",
                         sent[quant] / sent[ref], 0.3))
         targets.append((f"{rate}: step time, hybrid int8 w+g / torch FULL_SHARD",
@@ -197,7 +198,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rates", default=",".join(RATES), help="link rates, comma-separated")
     p.add_argument("--rounds", type=int, default=3, help="timed optimizer steps per row")
-    p.add_argument("--only", default="", help="configuration names (comma-separated) to run")
+    p.add_argument("--only", default="",
+                   help="configuration names to run, separated by ';' (names hold commas)")
     p.add_argument("--tiny", action="store_true", help="toy model (smoke test)")
     p.add_argument("--quick", action="store_true", help="1 round, one rate (1gbit)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per launch")
@@ -217,7 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     if reason is not None:
         print(f"bench_cross_node: network namespaces cannot be made here: {reason}")
         return 0
-    names = [n for n in args.only.split(",") if n] or [c.name for c in CONFIGS]
+    names = [n.strip() for n in args.only.split(";") if n.strip()] or [c.name for c in CONFIGS]
+    unknown = sorted(set(names) - {c.name for c in CONFIGS})
+    if unknown:
+        raise SystemExit(f"bench_cross_node: --only expects names among {[c.name for c in CONFIGS]} "
+                         f"but got {unknown}")
     rates = ["1gbit"] if args.quick else [r for r in args.rates.split(",") if r]
     cfg = dict(tiny=args.tiny, rounds=1 if args.quick else args.rounds, names=names)
     print(f"# {NODES} nodes x {PER_NODE} ranks (network namespaces, torchrun c10d rendezvous), "

@@ -201,7 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     if reason is not None:
         print(f"convergence_cross_node: network namespaces cannot be made here: {reason}")
         return 0
-    names = [n for n in args.only.split(",") if n] or [c.name for c in CONFIGS]
+    names = [n.strip() for n in args.only.split(",") if n.strip()] or [c.name for c in CONFIGS]
+    unknown = sorted(set(names) - {c.name for c in CONFIGS})
+    if unknown:
+        raise SystemExit(f"convergence_cross_node: --only expects names among "
+                         f"{[c.name for c in CONFIGS]} but got {unknown}")
     cfg = dict(tiny=args.tiny, steps=args.steps, lr=args.lr, seed=args.seed, names=names,
                job="convergence")
     print(f"# 2 nodes x 2 ranks, gloo, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; "
