@@ -114,9 +114,11 @@ def _sent_between(fn: Any) -> int | None:
     return sent_during(fn, dist.barrier)[1]
 
 
-def train_case(case: dict[str, Any], impl: str = "ours") -> dict[str, Any]:
+def train_case(case: dict[str, Any], impl: str = "ours",
+               on_step: Any = None) -> dict[str, Any]:
     """``case["steps"]`` Adam steps of ``case["strategy"]``; per step the loss and
-    this node's bytes; at the end this rank's parameter shards."""
+    this node's bytes; at the end this rank's parameter shards.  ``on_step()``
+    after every step (the test pool's progress report)."""
     model = wrap(impl, case["strategy"], case["groups"], case["idx"])
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     losses: list[float] = []
@@ -128,6 +130,8 @@ def train_case(case: dict[str, Any], impl: str = "ours") -> dict[str, Any]:
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
+        if on_step is not None:
+            on_step()
 
     for i in range(case["steps"]):
         sent.append(_sent_between(lambda i=i: step(i)))

@@ -123,8 +123,7 @@ def _reference(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out = []
         for c in cases:
             groups = "mesh" if "HYBRID" in c["strategy"] else "world"
-            out.append(job.train_case(dict(c, groups=groups), "torch"))
-            progress()
+            out.append(job.train_case(dict(c, groups=groups), "torch", on_step=progress))
         return out
     finally:
         os.environ.pop("LOCAL_WORLD_SIZE", None)
