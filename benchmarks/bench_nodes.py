@@ -84,13 +84,6 @@ def _torch() -> Any:
     return torch
 
 
-def _node_sent() -> int | None:
-    from fsdp_wrap.testbed.link import node_link_bytes
-
-    got = node_link_bytes() if os.environ.get("LOCAL_RANK") == "0" else None
-    return None if got is None else got[0]
-
-
 def _calibrate() -> dict[str, Any]:
     """Each rank exchanges a known payload with its peer on the other node."""
     torch, dist = _torch(), _torch().distributed
@@ -103,20 +96,18 @@ def _calibrate() -> dict[str, Any]:
         for w in dist.batch_isend_irecv(ops):
             w.wait()
 
+    from fsdp_wrap.testbed.link import sent_during
+
     exchange()
-    dist.barrier()
-    before = _node_sent()
-    exchange()
-    dist.barrier()
-    after = _node_sent()
-    return {"sent": None if before is None else after - before,  # type: ignore[operator]
-            "payload": PER_NODE * CALIBRATION_BYTES}
+    return {"sent": sent_during(exchange, dist.barrier)[1], "payload": PER_NODE * CALIBRATION_BYTES}
 
 
 def job_interleaved(cfg: dict[str, Any]) -> dict[str, Any]:
     torch, dist = _torch(), _torch().distributed
     from _bench_models import loss_fn, make_batches, make_model
     from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_wrap.testbed.link import sent_during
 
     w = _workload(cfg["tiny"])
     rank = dist.get_rank()
@@ -146,14 +137,14 @@ def job_interleaved(cfg: dict[str, Any]) -> dict[str, Any]:
     for r in range(cfg["steps"]):
         shift = r % len(keys)
         for k in keys[shift:] + keys[:shift]:
-            dist.barrier()
-            b0 = _node_sent()
-            t0 = time.perf_counter()
-            last[k] = step(k, r + 1)
-            times[k].append(time.perf_counter() - t0)
-            dist.barrier()
-            b1 = _node_sent()
-            sent[k].append(None if b0 is None else b1 - b0)  # type: ignore[operator]
+            def timed(k: str = k, i: int = r + 1) -> float:
+                t0 = time.perf_counter()  # every rank starts after sent_during's barriers
+                loss = step(k, i)
+                times[k].append(time.perf_counter() - t0)
+                return loss
+
+            last[k], nbytes = sent_during(timed, dist.barrier)
+            sent[k].append(nbytes)
     units = {k: _unit_bytes(models[k][0], k) for k in keys}
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, {"times": times, "sent": sent, "last": last})
@@ -301,7 +292,7 @@ def report(rate: str, res: dict[str, Any], memory: dict[str, float],
 
 
 def report_targets(targets: list[tuple[str, float, float]]) -> str:
-    rows = [[what, f"{got:.3f}", f"<= {goal:.2f}", "met" if got <= goal else "MISSED"]
+    rows = [[what, f"{got:.3f}", f"<= {goal:g}", "met" if got <= goal else "MISSED"]
             for what, got, goal in targets]
     return "targets\n\n" + _rst(["target", "measured", "goal", "status"], rows)
 

@@ -106,30 +106,19 @@ def unit_bytes(model: nn.Module, strategy: str) -> tuple[list[int], int]:
     return units, root
 
 
-def _node_bytes() -> int | None:
-    """This node's bytes sent so far (local rank 0 only, inside a cluster)."""
-    from fsdp_wrap.testbed.link import node_link_bytes
-
-    if os.environ.get("LOCAL_RANK") != "0":
-        return None
-    sent = node_link_bytes()
-    return None if sent is None else sent[0]
-
-
 def _sent_between(fn: Any) -> int | None:
-    """Bytes this node sent while ``fn()`` ran (barriers either side); ``None``
-    off local rank 0 or outside a cluster."""
-    dist.barrier()
-    before = _node_bytes()
-    fn()
-    dist.barrier()
-    after = _node_bytes()
-    return None if before is None or after is None else after - before
+    """Bytes this node sent while ``fn()`` ran; ``None`` off local rank 0 or
+    outside a cluster."""
+    from fsdp_wrap.testbed.link import sent_during
+
+    return sent_during(fn, dist.barrier)[1]
 
 
-def train_case(case: dict[str, Any], impl: str = "ours") -> dict[str, Any]:
+def train_case(case: dict[str, Any], impl: str = "ours",
+               on_step: Any = None) -> dict[str, Any]:
     """``case["steps"]`` Adam steps of ``case["strategy"]``; per step the loss and
-    this node's bytes; at the end this rank's parameter shards."""
+    this node's bytes; at the end this rank's parameter shards.  ``on_step()``
+    after every step (the test pool's progress report)."""
     model = wrap(impl, case["strategy"], case["groups"], case["idx"])
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     losses: list[float] = []
@@ -141,6 +130,8 @@ def train_case(case: dict[str, Any], impl: str = "ours") -> dict[str, Any]:
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
+        if on_step is not None:
+            on_step()
 
     for i in range(case["steps"]):
         sent.append(_sent_between(lambda i=i: step(i)))

@@ -123,8 +123,7 @@ def _reference(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out = []
         for c in cases:
             groups = "mesh" if "HYBRID" in c["strategy"] else "world"
-            out.append(job.train_case(dict(c, groups=groups), "torch"))
-            progress()
+            out.append(job.train_case(dict(c, groups=groups), "torch", on_step=progress))
         return out
     finally:
         os.environ.pop("LOCAL_WORLD_SIZE", None)
@@ -210,6 +209,7 @@ def _uninterrupted(cfg: dict[str, Any]) -> list[float]:
     return list(job.train_case(case, "torch")["losses"])
 
 
+@pytest.mark.slow  # two torchrun launches of every node and a restart: about a minute unloaded
 def test_killed_node_fails_its_peers_and_restart_resumes(tmp_path: Any, pool4: Any) -> None:
     out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
     os.makedirs(out)
@@ -279,6 +279,39 @@ def test_a_signal_removes_the_cluster_and_what_runs_in_it(sig: signal.Signals) -
     assert inside is not None and inside.wait(timeout=10) == -signal.SIGKILL
     assert not testbed.leftovers(name), testbed.leftovers(name)
     assert signal.getsignal(signal.SIGTERM) is handler, "the SIGTERM handler was not restored"
+
+
+def test_an_exception_removes_the_cluster_also_a_half_made_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from fsdp_wrap.testbed import network
+
+    # an exception inside the block
+    with pytest.raises(ValueError, match="in the block"):
+        with testbed.Cluster(NODES, rate="1gbit") as cluster:
+            name = cluster.run_name
+            assert testbed.leftovers(name), "the cluster was not made"
+            raise ValueError("in the block")
+    assert not testbed.leftovers(name), testbed.leftovers(name)
+
+    # a failure while the nodes are made: the namespaces and links exist, tc fails
+    made: list[str] = []
+    real_cmd = network._cmd
+
+    def cmd(args: list[str], check: bool = True) -> Any:
+        if args[:3] == ["ip", "netns", "add"]:
+            made.append(args[3])
+        if args[0] == "tc" and len(made) == NODES:
+            raise RuntimeError("tc refused (injected)")
+        return real_cmd(args, check)
+
+    monkeypatch.setattr(network, "_cmd", cmd)
+    with pytest.raises(RuntimeError, match="injected"):
+        with testbed.Cluster(NODES, rate="1gbit"):
+            pass
+    assert len(made) == NODES, made
+    run = made[0].rsplit("-n", 1)[0]
+    assert not testbed.leftovers(run), testbed.leftovers(run)
+    assert not [ns for ns in made if os.path.exists(os.path.join("/etc/netns", ns))]
 
 
 def test_a_run_past_its_timeout_is_stopped_and_removed() -> None:

@@ -13,7 +13,7 @@ library imports it.  Standard library only (torchrun runs as a subprocess).
 """
 
 from fsdp_wrap.testbed.cluster import Cluster, Interrupted, Run, RunResult
-from fsdp_wrap.testbed.link import node_index, node_link_bytes
+from fsdp_wrap.testbed.link import node_index, node_link_bytes, sent_during
 from fsdp_wrap.testbed.network import (
     LinkBytes,
     NodeLink,
@@ -37,5 +37,6 @@ __all__ = [
     "node_link_bytes",
     "parse_rate",
     "remove_stale",
+    "sent_during",
     "unavailable_reason",
 ]
