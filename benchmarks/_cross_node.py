@@ -89,14 +89,6 @@ def gradient_bytes(model: Any) -> int:
     return total
 
 
-def node_sent() -> int | None:
-    """Bytes this node's link has sent, on local rank 0 (``None`` elsewhere)."""
-    from fsdp_wrap.testbed.link import node_link_bytes
-
-    got = node_link_bytes() if os.environ.get("LOCAL_RANK") == "0" else None
-    return None if got is None else got[0]
-
-
 def mesh_2d() -> Any:
     """``(replicate, shard)``: replicas across the nodes, shards within each."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -18,7 +18,8 @@ the replicas' all-reduce coded (``quantize_collectives``: int8 weights and
 gradients where they cross nodes, int4 gradients), both, and FULL_SHARD with
 its gathers and reductions routed through the nodes and coded between them.
 Per configuration: the bytes its node's link sent per optimizer step (local
-rank 0 reads the interface counters between barriers), the step time (the
+rank 0 reads the interface counters with a barrier on each side of each read:
+``fsdp_wrap.testbed.sent_during``), the step time (the
 slowest rank's, between barriers) and the gradient memory each rank holds
 between micro-batches (after the 7th backward: ``.grad``, parked gradients
 and partial sums; the largest over ranks).
@@ -47,7 +48,6 @@ from _cross_node import (  # noqa: E402
     job_setup,
     launch,
     mesh_2d,
-    node_sent,
     rst_table,
 )
 
@@ -90,6 +90,8 @@ def job(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     from _bench_models import Block, loss_fn, make_batches, make_model
 
+    from fsdp_wrap.testbed.link import sent_during
+
     w = _workload(cfg["tiny"])
     configs = [c for c in CONFIGS if c.name in cfg["names"]]
     mesh = mesh_2d()
@@ -123,14 +125,15 @@ def job(cfg: dict[str, Any]) -> dict[str, Any]:
     for r in range(cfg["rounds"]):
         shift = r % len(names)
         for n in names[shift:] + names[:shift]:
-            dist.barrier()
-            b0 = node_sent()
-            t0 = time.perf_counter()
-            held[n] = opt_step(n)
-            times[n].append(time.perf_counter() - t0)
-            dist.barrier()
-            b1 = node_sent()
-            sent[n].append(None if b0 is None or b1 is None else b1 - b0)
+
+            def timed(name: str = n) -> tuple[int, float]:
+                t0 = time.perf_counter()
+                got = opt_step(name)
+                return got, time.perf_counter() - t0
+
+            (held[n], seconds), nbytes = sent_during(timed, dist.barrier)
+            times[n].append(seconds)
+            sent[n].append(nbytes)
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, {"times": times, "sent": sent, "held": held})
     return {
