@@ -122,6 +122,21 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI):
                 "FSDP was given a module that is already wrapped by FullyShardedDataParallel; "
                 "wrap the inner module once (nest FSDP around submodules instead)."
             )
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            # First, before anything that can block: when ranks are threads of
+            # one process (torch's threaded process group), a thread waiting in
+            # a collective lets the other enter its own warnings.catch_warnings
+            # (process-wide state), and the warning would land in the wrong
+            # thread's record.  Names, not the repr: a child unit's repr spells
+            # out FSDP's internals.
+            children = [clean_fqn(n) for n, _ in module.named_children()]
+            warnings.warn(
+                "FSDP will not all-gather parameters for containers that do "
+                f"not implement forward: {type(module).__name__} (children {children}) "
+                f"[rank {global_rank()}]; wrap its "
+                "children, or a module whose forward uses them, instead",
+                stacklevel=2,
+            )
         # 1. Arguments, checked before any collective.
         strategy = coerce_enum(sharding_strategy, ShardingStrategy, "sharding_strategy")
         backward_prefetch = coerce_enum(backward_prefetch, BackwardPrefetch, "backward_prefetch")
@@ -164,16 +179,6 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI):
         setup.build_handle(self, module, pg_state)
         _runtime.register_handle_hooks(self)
         self._fsdp_wrapped_module = module
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-            # Names, not the repr: a child unit's repr spells out FSDP's internals.
-            children = [clean_fqn(n) for n, _ in module.named_children()]
-            warnings.warn(
-                "FSDP will not all-gather parameters for containers that do "
-                f"not implement forward: {type(module).__name__} (children {children}) "
-                f"[rank {global_rank()}]; wrap its "
-                "children, or a module whose forward uses them, instead",
-                stacklevel=2,
-            )
         # 5. State-dict hooks; torch.compile breaks the graph at unit boundaries.
         _state_dict.register_hooks(self)
         run_eagerly_under_dynamo()
