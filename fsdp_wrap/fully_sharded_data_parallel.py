@@ -147,9 +147,11 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI):
         batch_mb = resolve_all_gather_batch_mb(all_gather_batch_mb)
         ignored_mods, ignored_params = _init.resolve_ignored(module, ignored_modules, ignored_states)
         self._ignored_modules, self._ignored_params = ignored_mods, ignored_params
-        # 2. Process groups.
+        # ... and what this machine cannot honour (a device it lacks, a dtype).
+        device = setup.check_machine(module, device_id, mixed_precision, ignored_params)
+        # 2. Process groups (their backends must carry the device's tensors).
         pg_state, child_group = setup.init_process_groups(
-            self, process_group, device_mesh, strategy, auto_wrap_policy is not None
+            self, process_group, device_mesh, strategy, auto_wrap_policy is not None, device
         )
         # 3. Children the policy picks become units of their own, with the
         # root's arguments (the ignored set resolved to parameters, as torch

@@ -20,6 +20,7 @@ from torch.distributed import ProcessGroup
 import fsdp_wrap.comm.collectives as C
 from fsdp_wrap.api import HYBRID_STRATEGIES, ShardingStrategy
 from fsdp_wrap.handle.layout import walk_unit_modules
+from fsdp_wrap.runtime.capability import check_device_id
 from fsdp_wrap.runtime.names import clean_fqn
 from fsdp_wrap.runtime.state import UnitState
 
@@ -257,12 +258,8 @@ def resolve_device(
     """The compute device: ``device_id``, else the parameters' device (CPU works)."""
     tensors = _unit_tensors(module, stop, ignored)
     devices = {t.device for _, t in tensors if t.device.type != "meta"}
-    if device_id is not None:
-        device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(
-            device_id
-        )
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+    device = check_device_id(device_id)
+    if device is not None:
         return device
     non_cpu = {d for d in devices if d.type != "cpu"}
     if len(non_cpu) > 1:
