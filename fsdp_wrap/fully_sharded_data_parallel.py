@@ -22,6 +22,7 @@ import torch.nn as nn
 
 import fsdp_wrap.comm.collectives as C
 import fsdp_wrap.runtime.construct as _init
+import fsdp_wrap.runtime.guards as guards
 import fsdp_wrap.runtime.hooks as _runtime
 import fsdp_wrap.runtime.setup as setup
 import fsdp_wrap.runtime.summon as _summon
@@ -561,9 +562,12 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI):
         named by clean FQN.
         """
         try:
-            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+            result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         except RuntimeError as err:
             raise RuntimeError(clean_fqn(str(err))) from None
+        if not strict:
+            guards.check_nothing_loaded(state_dict, result)  # a warning if no key matched
+        return result
 
 
 def _grad_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:

@@ -281,8 +281,9 @@ def materialize_meta(
     param_init_fn: Callable[[nn.Module], None] | None,
     device: torch.device,
     rank: int,
-) -> None:
-    """Materialise a meta-device unit, one module at a time, on ``device``.
+) -> bool:
+    """Materialise a meta-device unit, one module at a time, on ``device``;
+    whether there was anything on the meta device.
 
     Modules are visited breadth-first, not entering nested FSDP units (they
     materialised themselves) or ignored modules.  ``param_init_fn(module)`` is
@@ -298,7 +299,7 @@ def materialize_meta(
             "(e.g. lambda m: m.to_empty(device=..., recurse=False)), or None"
         )
     if not any(t.is_meta for _, t in _unit_tensors(module, stop, ignored)):
-        return
+        return False
     queue, order = [module], []
     while queue:
         m = queue.pop(0)
@@ -328,6 +329,7 @@ def materialize_meta(
             "param_init_fn must materialise every parameter and buffer of the module it is given "
             "(e.g. module.to_empty(device=..., recurse=False) then initialise)."
         )
+    return True
 
 
 def move_to_device(

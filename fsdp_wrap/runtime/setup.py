@@ -17,6 +17,7 @@ import torch.nn as nn
 import fsdp_wrap.comm.collectives as C
 import fsdp_wrap.runtime.capability as capability
 import fsdp_wrap.runtime.construct as construct
+import fsdp_wrap.runtime.guards as guards
 from fsdp_wrap.api import (
     BackwardPrefetch,
     CPUOffload,
@@ -139,6 +140,8 @@ def init_runtime_state(state: UnitState, bucket_cap_mb: float, batch_mb: float) 
     # Original dtypes of buffers cast to ``buffer_dtype`` (clean FQN under the
     # wrapped module -> dtype); state dicts save them in these dtypes.
     state._buffer_orig_dtypes = {}
+    state._replicas_checked = False  # (root) guards.check_replicas, at the first forward
+    state._built_from_meta = False
 
 
 def _stops_walk(state: UnitState) -> Any:
@@ -155,7 +158,7 @@ def place_module(
     asked) the same on every rank as on rank 0."""
     stop, ignored = _stops_walk(state), state._ignored_params
     state.compute_device = construct.resolve_device(module, device_id, stop, ignored)
-    construct.materialize_meta(
+    state._built_from_meta = construct.materialize_meta(
         module, stop, ignored, param_init_fn, state.compute_device, state.rank
     )
     construct.move_to_device(module, state.compute_device, stop, ignored)
@@ -203,3 +206,5 @@ def build_handle(
             state._handles.append(FlatParamHandle(module, group, group_shared, config,
                                                   flat_name=name))
     state.params = [h.flat_param for h in state._handles]
+    guards.mark_unit_params(state)
+    guards.install_optimizer_check()
