@@ -130,6 +130,8 @@ def commit(tmp: str, path: str, extra: dict[str, Any]) -> None:
 
 def incomplete_reason(directory: str, marker: dict[str, Any]) -> str:
     """Which ranks never finished, from the rank files of an incomplete directory."""
+    if str(marker.get("kind", "")).startswith("convert"):
+        return "the conversion writing it did not finish"
     ws = marker.get("world_size")
     names = os.listdir(directory) if os.path.isdir(directory) else []
     done = {int(n.split("-")[1].split(".")[0]) for n in names if n.endswith(".done")}

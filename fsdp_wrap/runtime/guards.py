@@ -141,7 +141,9 @@ def _refuse_replaced(optimizer: Any, marks: list[tuple[int, int, int]]) -> None:
         "use_orig_params=False. Those parameters are no longer part of the model and get no "
         "gradient, so this step would change nothing (training would run and learn nothing). "
         "Build the optimizer after wrapping, from the wrapped model's parameters "
-        "(torch.optim.AdamW(fsdp_model.parameters(), ...)), or wrap with use_orig_params=True."
+        "(torch.optim.AdamW(fsdp_model.parameters(), ...)), or wrap with use_orig_params=True "
+        "(with Accelerate: fsdp_use_orig_params: true, or prepare the model before creating "
+        "the optimizer)."
     )
 
 
