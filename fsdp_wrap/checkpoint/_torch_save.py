@@ -224,3 +224,21 @@ def _tensors_in_pickle_order(obj: Any) -> Iterator[torch.Tensor]:
                 yield from walk(v)
 
     yield from walk(obj)
+
+
+def check_zip_crcs(path: str) -> None:
+    """A ``torch.save`` zip records a CRC-32 per record, which ``torch.load``
+    does not check: a flipped byte in a tensor would convert silently."""
+    if not zipfile.is_zipfile(path):
+        return  # the legacy format, or no zip at all: torch.load says what it is
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        raise ValueError(f"{path} is damaged: its zip records cannot be read ({e}); use an "
+                         "earlier checkpoint") from e
+    if bad is not None:
+        raise ValueError(
+            f"{path} is damaged: record {bad} does not match the CRC-32 torch.save wrote for it "
+            "(a flipped or overwritten byte); use an earlier checkpoint"
+        )

@@ -37,7 +37,7 @@ import fsdp_wrap.checkpoint._atomic as _atomic
 import fsdp_wrap.checkpoint._dcp as _dcp
 import fsdp_wrap.checkpoint._safetensors as _safetensors
 from fsdp_wrap.checkpoint._safetensors import Entry, ShardedWriter
-from fsdp_wrap.checkpoint._torch_save import StreamingTorchSave
+from fsdp_wrap.checkpoint._torch_save import StreamingTorchSave, check_zip_crcs
 from fsdp_wrap.checkpoint._torch_save import is_unfinished as is_unfinished_torch
 
 MARKER = _atomic.MARKER  # written by fsdp_wrap's own savers
@@ -217,6 +217,7 @@ def _const(value: Any) -> Callable[[], Any]:
 
 
 def _open_torch_file(path: str, trust_pickle: bool) -> Source:
+    check_zip_crcs(path)
     try:
         obj = torch.load(path, map_location="cpu", mmap=True, weights_only=not trust_pickle)
     except Exception as e:
