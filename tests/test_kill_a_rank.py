@@ -154,8 +154,9 @@ def test_killed_sharded_save(pool2: Any, killed: dict[str, Any]) -> None:
     step4 = os.path.join(root, "step4")
     # nothing complete-looking: DCP writes .metadata last, after every rank finished
     assert os.path.isdir(step4) and ".metadata" not in os.listdir(step4)
-    for out in pool2.run(_sharded_after_kill, root):
-        assert out["recipe"].startswith(f"checkpoint {step4} is incomplete"), out
+    for rank, out in enumerate(pool2.run(_sharded_after_kill, root)):
+        assert out["recipe"].startswith(f"[rank {rank}] init_optim_state_from_checkpoint: "
+                                        f"checkpoint {step4} is incomplete"), out
         assert "no .metadata" in out["recipe"] and "the save was interrupted" in out["recipe"]
         assert out["dcp.load"] == "CheckpointException", out  # torch's own refusal
     with pytest.raises(ValueError, match="is incomplete: it holds .* but no .metadata"):
