@@ -104,6 +104,8 @@ class UnitState(nn.Module):
     # accumulation controls (fsdp_wrap.runtime.accumulation)
     _reshard_after_backward: bool | None  # None: FSDP1's rule
     _is_last_backward: bool  # (the root's counts)
+    _replicas_checked: bool  # (root) replicas compared at the first forward (runtime.guards)
+    _built_from_meta: bool  # this rank materialised the unit from the meta device
     # the tree (root bookkeeping)
     _is_root: bool | None  # None until lazy init
     _root: UnitState

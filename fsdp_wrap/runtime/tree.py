@@ -14,6 +14,7 @@ import torch.nn as nn
 
 import fsdp_wrap.comm.collectives as C
 import fsdp_wrap.runtime.construct as construct
+import fsdp_wrap.runtime.guards as guards
 from fsdp_wrap.comm.collectives import global_rank
 from fsdp_wrap.runtime.exec_order import ForwardOrderCheck
 from fsdp_wrap.runtime.names import clean_fqn
@@ -64,6 +65,7 @@ def lazy_init(state: UnitState) -> None:
         st._optims_in_backward = any(
             hasattr(p, "_in_backward_optimizers") for h in st._handles for p in h.params
         )
+    guards.check_tree(state)
     if state.world_size > 1:
         # Compares the flat parameters' dtype and shape too: data replaced on
         # some ranks only is reported on every rank, before any gather.
@@ -112,18 +114,26 @@ def all_gather_unit_signatures(state: UnitState) -> None:
     later as a hang or a silently wrong all-gather.
     """
     mine = [(unit_signature(s), unit_names(s)) for s in state._all_fsdp_states]
-    _compare_signatures(mine, state.process_group)
+    # (plus whether each unit came from the meta device here: runtime.guards)
+    meta = [s._built_from_meta for s in state._all_fsdp_states]
+    everyone = _compare_signatures(mine, meta, state.process_group)
+    for i, st in enumerate(state._all_fsdp_states):
+        unit = st._handles[0].unit_fqn or "<root>" if st._handles else "<root>"
+        guards.meta_mismatch(st, unit, [m[i] for _, m in everyone])
     replicas = state._inter_node_pg
     if replicas is not None and dist.get_world_size(replicas) > 1:
         # Hybrid strategies: the replicas' all-reduce must line up too (a node
         # launched with another $FSDP_WRAP_QUANTIZE_COLLECTIVES codes it).
-        _compare_signatures(mine, replicas)
+        _compare_signatures(mine, meta, replicas)
 
 
-def _compare_signatures(mine: list[Any], group: dist.ProcessGroup) -> None:
-    everyone = C.all_gather_objects(mine, group)
-    for r, theirs in enumerate(everyone):
-        theirs_list: list[Any] = theirs  # type: ignore[assignment]
+def _compare_signatures(mine: list[Any], meta: list[bool],
+                        group: dist.ProcessGroup) -> list[Any]:
+    """``RuntimeError`` unless every rank of ``group`` has the signatures
+    ``mine``; returns every rank's ``(signatures, meta)``."""
+    everyone: list[Any] = C.all_gather_objects((mine, meta), group)
+    for r, (theirs, _) in enumerate(everyone):
+        theirs_list: list[Any] = theirs
         if [sig for sig, _ in theirs_list] == [sig for sig, _ in mine]:
             continue
         for i in range(max(len(mine), len(theirs_list))):
@@ -139,6 +149,7 @@ def _compare_signatures(mine: list[Any], group: dist.ProcessGroup) -> None:
                     "quantize_collectives or $FSDP_WRAP_QUANTIZE_COLLECTIVES); "
                     "otherwise collectives would hang."
                 )
+    return everyone
 
 
 def _describe_unit(entry: Any) -> str:
