@@ -595,3 +595,39 @@ def test_unhonourable_cuda_arguments_are_named(pool2: DistPool) -> None:
             assert f"only {n} cuda device(s)" in msg and f"[rank {rank}]" in msg, msg
         kind, msg = out["cpu_mesh_gpu_unit"] or ("", "")
         assert kind == "ValueError" and "device_mesh is a 'cpu' mesh" in msg, msg
+
+
+# ---------------------------------------------------------------------------
+# 7. quantized collectives: the codec codes a CUDA tensor as it codes a CPU one
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quant_codec_on_cuda_is_the_cpu_codec(bits: int) -> None:
+    """Packets made on the GPU are byte for byte those made on the CPU, and decode
+    to the same values on either device (every step of the codec is a correctly
+    rounded elementwise operation or an exact max/copy, on both devices), so
+    ranks on different devices, and the CPU tests' emulation, agree with a GPU
+    run.  Non-finite blocks included."""
+    from fsdp_wrap.comm.quant.codec import Codec, decode_row, encode_rows
+
+    gen = torch.Generator().manual_seed(bits)
+    for block in (1, 7, 64, 2048):
+        codec = Codec(bits, block)
+        for segs in (None, (5, 300, 17), (64, 128), (3, 1, 250)):
+            n = 322 if segs is None else sum(segs)
+            x = torch.randn(3, n, generator=gen) * torch.rand(3, n, generator=gen).pow(8) * 1e3
+            x[1, 7] = float("inf")
+            x[2, 100] = float("nan")
+            for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                xd = x.to(dtype)
+                on_cpu = encode_rows(xd, codec, segs)
+                on_gpu = encode_rows(xd.to(CUDA), codec, segs)
+                what = f"int{bits} block {block} segments {segs} {dtype}"
+                assert on_gpu.device.type == "cuda", what
+                assert torch.equal(on_cpu, on_gpu.cpu()), f"{what}: packets differ"
+                for r in range(3):
+                    a = decode_row(on_cpu[r], codec, segs, torch.empty(n))
+                    b = decode_row(on_gpu[r], codec, segs, torch.empty(n, device=CUDA)).cpu()
+                    assert torch.equal(a.isnan(), b.isnan()), f"{what} row {r}: NaN blocks differ"
+                    assert torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)), f"{what} row {r}"
