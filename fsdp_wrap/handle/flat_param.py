@@ -359,8 +359,11 @@ class FlatParamHandle:
         backward use; everything else (state dicts, summon) wants the
         original dtype, which is the default.
         """
-        self.pre_unshard()
         slot = self._slot(full_precision)
+        if not slot.checked:
+            # (a batch or a prefetch that gathered this slot checked already:
+            # one check per unshard, as torch's FSDP1 skips a prefetched unit's)
+            self.pre_unshard()  # (a write-back frees every slot)
         if not self._needs_copy or slot.valid or slot.pending is not None:
             return
         dtype = self.orig_dtype if full_precision else self.compute_dtype
@@ -384,6 +387,7 @@ class FlatParamHandle:
         slot.pending = C.all_gather_into(
             slot.buffer, src, self.process_group, async_op=self.async_gathers
         )
+        slot.checked = True
         if slot.pending is None:  # completed synchronously
             slot.source, slot.valid = None, True
 
@@ -420,7 +424,7 @@ class FlatParamHandle:
         else:
             _ensure_storage(slot.buffer)
         slot.buffer.view(self.world_size, self.shard_numel).copy_(rows)
-        slot.valid = True
+        slot.valid = slot.checked = True  # (gather_input checked)
 
     def pre_unshard(self) -> bool:
         """Take up original parameters or gradients replaced since the last
@@ -440,6 +444,7 @@ class FlatParamHandle:
         self.start_unshard(full_precision)
         slot = self._slot(full_precision)
         slot.wait()
+        slot.checked = False  # (the next unshard checks again)
         if self._needs_copy and slot.buffer is not None:
             self.flat_param.data = slot.buffer[: self.unpadded_numel]
         self._current = slot

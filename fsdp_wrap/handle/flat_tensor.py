@@ -76,6 +76,9 @@ class _Gathered:
     valid: bool = False
     pending: C.Work | C.PendingWork | None = None
     source: torch.Tensor | None = None
+    # Gathered (or being gathered) after a write-back check and not yet used:
+    # the unshard that uses it need not check again (torch's ``_prefetched``).
+    checked: bool = False
 
     def wait(self) -> None:
         if self.pending is not None:
@@ -90,4 +93,4 @@ class _Gathered:
         again when the next unshard refills the same storage."""
         if self.buffer is not None:
             self.buffer.untyped_storage().resize_(0)
-        self.valid = False
+        self.valid = self.checked = False
