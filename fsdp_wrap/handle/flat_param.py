@@ -402,7 +402,7 @@ class FlatParamHandle:
     @property
     def gather_nbytes(self) -> int:
         """Bytes of the gathered compute copy."""
-        return self.padded_numel * _itemsize(self.compute_dtype)
+        return self.layout.padded_numel * self.compute_dtype.itemsize
 
     def gather_input(self) -> torch.Tensor:
         """What this rank sends in an all-gather of the compute copy (its shard in
@@ -582,6 +582,3 @@ def _ensure_storage(buffer: torch.Tensor) -> None:
     if storage.size() != nbytes:
         storage.resize_(nbytes)
 
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
