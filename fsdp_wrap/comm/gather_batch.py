@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Callable, Protocol, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 import fsdp_wrap.comm.collectives as C
@@ -122,11 +123,15 @@ def _gather(batch: list[H]) -> None:
     """One all-gather for every unit in ``batch`` (compute copies)."""
     inputs = [h.gather_input() for h in batch]
     widths = [t.numel() for t in inputs]
-    send = torch.cat(inputs)
-    world_size = batch[0].world_size
-    received = send.new_empty(world_size * send.numel())
-    C.all_gather_into(received, send, batch[0].process_group)
-    rows = received.view(world_size, send.numel())
+    total, group = sum(widths), batch[0].process_group
+    rows = inputs[0].new_empty((batch[0].world_size, total))
+    if C.gathers_by_broadcast(rows, group):
+        # This rank's shards go straight into its own row: no send buffer.
+        send = torch.cat(inputs, out=rows[dist.get_rank(group)])
+    else:
+        send = torch.cat(inputs)
+    C.all_gather_into(rows.view(-1), send, group)
+    del send
     col = 0
     for h, width in zip(batch, widths):
         h.take_gathered(rows[:, col : col + width])
