@@ -1,4 +1,6 @@
-"""``fsdp_wrap.install()``: torch's FSDP1 names point at fsdp_wrap's, and back.
+"""``fsdp_wrap.install()``: torch's FSDP1 names point at fsdp_wrap's, and back
+(``fsdp_wrap/frameworks/installer.py`` and ``torch_fsdp.py``; each framework's
+own patches have a test file of their own, ``tests/test_install_<framework>.py``).
 
 Installing changes process-wide module state, so every check runs in a fresh
 interpreter (one per scenario, many checks each).
@@ -7,31 +9,14 @@ interpreter (one per scenario, many checks each).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import textwrap
 
 import pytest
 
+from tests._install_common import ROOT
+from tests._install_common import ok as _ok
+from tests._install_common import python as _python
 from tests._proc import run_bounded
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _python(code: str, env: dict[str, str] | None = None, timeout: int = 180,
-            prelude: str = "") -> subprocess.CompletedProcess:
-    full_env = dict(os.environ, PYTHONWARNINGS="ignore")
-    full_env.pop("FSDP_WRAP_INSTALL", None)
-    full_env.update(env or {})
-    source = textwrap.dedent(prelude) + textwrap.dedent(code)
-    return run_bounded([sys.executable, "-c", source], cwd=ROOT, env=full_env,
-                          timeout=timeout)
-
-
-def _ok(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc.stdout
-
 
 # The names install() must set, module by module (torch's FSDP1 public surface).
 SURFACE = """
@@ -110,76 +95,28 @@ def test_install_is_all_or_nothing() -> None:
     """A failure midway leaves every name as it was (never half-installed)."""
     out = _ok(_python(prelude=SURFACE, code="""
     import fsdp_wrap
-    from fsdp_wrap import installer
+    from fsdp_wrap.frameworks._patches import Patch
     before = names_now()
     calls = {"n": 0}
-    real_apply = installer._Patch.apply
+    real_apply = Patch.apply
     def failing_apply(self):
         calls["n"] += 1
         if calls["n"] == 20:
             raise RuntimeError("injected failure")
         real_apply(self)
-    installer._Patch.apply = failing_apply
+    Patch.apply = failing_apply
     try:
         fsdp_wrap.install()
     except RuntimeError as e:
         assert "injected" in str(e)
     else:
         raise AssertionError("install() did not raise")
-    installer._Patch.apply = real_apply
+    Patch.apply = real_apply
     assert calls["n"] == 20 and not fsdp_wrap.installed()
     now = names_now()
     assert all(now[k] is before[k] for k in before), [k for k in before if now[k] is not before[k]]
     fsdp_wrap.install()  # and a clean retry works
     assert all(ours(v) for v in names_now().values())
-    print("OK")
-    """))
-    assert out.strip().endswith("OK")
-
-
-ACCELERATE_CHECK = """
-import inspect, sys
-import fsdp_wrap
-from fsdp_wrap import installer_accelerate as acc
-def wrapped(f):
-    return hasattr(f, acc._MARK)
-def holders():
-    import accelerate.accelerator, accelerate.utils, accelerate.utils.fsdp_utils, transformers.trainer
-    return [accelerate.utils.fsdp_utils, accelerate.utils, accelerate.accelerator, transformers.trainer]
-"""
-
-
-@pytest.mark.parametrize("when", ["before", "after"])
-def test_install_wraps_accelerates_sharded_optimizer_load(when: str) -> None:
-    """Accelerate's ``load_fsdp_optimizer`` is wrapped in every module that
-    binds it, whether Accelerate was imported before install() or after (then
-    by the import finder, the moment its module has run); uninstall() undoes
-    both.  (What the wrapper does: test_frameworks.py, test_optim_template.py.)"""
-    pytest.importorskip("accelerate")
-    pytest.importorskip("transformers")
-    out = _ok(_python(prelude=ACCELERATE_CHECK, code=f"""
-    if {when == "before"!r}:
-        mods = holders()
-        # (in a list: install() rebinds every module-level name bound to the
-        # function, this script's own globals included, as for torch's names)
-        box = [mods[0].load_fsdp_optimizer]
-        fsdp_wrap.install(verbose=False)
-        original = box[0]
-        finders = [f for f in sys.meta_path if isinstance(f, acc._AfterImport)]
-        assert not finders, finders
-    else:
-        fsdp_wrap.install(verbose=False)
-        assert "accelerate" not in sys.modules
-        assert any(isinstance(f, acc._AfterImport) for f in sys.meta_path)
-        mods = holders()
-        original = getattr(mods[0].load_fsdp_optimizer, acc._MARK)
-    fns = [m.load_fsdp_optimizer for m in mods]
-    assert all(wrapped(f) and f is fns[0] for f in fns), fns
-    assert getattr(fns[0], acc._MARK) is original
-    assert "def load_fsdp_optimizer" in inspect.getsource(mods[0])  # (the real loader answers)
-    fsdp_wrap.uninstall()
-    assert all(m.load_fsdp_optimizer is original for m in mods), [m.__name__ for m in mods]
-    assert not any(isinstance(f, acc._AfterImport) for f in sys.meta_path)
     print("OK")
     """))
     assert out.strip().endswith("OK")
@@ -280,3 +217,25 @@ def test_startup_hook_and_fsdp_wrap_run() -> None:
     empty = run_bounded([sys.executable, "-m", "fsdp_wrap", "run"], cwd=ROOT,
                            timeout=120)
     assert empty.returncode == 2 and "give the command" in empty.stderr
+
+
+def test_the_old_module_names_keep_their_public_names() -> None:
+    """``fsdp_wrap.installer`` (the start-up hook imports it) and
+    ``fsdp_wrap.installer_accelerate`` still hold every public name they had;
+    the objects are the frameworks package's."""
+    import fsdp_wrap
+    import fsdp_wrap.frameworks.accelerate as acc
+    import fsdp_wrap.frameworks.installer as new
+    import fsdp_wrap.installer as old
+    import fsdp_wrap.installer_accelerate as old_acc
+
+    for name in ("ENV_VAR", "PTH_NAME", "install", "installed", "startup_hook_path",
+                 "uninstall", "install_from_env"):
+        assert getattr(old, name) is getattr(new, name), name
+    assert fsdp_wrap.install is new.install and fsdp_wrap.uninstall is new.uninstall
+    for name in ("MODULE", "FUNCTION", "original_in", "wrap"):
+        assert getattr(old_acc, name) is getattr(acc, name), name
+    assert callable(old_acc.unwrap_everywhere)
+    # the line setup.py writes into the start-up hook names the old module
+    setup_py = open(os.path.join(ROOT, "setup.py"), encoding="utf-8").read()
+    assert "import_module('fsdp_wrap.installer').install_from_env()" in setup_py

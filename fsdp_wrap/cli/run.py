@@ -36,7 +36,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import fsdp_wrap.installer as installer
+    import fsdp_wrap.frameworks.installer as installer
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:

@@ -97,7 +97,7 @@ def run(impl: str, name: str, sdt: str, uop: bool, bf16: bool) -> None:
         # Accelerate loads a sharded optimizer state into the *current* state's
         # structure (an empty one for a fresh optimizer loads nothing, on
         # torch's FSDP1): give torch's optimizer state first.  fsdp_wrap.install()
-        # does this itself, from the checkpoint (fsdp_wrap/installer_accelerate.py).
+        # does this itself, from the checkpoint (fsdp_wrap/frameworks/accelerate.py).
         init_optimizer_state(model2, opt2)
     acc2.load_state(ckpt)
     record(key + "/resumed", [step(acc2, model2, opt2, i) for i in range(3, 5)])

@@ -3,7 +3,7 @@
 Each run trains a tiny GPT-2 for 4 steps, checkpointing every 2; a second
 ``Trainer`` resumes from step 2 and must log the same losses for steps 3-4
 (on fsdp_wrap; torch's FSDP1 resumes a SHARDED checkpoint without Adam's
-moments, see fsdp_wrap/installer_accelerate.py).
+moments, see fsdp_wrap/frameworks/accelerate.py).
 With ``FULL_STATE_DICT`` the final ``save_model`` output is loaded by
 ``from_pretrained`` into a plain GPT-2 and compared with the trained model.
 torch's FSDP1 runs the sharded configuration (its FULL save crashes on CPU).
