@@ -6,6 +6,10 @@ on 2 gloo ranks, and prints rank 0's peak over the step's starting point::
 
     python benchmarks/live_peak.py fsdp_wrap FULL_SHARD false
     python benchmarks/live_peak.py torch_fsdp1 SHARD_GRAD_OP true
+    python benchmarks/live_peak.py fsdp_wrap FULL_SHARD true small   # another workload, whole
+
+A fourth argument names another workload of ``_bench_models.WORKLOADS``,
+measured whole (its unit is then one of its blocks).
 
 Unlike RSS this ignores memory the allocator keeps after a free, so it shows
 what each library's schedule holds at once.
@@ -50,12 +54,15 @@ class _Sampler(TorchDispatchMode):
         return out
 
 
-def _worker(rank: int, port: int, framework: str, strategy: str, orig: bool) -> None:
+def _worker(rank: int, port: int, framework: str, strategy: str, orig: bool,
+            workload_name: str) -> None:
     warnings.filterwarnings("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    workload = dataclasses.replace(WORKLOADS["large"], layers=3)
+    workload = WORKLOADS[workload_name]
+    if workload_name == "large":
+        workload = dataclasses.replace(workload, layers=3)
     plain = make_model(workload)
     block = next(m for m in plain.modules() if isinstance(m, Block))
     unit = 4 * sum(p.numel() for p in block.parameters())  # fp32 bytes of one block unit
@@ -68,7 +75,8 @@ def _worker(rank: int, port: int, framework: str, strategy: str, orig: bool) -> 
     with sampler:
         loss_fn(model(batches[1])).backward()
     if rank == 0:
-        print(f"{framework} {strategy} orig={orig}: peak {(sampler.peak - base) / unit:.2f} units")
+        print(f"{framework} {strategy} orig={orig} {workload_name}: peak "
+              f"{(sampler.peak - base) / unit:.2f} units ({(sampler.peak - base) / 2**20:.2f} MiB)")
     dist.barrier()
     dist.destroy_process_group()
     exit_now()  # see fsdp_wrap/comm/teardown.py: gloo's threads vs interpreter shutdown
@@ -76,10 +84,11 @@ def _worker(rank: int, port: int, framework: str, strategy: str, orig: bool) -> 
 
 def main() -> None:
     framework, strategy, orig = sys.argv[1], sys.argv[2], sys.argv[3].lower() == "true"
+    workload_name = sys.argv[4] if len(sys.argv) > 4 else "large"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, framework, strategy, orig), nprocs=2)
+    mp.spawn(_worker, args=(port, framework, strategy, orig, workload_name), nprocs=2)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ checked against the cap.  Cases: FULL_SHARD and SHARD_GRAD_OP, both
 ``use_orig_params``, backward prefetch kinds, forward prefetch, mixed
 precision, CPU offload, ``no_sync``, several forwards, units unused in a
 step, an evaluation forward without grad between steps, non-reentrant
-activation checkpointing, 3 ranks.
+activation checkpointing, 3 ranks, gloo's broadcast form (each rank's
+shards written straight into its row of the batch's buffer).
 """
 
 from __future__ import annotations
@@ -82,6 +83,17 @@ def _step(model: nn.Module, step: int, cfg: dict[str, Any], net: Net) -> None:
 
 
 def _batched_vs_single(cfg: dict[str, Any]) -> list[str]:
+    if not cfg.get("bcast"):
+        return _compare(cfg)
+    # Every gather by broadcasts, the batches' own shards written in place.
+    threshold, C.GLOO_BROADCAST_MIN_BYTES = C.GLOO_BROADCAST_MIN_BYTES, 1
+    try:
+        return _compare(cfg)
+    finally:
+        C.GLOO_BROADCAST_MIN_BYTES = threshold
+
+
+def _compare(cfg: dict[str, Any]) -> list[str]:
     torch.manual_seed(0)
     base = Net()
     nets = [copy.deepcopy(base), copy.deepcopy(base)]
@@ -128,6 +140,7 @@ def _configs() -> list[dict[str, Any]]:
         # Recomputed forwards in backward do not batch (their next units are done).
         out.append(dict(base, batch=3 * UNIT_MB, ckpt=True))
     for uop in (False, True):
+        out.append(dict(strategy="FULL_SHARD", uop=uop, batch=3 * UNIT_MB, bcast=True))
         out.append(dict(strategy="FULL_SHARD", uop=uop, batch=3 * UNIT_MB, mp=torch.float32))
         out.append(dict(strategy="FULL_SHARD", uop=uop, batch=3 * UNIT_MB, offload=True))
     return out
@@ -146,6 +159,7 @@ def test_batched_gathers_bit_identical(pool2: Any) -> None:
 
 def test_batched_gathers_three_ranks(pool3: Any) -> None:
     configs = [c for c in _configs() if not c.get("mp") and not c.get("offload")][:6]
+    configs += [c for c in _configs() if c.get("bcast")]
     fails = [f for r in pool3.run(_sweep, configs) for f in r]
     assert not fails, "\n".join(fails)
 

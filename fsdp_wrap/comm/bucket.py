@@ -43,7 +43,6 @@ copy into a bucket buffer, so large units cost no extra memory).
 from __future__ import annotations
 
 import collections
-import functools
 import os
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -171,7 +170,7 @@ class GradBuckets:
             return
         spec = unit.reduce_spec
         numel = spec.padded_numel if spec.sharded else grad.numel()
-        nbytes = numel * _itemsize(spec.reduce_dtype)
+        nbytes = numel * spec.reduce_dtype.itemsize
         if nbytes >= self.cap_bytes:
             # Alone in any case: reduced exactly as without buckets (in place
             # where the gradient needs no padding, no copy into a bucket).
@@ -300,7 +299,3 @@ def _copy_padded_columns(dst: torch.Tensor, grad: torch.Tensor) -> None:
             dst[full_rows].zero_()
         dst[full_rows + 1 :].zero_()
 
-
-@functools.cache
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()

@@ -8,10 +8,12 @@ collectives (measured on torch 2.13, 2 ranks, ``docs/performance.rst``):
 * a large all-gather by one broadcast per rank, straight into the output
   (:func:`all_gather_into`): gloo's all-gather stages the whole output in a
   buffer of its own and copies it out, so at 48 MiB it takes about 90 ms where
-  two broadcasts take 20, at 7 MiB 3.5-8 ms against 3.1-3.3, and it holds a
-  second output-sized buffer meanwhile; at 1 MiB the two are even.  Only
-  where the group lies within one node (:func:`gather_by_broadcasts`): across
-  nodes the broadcasts' trees send more over the link than gloo's ring;
+  two broadcasts take 20, at 7 MiB 3.5-8 ms against 3.1-3.3, at 256 KiB to
+  1 MiB 0.84-0.89x the time, and it holds a second output-sized buffer
+  meanwhile (allocated on gloo's thread); at 128 KiB the all-gather is faster
+  (two collectives' latency).  Only where the group lies within one node
+  (:func:`gather_by_broadcasts`): across nodes the broadcasts' trees send
+  more over the link than gloo's ring;
 * a reduce-scatter of a scratch input by an in-place all-reduce
   (:func:`reduce_scatter_sum`).
 
@@ -74,7 +76,7 @@ def divide_factors(data_parallel_world_size: int) -> DivideFactors:
 
 #: On gloo, all-gather outputs from this size up are gathered by broadcasts
 #: (within one node: :func:`gather_by_broadcasts`).
-GLOO_BROADCAST_MIN_BYTES = 1 << 20
+GLOO_BROADCAST_MIN_BYTES = 1 << 18
 
 
 def ranks_per_node() -> int | None:
@@ -108,20 +110,31 @@ def all_gather_into(
     says so: one broadcast per group rank, each into that rank's row of
     ``output`` (no staging buffer, no copy-out), all in flight at once.
     """
-    nbytes = output.numel() * output.element_size()
-    if (nbytes >= GLOO_BROADCAST_MIN_BYTES and output.is_contiguous()
-            and _is_gloo_cpu(group, output)):
+    if gathers_by_broadcast(output, group):
         ranks = dist.get_process_group_ranks(group)  # (global ranks, group order)
-        if gather_by_broadcasts(nbytes, ranks, ranks_per_node()):
-            rows = output.view(len(ranks), -1)
-            rows[dist.get_rank(group)].copy_(shard.reshape(-1))
-            pending = PendingWork([dist.broadcast(rows[r], src=src, group=group, async_op=True)
-                                   for r, src in enumerate(ranks)])
-            if async_op:
-                return pending
-            pending.wait()
-            return None
+        rows = output.view(len(ranks), -1)
+        own = rows[dist.get_rank(group)]
+        if shard.data_ptr() != own.data_ptr():  # (else the caller wrote it in place)
+            own.copy_(shard.reshape(-1))
+        pending = PendingWork([dist.broadcast(rows[r], src=src, group=group, async_op=True)
+                               for r, src in enumerate(ranks)])
+        if async_op:
+            return pending
+        pending.wait()
+        return None
     return getattr(dist, ALL_GATHER_SINGLE)(output, shard, group=group, async_op=async_op)
+
+
+def gathers_by_broadcast(output: torch.Tensor, group: ProcessGroup) -> bool:
+    """Whether :func:`all_gather_into` fills ``output`` by broadcasts (gloo, CPU,
+    at least :data:`GLOO_BROADCAST_MIN_BYTES`, one node): then a caller may write this
+    rank's shard straight into its row of ``output`` and pass that row as the
+    shard (no send buffer, no copy)."""
+    nbytes = output.numel() * output.element_size()
+    return (nbytes >= GLOO_BROADCAST_MIN_BYTES and output.is_contiguous()
+            and _is_gloo_cpu(group, output)
+            and gather_by_broadcasts(nbytes, dist.get_process_group_ranks(group),
+                                     ranks_per_node()))
 
 
 class PendingWork:

@@ -31,8 +31,10 @@ from __future__ import annotations
 from typing import Callable, Protocol, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+import fsdp_wrap.comm.collectives as C
 from fsdp_wrap.comm.bucket import resolve_mb
 from fsdp_wrap.comm.quant.wire import Wire
 
@@ -124,12 +126,16 @@ def _gather(batch: list[H]) -> None:
     """One all-gather for every unit in ``batch`` (compute copies)."""
     inputs = [h.gather_input() for h in batch]
     widths = [t.numel() for t in inputs]
-    send = torch.cat(inputs)
-    world_size = batch[0].world_size
-    received = send.new_empty(world_size * send.numel(), dtype=batch[0].compute_dtype)
+    total, group, wire = sum(widths), batch[0].process_group, batch[0].wire
+    rows = inputs[0].new_empty((batch[0].world_size, total), dtype=batch[0].compute_dtype)
+    if wire.weights is None and C.gathers_by_broadcast(rows, group):
+        # This rank's shards go straight into its own row: no send buffer.
+        send = torch.cat(inputs, out=rows[dist.get_rank(group)])
+    else:
+        send = torch.cat(inputs)
     # (a coded wire's blocks start at each unit's shard: ``widths``)
-    batch[0].wire.all_gather(received, send, batch[0].process_group, segments=widths)
-    rows = received.view(world_size, send.numel())
+    wire.all_gather(rows.view(-1), send, group, segments=widths)
+    del send
     col = 0
     for h, width in zip(batch, widths):
         h.take_gathered(rows[:, col : col + width])

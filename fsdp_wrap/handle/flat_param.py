@@ -389,8 +389,11 @@ class FlatParamHandle:
         backward use; everything else (state dicts, summon) wants the
         original dtype, which is the default.
         """
-        self.pre_unshard()
         slot = self._slot(full_precision)
+        if not slot.checked:
+            # (a batch or a prefetch that gathered this slot checked already:
+            # one check per unshard, as torch's FSDP1 skips a prefetched unit's)
+            self.pre_unshard()  # (a write-back frees every slot)
         if slot.valid and slot.version >= 0 and slot.version != self._shard_version():
             slot.free()  # kept past a reshard, but the shard changed since (an optimizer step)
         if not self._needs_copy or slot.valid or slot.pending is not None:
@@ -417,6 +420,7 @@ class FlatParamHandle:
         slot.pending = (self.wire if coded else EXACT).all_gather(
             slot.buffer, src, self.process_group, async_op=self.async_gathers
         )
+        slot.checked = True
         if slot.pending is None:  # completed synchronously
             slot.source, slot.valid = None, True
 
@@ -431,7 +435,7 @@ class FlatParamHandle:
     @property
     def gather_nbytes(self) -> int:
         """Bytes of the gathered compute copy."""
-        return self.padded_numel * _itemsize(self.compute_dtype)
+        return self.layout.padded_numel * self.compute_dtype.itemsize
 
     def gather_input(self) -> torch.Tensor:
         """What this rank sends in an all-gather of the compute copy (its shard in
@@ -456,7 +460,7 @@ class FlatParamHandle:
         else:
             _ensure_storage(slot.buffer)
         slot.buffer.view(self.world_size, self.shard_numel).copy_(rows)
-        slot.valid = True
+        slot.valid = slot.checked = True  # (gather_input checked)
 
     def pre_unshard(self) -> bool:
         """Take up original parameters or gradients replaced since the last
@@ -476,6 +480,7 @@ class FlatParamHandle:
         self.start_unshard(full_precision)
         slot = self._slot(full_precision)
         slot.wait()
+        slot.checked = False  # (the next unshard checks again)
         if self._needs_copy and slot.buffer is not None:
             self.flat_param.data = slot.buffer[: self.unpadded_numel]
         self._current = slot
@@ -624,6 +629,3 @@ def _ensure_storage(buffer: torch.Tensor) -> None:
     if storage.size() != nbytes:
         storage.resize_(nbytes)
 
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()

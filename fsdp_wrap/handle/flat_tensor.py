@@ -77,6 +77,9 @@ class _Gathered:
     pending: C.Work | C.PendingWork | None = None
     source: torch.Tensor | None = None
     version: int = -1  # the shard's version when kept past a reshard (see FlatParamHandle)
+    # Gathered (or being gathered) after a write-back check and not yet used:
+    # the unshard that uses it need not check again (torch's ``_prefetched``).
+    checked: bool = False
 
     def wait(self) -> None:
         if self.pending is not None:
@@ -92,5 +95,5 @@ class _Gathered:
         again when the next unshard refills the same storage."""
         if self.buffer is not None:
             self.buffer.untyped_storage().resize_(0)
-        self.valid = False
+        self.valid = self.checked = False
         self.version = -1

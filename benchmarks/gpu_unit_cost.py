@@ -1,0 +1,246 @@
+#!/usr/bin/env python
+"""Issue 34's GPU questions in one run: the wrapped step against the plain module's,
+peak memory against torch's FSDP1, and whether reductions overlap backward compute.
+
+    python benchmarks/gpu_unit_cost.py --device cuda          # one GPU, < 2 minutes on an H100
+    python benchmarks/gpu_unit_cost.py --device cuda --trace-dir /tmp/traces
+    python benchmarks/gpu_unit_cost.py --device cpu --workload small   # smoke run, no GPU
+
+One process, world size 1 (NCCL on CUDA, gloo on the CPU), ``gpu`` workload
+(303M parameters, 24 units, batch 8 x 512), bf16 (``MixedPrecision(bf16,
+bf16, bf16)`` for both FSDP1s, ``torch.autocast`` for the plain module; fp32
+master weights everywhere), FULL_SHARD (at world size 1 both FSDP1s run it as
+NO_SHARD), both ``use_orig_params`` values:
+
+1. **Peak memory**: each configuration alone (the others not yet built), a
+   fresh model, three steps; the growth of ``max_memory_allocated`` over what
+   was allocated before the model was built (tensor bytes; the caching
+   allocator's reserve is not counted).
+2. **Step time**: every configuration built from the same weights and kept,
+   their steps interleaved round by round (the order rotated each round), the
+   device synchronised around each timed block; median per configuration and
+   the median of the per-round ratios to the plain module and to torch's FSDP1
+   with the same ``use_orig_params``.
+3. **Overlap**: two steps of each FSDP configuration under ``torch.profiler``;
+   from the exported Chrome trace, the kernels whose name contains ``nccl``,
+   the streams they ran on, and the share of their time during which a
+   non-NCCL kernel ran on another stream (0% means the reductions are
+   serialised with compute).  ``--trace-dir`` keeps the traces.  At world
+   size 1 fsdp_wrap issues no reduction (a group of one has nothing to
+   reduce), so its rows show none; torch's FSDP1 rows show what torch issues.
+
+Prints one table and the targets (step <= 1.05x plain, peak <= torch's FSDP1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _bench_models import TINY, WORKLOADS, Variant, build, loss_fn, make_batches, make_model  # noqa: E402
+
+KEYS = ("plain/-/-", "fsdp_wrap/FULL_SHARD/F", "fsdp_wrap/FULL_SHARD/T",
+        "torch_fsdp1/FULL_SHARD/F", "torch_fsdp1/FULL_SHARD/T")
+
+
+def _variant(key: str) -> Variant:
+    fw, strategy, orig = key.split("/")
+    return Variant(fw, strategy, None if orig == "-" else orig == "T")
+
+
+class Bench:
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.device = torch.device(a.device, 0) if a.device == "cuda" else torch.device("cpu")
+        self.w = (TINY if a.tiny else WORKLOADS)[a.workload]
+        self.batches = make_batches(self.w, 0, 2, self.device)
+        self.dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[a.mixed_precision]
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated() if self.device.type == "cuda" else 0
+
+    def make_step(self, key: str) -> Callable[[int], None]:
+        v = _variant(key)
+        model = build(v, make_model(self.w, device=self.device), self.device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        autocast = v.framework == "plain" and self.dtype is not None
+
+        def step(i: int) -> None:
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(self.device.type, dtype=self.dtype or torch.bfloat16,
+                                enabled=autocast):
+                loss = loss_fn(model(self.batches[i % 2]))
+            loss.backward()
+            opt.step()
+
+        return step
+
+    def peak_mib(self, key: str) -> float | None:
+        if self.device.type != "cuda":
+            return None
+        gc.collect()
+        torch.cuda.empty_cache()
+        before = self.allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step = self.make_step(key)
+        for i in range(3):
+            step(i)
+        self.sync()
+        peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+        del step
+        gc.collect()
+        return peak
+
+    def overlap(self, key: str, step: Callable[[int], None], trace_dir: str) -> dict[str, Any]:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            for i in range(2):
+                step(i)
+            self.sync()
+        path = os.path.join(trace_dir, key.replace("/", "_") + ".json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)
+        events = events.get("traceEvents", events) if isinstance(events, dict) else events
+        kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+        nccl = [e for e in kernels if "nccl" in e.get("name", "").lower()]
+        other = [e for e in kernels if "nccl" not in e.get("name", "").lower()]
+        covered = 0.0
+        for n in nccl:  # time of n during which a compute kernel runs on another stream
+            a, b = n["ts"], n["ts"] + n["dur"]
+            spans = sorted((max(a, o["ts"]), min(b, o["ts"] + o["dur"])) for o in other
+                           if o.get("args", {}).get("stream") != n.get("args", {}).get("stream")
+                           and o["ts"] < b and o["ts"] + o["dur"] > a)
+            end = a
+            for s, e in spans:
+                if e > end:
+                    covered += e - max(s, end)
+                    end = e
+        total = sum(n["dur"] for n in nccl)
+        return {"nccl_per_step": len(nccl) / 2,
+                "nccl_streams": sorted({n.get("args", {}).get("stream") for n in nccl}),
+                "compute_streams": sorted({o.get("args", {}).get("stream") for o in other}),
+                "overlap": covered / total if total else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--workload", default="gpu", choices=sorted(WORKLOADS))
+    p.add_argument("--tiny", action="store_true", help="toy sizes (smoke test)")
+    p.add_argument("--mixed-precision", choices=("auto", "none", "bf16", "fp16"), default="auto",
+                   help="auto: bf16 on CUDA, none on the CPU")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--steps", type=int, default=3, help="steps per configuration and round")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--keys", default=",".join(KEYS))
+    p.add_argument("--trace-dir", default=None, help="keep the profiler's Chrome traces here")
+    a = p.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_unit_cost: no CUDA device here; nothing measured (use --device cpu for a smoke run)")
+        return 0
+    if a.mixed_precision == "auto":
+        a.mixed_precision = "bf16" if a.device == "cuda" else "none"
+    if a.mixed_precision != "none":
+        os.environ["FSDP_BENCH_MIXED_PRECISION"] = a.mixed_precision  # read by _bench_models.build
+    warnings.filterwarnings("ignore")
+    t_start = time.perf_counter()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    if a.device == "cuda":
+        torch.cuda.set_device(0)
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if a.device == "cuda" else "gloo", rank=0, world_size=1)
+    b = Bench(a)
+    keys = [k for k in a.keys.split(",") if k]
+    name = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
+    print(f"# {name}; torch {torch.__version__}; {b.w.name}: {b.w.params() / 1e6:.0f}M params, "
+          f"batch {b.w.batch}x{b.w.seq}; mixed precision {a.mixed_precision}; load "
+          f"{os.getloadavg()[0]:.1f}; python {' '.join(sys.argv)}")
+    peaks = {k: b.peak_mib(k) for k in keys}
+    steps = {k: b.make_step(k) for k in keys}
+    for i in range(a.warmup):
+        for k in keys:
+            steps[k](i)
+    times: dict[str, list[float]] = {k: [] for k in keys}
+    for r in range(a.rounds):
+        shift = r % len(keys)
+        for k in keys[shift:] + keys[:shift]:
+            b.sync()
+            t0 = time.perf_counter()
+            for i in range(a.steps):
+                steps[k](i)
+            b.sync()
+            times[k].append((time.perf_counter() - t0) / a.steps * 1e3)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace_dir = a.trace_dir or tmp
+        os.makedirs(trace_dir, exist_ok=True)
+        overlaps = {k: b.overlap(k, steps[k], trace_dir) for k in keys if not k.startswith("plain")}
+    _report(keys, times, peaks, overlaps, a)
+    print(f"# total {time.perf_counter() - t_start:.0f} s")
+    dist.destroy_process_group()
+    return 0
+
+
+def _ratio(times: dict[str, list[float]], k: str, ref: str) -> str:
+    if ref not in times or ref == k:
+        return ""
+    return f"{statistics.median(x / y for x, y in zip(times[k], times[ref])):.3f}"
+
+
+def _report(keys: list[str], times: dict[str, list[float]], peaks: dict[str, float | None],
+            overlaps: dict[str, dict[str, Any]], a: argparse.Namespace) -> None:
+    header = ["configuration", "step ms", "/plain", "/torch", "peak MiB", "/torch",
+              "nccl/step", "nccl streams / compute", "overlap"]
+    rows = []
+    for k in keys:
+        torch_key = "torch_fsdp1/" + k.split("/", 1)[1] if k.startswith("fsdp_wrap") else ""
+        pk, tp = peaks.get(k), peaks.get(torch_key)
+        ov = overlaps.get(k, {})
+        rows.append([k, f"{statistics.median(times[k]):.2f}", _ratio(times, k, "plain/-/-"),
+                     _ratio(times, k, torch_key),
+                     "" if pk is None else f"{pk:.0f}",
+                     f"{pk / tp:.3f}" if pk is not None and tp else "",
+                     "" if not ov else f"{ov['nccl_per_step']:g}",
+                     "" if not ov else f"{ov['nccl_streams']} / {ov['compute_streams']}",
+                     "" if ov.get("overlap") is None else f"{ov['overlap']:.0%}"])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    rule = "  ".join("=" * n for n in widths)
+    print(f"\n{a.rounds} interleaved rounds x {a.steps} steps (ratios: median of per-round ratios)\n")
+    for line in (rule, header, rule, *rows, rule):
+        print(line if isinstance(line, str) else "  ".join(c.ljust(n) for c, n in zip(line, widths)))
+    print("\ntargets (issue 34): fsdp_wrap step <= 1.05x plain; peak <= torch FSDP1's")
+    for k in keys:
+        if not k.startswith("fsdp_wrap"):
+            continue
+        r = _ratio(times, k, "plain/-/-")
+        torch_key = "torch_fsdp1/" + k.split("/", 1)[1]
+        pk, tp = peaks.get(k), peaks.get(torch_key)
+        if r:
+            print(f"  {k}: step {r}x plain -> {'met' if float(r) <= 1.05 else 'MISSED'}")
+        if pk is not None and tp:
+            print(f"  {k}: peak {pk / tp:.3f}x torch -> {'met' if pk <= tp else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
