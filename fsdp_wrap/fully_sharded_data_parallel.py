@@ -44,7 +44,7 @@ from fsdp_wrap.comm.bucket import resolve_bucket_cap_mb
 from fsdp_wrap.comm.collectives import global_rank
 from fsdp_wrap.comm.gather_batch import resolve_all_gather_batch_mb
 from fsdp_wrap.runtime.names import clean_fqn
-from fsdp_wrap.runtime.state import TrainingState, UnitState
+from fsdp_wrap.runtime.state import TrainingState, UnitState, register_unit
 from fsdp_wrap.state_dict.optim_api import OptimStateDictAPI
 
 __all__ = ["FullyShardedDataParallel", "OptimStateKeyType"]
@@ -164,6 +164,7 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI):
         setup.build_handle(self, module, pg_state)
         _runtime.register_handle_hooks(self)
         self._fsdp_wrapped_module = module
+        register_unit(self)
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
             # Names, not the repr: a child unit's repr spells out FSDP's internals.
             children = [clean_fqn(n) for n, _ in module.named_children()]
