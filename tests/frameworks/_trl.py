@@ -12,74 +12,40 @@ asserts (``tests/test_trl.py``).
 from __future__ import annotations
 
 import os
-import random
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import RANK, accelerate_on_cpu, record
+from _common import RANK, record
 
-WORDS = "the a cat dog sat on mat ran to park good bad yes no is it big small red".split()
-SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
+from benchmarks._trl_models import (
+    accelerate_on_cpu,
+    adapter_file,
+    as_wrapped_computes,
+    load,
+    lora,
+    tokenizer,
+    write_base,
+)
+from benchmarks._trl_models import logits as probe_logits
+from benchmarks._trl_models import sentences as sentences
+
+__all__ = ["load", "lora", "sentences", "tokenizer"]
+
 STEPS = 3
 SAVE_EVERY = 2
 PROBE = [[1, 4, 6, 8, 9, 4, 10, 2]]  # "<s> the cat sat on the mat </s>"
 
 
-def tokenizer() -> Any:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {w: i for i, w in enumerate(SPECIAL + WORDS)}
-    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
-                                  pad_token="<pad>", unk_token="<unk>")
-    tok.chat_template = None
-    return tok
-
-
 def base_dir(out: str) -> str:
     """The tiny LLaMA (seed 0), written by rank 0 once; every rank loads it from here."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     if not dist.is_initialized():
         accelerate_on_cpu()  # (Accelerate's state starts the gloo group)
     path = os.path.join(out, "base")
     if RANK == 0 and not os.path.isdir(path):
-        torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=len(SPECIAL) + len(WORDS), hidden_size=32,
-                          intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
-                          bos_token_id=1, eos_token_id=2)
-        model = LlamaForCausalLM(cfg)
-        model.generation_config.pad_token_id = 0
-        model.save_pretrained(path)
-        tokenizer().save_pretrained(path)
+        write_base(path, "tiny")
     dist.barrier()
     return path
-
-
-def load(path: str, kind: str) -> torch.nn.Module:
-    """The base model as a trainer gets it: fp32 (``full``, ``lora``) or NF4 with
-    bf16 storage and compute (``qlora``, the QLoRA recipe for FSDP)."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    if kind != "qlora":
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                           bnb_4bit_compute_dtype=torch.bfloat16,
-                           bnb_4bit_quant_storage=torch.bfloat16)
-    return AutoModelForCausalLM.from_pretrained(path, quantization_config=q, dtype=torch.bfloat16)
-
-
-def lora(kind: str) -> Any:
-    from peft import LoraConfig
-
-    if kind == "full":
-        return None
-    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
-                      task_type="CAUSAL_LM")
 
 
 def build(trainer_cls: Any, config_cls: Any, config: dict[str, Any], **kw: Any) -> Any:
@@ -103,11 +69,6 @@ def args(out: str, sdt: str, uop: bool, save: bool = True, **extra: Any) -> dict
                              "state_dict_type": sdt, "use_orig_params": uop,
                              "sync_module_states": False, "cpu_ram_efficient_loading": False},
                 **extra)
-
-
-def sentences(n: int, lo: int, hi: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi))) for _ in range(n)]
 
 
 def losses(tr: Any) -> list[float]:
@@ -144,14 +105,7 @@ def gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def logits(model: torch.nn.Module, bf16: bool = False) -> torch.Tensor:
-    """The probe's logits in eval mode; ``bf16``: under CPU bf16 autocast, as
-    Accelerate runs a prepared model's forward with TRL's default ``bf16=True``."""
-    was = model.training
-    model.eval()
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        out = model(input_ids=torch.tensor(PROBE)).logits.float().clone()
-    model.train(was)
-    return out
+    return probe_logits(model, PROBE, bf16)
 
 
 class Snapshot:
@@ -169,19 +123,6 @@ class Snapshot:
                 self.first = trainable(model)
 
         return _Snap()
-
-
-def as_wrapped_computes(model: torch.nn.Module, wrapped: torch.nn.Module) -> torch.nn.Module:
-    """``model`` cast as the wrapped model computes: FSDP's ``MixedPrecision``
-    (Accelerate's, from ``bf16=True``, or the QLoRA quant storage's) casts every
-    floating parameter and buffer for the forward."""
-    mp = getattr(wrapped, "mixed_precision", None)
-    for dtype, tensors in ((getattr(mp, "param_dtype", None), model.parameters()),
-                           (getattr(mp, "buffer_dtype", None), model.buffers())):
-        for t in tensors:
-            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
-                t.data = t.data.to(dtype)
-    return model
 
 
 def check_saved(key: str, kind: str, base: str, saved: str, model: torch.nn.Module,
@@ -206,9 +147,9 @@ def check_saved(key: str, kind: str, base: str, saved: str, model: torch.nn.Modu
     else:
         from peft import PeftModel, get_peft_model
 
-        adapter = load_file(os.path.join(saved, "adapter_model.safetensors"))
+        adapter = load_file(adapter_file(saved))
         record(key + "/adapter_tensors", len(adapter))
-        record(key + "/adapter_bytes", os.path.getsize(os.path.join(saved, "adapter_model.safetensors")))
+        record(key + "/adapter_bytes", os.path.getsize(adapter_file(saved)))
         trained = {k: v for k, v in state.items() if "lora_" in k}
         record(key + "/adapter_vs_trained",
                max((adapter[k.replace(".default", "")].float() - v.float()).abs().max().item()
