@@ -23,6 +23,12 @@ __version__ = "0.1.0"
 
 TORCH_VERSION = Version(torch.__version__.split("+")[0])
 
+
+def torch_at_least(major: int, minor: int) -> bool:
+    """Whether the installed torch is ``major.minor`` or newer, its pre-releases
+    and nightlies included (``2.14.0a0+git...`` counts as 2.14)."""
+    return TORCH_VERSION.release[:2] >= (major, minor)
+
 #: ``nn.Module.register_state_dict_post_hook`` (public) appeared in torch 2.5;
 #: before that only the private ``_register_state_dict_hook`` exists.  Both call
 #: ``hook(module, state_dict, prefix, local_metadata)``.
@@ -227,6 +233,34 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         loader.exec_module = exec_then_call
         return spec
 
+
+
+# ------------------------------------------------------------ torch's sentences
+#
+# fsdp_wrap starts a message with torch's own sentence where torch has one, so
+# that code and tests matching on torch's text keep matching.  Where torch
+# rewords a sentence between releases, the installed torch's wording is chosen
+# here (torch exposes none of these as a constant).  docs/getting_started.rst
+# lists them; tests compare fsdp_wrap's message with the installed torch's.
+
+#: The word for FSDP units in the warning about modules (BatchNorm) that
+#: mixed precision leaves in float32: torch before 2.14 misspells it.
+FSDP_INSTANCES_WORD = "instances" if torch_at_least(2, 14) else "instacnes"
+
+
+# ------------------------------------------------------------ checkpoint formats
+
+def _dcp_properties_have_strides() -> bool:
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    return "strides" in {f.name for f in dataclasses.fields(TensorProperties)}
+
+
+#: torch 2.15 records each tensor's strides in DCP's ``.metadata``
+#: (``TensorProperties`` pickles six fields, not five); older torch cannot
+#: unpickle such a file, and fsdp_wrap's offline reader then drops the strides
+#: (``fsdp_wrap.checkpoint._dcp.read_metadata``).
+DCP_PROPERTIES_HAVE_STRIDES = _dcp_properties_have_strides()
 
 
 # --------------------------------------------------------------- optional packages

@@ -296,3 +296,36 @@ def test_consolidate_peak_is_about_the_largest_tensor(tmp_path: Any) -> None:
     total = 8 * 16 * 2**20
     assert growth["ours"] < 3 * 16 * 2**20, growth
     assert growth["torch"] > 0.9 * total, growth  # the comparison the docs quote
+
+
+def test_reads_dcp_metadata_of_a_newer_torch(tmp_path: Any, monkeypatch: Any) -> None:
+    """torch 2.15 pickles six fields per ``TensorProperties`` (the strides); an
+    older torch cannot read such a ``.metadata`` at all.  The tool reads it on any
+    torch: written here as 2.15 writes it, it consolidates to the same tensors."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    from fsdp_wrap import _compat
+    from fsdp_wrap.checkpoint import _dcp
+
+    if not _compat.DCP_PROPERTIES_HAVE_STRIDES:  # write what torch 2.15 writes
+        five = TensorProperties.__getstate__
+        monkeypatch.setattr(TensorProperties, "__getstate__",
+                            lambda self: (*five(self), (8, 1)))
+    newer = str(tmp_path / "newer")
+    state = {"model": {"w": torch.randn(16, 8), "b": torch.randn(8)}}
+    with pytest.warns(UserWarning):
+        dcp.save(state, checkpoint_id=newer, no_dist=True)
+    monkeypatch.undo()
+    if not _compat.DCP_PROPERTIES_HAVE_STRIDES:  # torch itself cannot read it
+        with pytest.raises(ValueError, match="too many values to unpack"):
+            FileSystemReader(newer).read_metadata()
+    md = _dcp.read_metadata(newer)
+    props = [m.properties for m in md.state_dict_metadata.values() if hasattr(m, "properties")]
+    assert len(props) == 2 and all(type(p) is TensorProperties for p in props), props
+    out = str(tmp_path / "out.pt")
+    rc, _, err = _ckpt_here("consolidate", newer, out)
+    assert rc == 0, err
+    got = torch.load(out, weights_only=True)
+    assert _same(got["model"], state["model"]) == []

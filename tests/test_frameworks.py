@@ -43,6 +43,9 @@ def _launch(script: str, tmp_path: Any) -> list[dict[str, Any]]:
     for rank in range(2):
         with open(tmp_path / f"rank{rank}.json") as f:
             out.append(json.load(f))
+    # torch's legacy optimizer-state functions raised NotImplementedError in the
+    # run (tests/frameworks/_common.py; tests/test_legacy_optim_removed.py)
+    assert all(r.get("torch_legacy_optim_apis_removed") is True for r in out), out
     return out
 
 

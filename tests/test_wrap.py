@@ -844,17 +844,13 @@ def test_auto_wrap_batchnorm_mixed_precision(policy_kind: str) -> None:
         )
     ours, theirs, our_warn, their_warn, model = both_auto_wrap("bn", *pair, mp=mp)
     assert ours == expected_from_torch(theirs)
-    assert (
-        our_warn
-        == their_warn
-        == [
-            (
-                "Both mixed precision and an auto_wrap_policy were specified to FSDP, where the wrapped module has "
-                "submodules of type:\n{<class 'torch.nn.modules.batchnorm.BatchNorm1d'>}\nThese modules will be "
-                "wrapped as separate FSDP instacnes with mixed precision disabled."
-            )
-        ]
-    )
+    # The installed torch's sentence, whatever its wording (torch 2.14 corrected
+    # a misspelling in it): one warning, naming the class mixed precision skips.
+    assert our_warn == their_warn and len(their_warn) == 1, (our_warn, their_warn)
+    assert their_warn[0].startswith(
+        "Both mixed precision and an auto_wrap_policy were specified to FSDP"
+    ), their_warn
+    assert "{<class 'torch.nn.modules.batchnorm.BatchNorm1d'>}" in their_warn[0], their_warn
     assert {fqn: name for fqn, (name, _) in ours.items()} == {
         "bn": "BatchNorm1d",
         "block": "Block",

@@ -116,6 +116,37 @@ class DcpCheckpoint:
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
             dcp.load(template, storage_reader=self._reader, no_dist=True)
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles ``.metadata``, also as written by a newer torch than this one.
+
+    torch 2.15 pickles six fields of each ``TensorProperties`` (it added the
+    tensor's strides); an older torch's class takes five and fails ("too many
+    values to unpack").  Here such a record becomes the installed torch's
+    ``TensorProperties`` with the first five fields: the strides only say how
+    the saved tensor was laid out in memory, and a load makes its own.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        cls = super().find_class(module, name)
+        if name == "TensorProperties" and not _compat.DCP_PROPERTIES_HAVE_STRIDES:
+            return _five_field_properties(cls)
+        return cls
+
+
+_FIVE_FIELD: dict[type, type] = {}
+
+
+def _five_field_properties(base: type) -> type:
+    if base not in _FIVE_FIELD:
+
+        def __setstate__(self: Any, state: Any) -> None:
+            base.__setstate__(self, tuple(state)[:5])  # type: ignore[attr-defined]
+            self.__class__ = base  # the installed torch's own class from here on
+
+        _FIVE_FIELD[base] = type(base.__name__, (base,), {"__setstate__": __setstate__})
+    return _FIVE_FIELD[base]
+
+
 def read_metadata(directory: str) -> Metadata:
     path = os.path.join(directory, METADATA_FILE)
     if not os.path.isdir(directory):
@@ -133,7 +164,7 @@ def read_metadata(directory: str) -> Metadata:
         )
     try:
         with open(path, "rb") as f:
-            md = pickle.load(f)
+            md = _MetadataUnpickler(f).load()
     except Exception as e:
         raise ValueError(
             f"checkpoint {directory} is damaged: its .metadata cannot be read ({type(e).__name__}: "

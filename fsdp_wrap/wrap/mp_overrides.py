@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fsdp_wrap._compat import FSDP_INSTANCES_WORD
 from fsdp_wrap.runtime.hooks import map_tensors
 
 
@@ -98,11 +99,11 @@ def _warn_mixed_precision_overrides(found: set[type[nn.Module]], *, stacklevel: 
     """
     if not found:
         return
-    # The misspelling "instacnes" is kept on purpose: the text matches torch's.
+    # The installed torch's words: before 2.14 torch misspells "instances".
     warnings.warn(
         "Both mixed precision and an auto_wrap_policy were specified to FSDP, "
         f"where the wrapped module has submodules of type:\n{found}\n"
-        "These modules will be wrapped as separate FSDP instacnes with mixed "
+        f"These modules will be wrapped as separate FSDP {FSDP_INSTANCES_WORD} with mixed "
         "precision disabled.",
         stacklevel=stacklevel,
     )

@@ -26,6 +26,14 @@ RANK = int(os.environ.get("RANK", "0"))
 OUT = sys.argv[1] if len(sys.argv) > 1 else "."
 RESULTS: dict[str, Any] = {}
 
+# Every framework run is made with torch's legacy optimizer-state functions
+# raising NotImplementedError, as PyTorch PR #191712 proposes
+# (tests/_torch_future.py): the frameworks under install() must not need them.
+from tests._torch_future import apply as _remove_torch_legacy_optim_apis  # noqa: E402
+
+_remove_torch_legacy_optim_apis()
+RESULTS["torch_legacy_optim_apis_removed"] = True
+
 
 def record(key: str, value: Any) -> None:
     RESULTS[key] = value
