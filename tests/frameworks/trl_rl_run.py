@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -68,38 +67,6 @@ def grpo(base: str, out: str, kind: str, sdt: str, uop: bool, snap: object, save
                  callbacks=[snap] if snap is not None else None)
 
 
-class Gathers:
-    """Counts the collectives that gather parameters (calls and bytes received)
-    while on: all-gathers under any of torch's names, and broadcasts (fsdp_wrap
-    gathers a large flat parameter on gloo as one broadcast per rank).  A call
-    made inside another counted one is not counted again."""
-
-    NAMES = ("all_gather_into_tensor", "all_gather_single", "_all_gather_base", "all_gather",
-             "broadcast")
-
-    def __init__(self) -> None:
-        self.calls = self.bytes = 0
-        self.on = False
-        self._depth = 0
-        for name in self.NAMES:
-            if hasattr(dist, name):
-                setattr(dist, name, self._counting(getattr(dist, name), name == "broadcast"))
-
-    def _counting(self, real: Any, broadcast: bool) -> Any:
-        def counting(out: Any, *a: Any, **k: Any) -> Any:
-            if self.on and self._depth == 0:
-                self.calls += 1
-                outs = out if isinstance(out, list) else [out]
-                self.bytes += sum(t.numel() * t.element_size() for t in outs)
-            self._depth += 1
-            try:
-                return real(out, *a, **k)
-            finally:
-                self._depth -= 1
-
-        return counting
-
-
 def run(algo: str, impl: str, kind: str, sdt: str, uop: bool) -> None:
     t0 = time.perf_counter()
     base = base_dir(OUT)
@@ -138,26 +105,25 @@ def run(algo: str, impl: str, kind: str, sdt: str, uop: bool) -> None:
     record(key + "/seconds", [t1 - t0, t2 - t1, time.perf_counter() - t2])
 
 
-GATHERS = Gathers()
-
-
 def generation_cost(key: str, tr: object) -> None:
-    """All-gathers per generated token in GRPO's generation (TRL's own call, its
-    prompts): one generation of ``max_completion_length`` new tokens."""
+    """All-gathers (and the broadcasts fsdp_wrap gathers a large flat parameter
+    with on gloo) per generated token in one 6-token generation, run as GRPO's
+    generation runs it under FSDP1; counted at the dispatcher, whoever issues them."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from trl.models import unwrap_model_for_generation
 
+    from benchmarks._bench_measure import CollectiveCounter
+
     model = tr.model_wrapped  # type: ignore[attr-defined]
     ids = torch.tensor([[1, 4, 6, 8]])
-    GATHERS.calls = GATHERS.bytes = 0
-    # (what GRPOTrainer._generate_single_turn does around generate with FSDP1)
+    counter = CollectiveCounter()
     with (unwrap_model_for_generation(model, tr.accelerator) as unwrapped,  # type: ignore[attr-defined]
-          torch.no_grad(), FSDP.summon_full_params(model, recurse=False)):
-        GATHERS.on = True
+          torch.no_grad(), FSDP.summon_full_params(model, recurse=False), counter):
         new = unwrapped.generate(input_ids=ids, max_new_tokens=6, min_new_tokens=6,
                                  do_sample=False).shape[1] - ids.shape[1]
-        GATHERS.on = False
-    record(key + "/gathers_per_token", [GATHERS.calls / new, GATHERS.bytes / new])
+    names = [n for n in counter.calls if "allgather" in n or "broadcast" in n]
+    record(key + "/gathers_per_token", [sum(counter.calls[n] for n in names) / new,
+                                        sum(counter.bytes[n] for n in names) / new])
 
 
 def main() -> None:
