@@ -6,6 +6,7 @@ as shipped.
     python benchmarks/bench_trl.py                    # 302M LLaMA: SFT QLoRA, DPO and GRPO LoRA
     python benchmarks/bench_trl.py --size tiny        # the tests' 2-layer model (smoke, ~2 min)
     python benchmarks/bench_trl.py --only sft --repeats 2 --json out.json
+    python benchmarks/bench_trl.py --only grpo --impls torch:True,fsdp_wrap:True
 
 Rows (each in fresh ``torchrun`` processes, one thread per rank; torch's FSDP1
 and fsdp_wrap alternate, starting with the other one on each repeat, so that
@@ -72,7 +73,6 @@ GROUPS = {  # algo/kind -> (label, use_orig_params per implementation)
     "dpo": ("DPO LoRA (fp32)", "lora"),
     "grpo": ("GRPO LoRA (fp32)", "lora"),
 }
-IMPLS = [("torch", True), ("fsdp_wrap", True), ("fsdp_wrap", False)]
 
 
 # ------------------------------------------------------------------ rank side
@@ -331,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="measured steps per row")
     ap.add_argument("--repeats", type=int, default=1, help="rounds over the implementations")
     ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--impls", default="torch:True,fsdp_wrap:True,fsdp_wrap:False",
+                    help="rows per run, comma-separated implementation:use_orig_params")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
     from _trl_models import write_base
@@ -340,9 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         base = os.path.join(tmp, "base")
         write_base(base, args.size)
+        impls = [(i, u == "True") for i, u in (x.split(":") for x in args.impls.split(","))]
         for rep in range(args.repeats):
             for algo in args.only.split(","):
-                order = IMPLS if rep % 2 == 0 else IMPLS[::-1]
+                order = impls if rep % 2 == 0 else impls[::-1]
                 for impl, uop in order:
                     cfg = dict(algo=algo, impl=impl, uop=uop, seq=args.seq, warmup=args.warmup,
                                steps=args.steps)
@@ -351,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                     except Exception as e:  # noqa: BLE001  (reported; the other rows still run)
                         ranks = [{"error": str(e)}] * args.nproc
                     results.append(dict(algo=algo, impl=impl, uop=uop, repeat=rep, ranks=ranks))
+                    _write_json(args, results)  # (after every row: a long run keeps what it measured)
                     print(f"  {algo} {impl} use_orig_params={uop} (round {rep}): done "
                           f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     first = next((r for res in results for r in res["ranks"] if "params" in r), None)
@@ -363,10 +367,14 @@ def main(argv: list[str] | None = None) -> int:
     for res in results:
         print(f"  losses {res['algo']} {res['impl']} uop={res['uop']} round {res['repeat']}: "
               f"{res['ranks'][0].get('losses')} (walls {res['ranks'][0].get('walls')})")
+    _write_json(args, results)
+    return 0
+
+
+def _write_json(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(args=vars(args), results=results), f, indent=2)
-    return 0
 
 
 def rst_table(header: list[str], rows: list[list[str]]) -> str:
