@@ -208,7 +208,16 @@ def _peft_rows(path: str) -> list[Any]:
 
 
 def test_adapters_save_and_load_in_wrapped_models(pool2: Any, tmp_path: Any) -> None:
-    for rank, per_rank in enumerate(pool2.run(_peft_rows, str(tmp_path / "adapter"))):
+    # The workers import transformers and PEFT with this module, which on a busy
+    # 2-core machine outlasts the pool's 60 s no-progress timeout (as bitsandbytes
+    # does: tests/test_peft.py): a longer one for this run.  An exception on a
+    # rank is still reported at once.
+    timeout, pool2.timeout = pool2.timeout, max(pool2.timeout, 600.0)
+    try:
+        results = pool2.run(_peft_rows, str(tmp_path / "adapter"))
+    finally:
+        pool2.timeout = timeout
+    for rank, per_rank in enumerate(results):
         from_pretrained, *rows, torch_row, plain_same = per_rank
         assert from_pretrained == [0.0, 0.0], (rank, from_pretrained)
         for (policy, uop), r in zip(WRAPPINGS, rows):
