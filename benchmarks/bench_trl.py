@@ -141,6 +141,7 @@ def _measuring_callback(cfg: dict[str, Any], base_rss: int) -> Any:
         def __init__(self) -> None:
             self.steps: list[dict[str, float]] = []
             self.grad: list[int] = []
+            self.grad_itemsize = 0
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             gc.collect()
@@ -153,6 +154,8 @@ def _measuring_callback(cfg: dict[str, Any], base_rss: int) -> Any:
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None,
                                   **kw: Any) -> None:
             self.grad.append(grad_bytes(model))
+            held = [p.grad for p in model.parameters() if p.grad is not None and p.grad.numel()]
+            self.grad_itemsize = self.grad_itemsize or (held[0].element_size() if held else 0)
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             dist.barrier()
@@ -232,13 +235,15 @@ def run_row(cfg: dict[str, Any], base: str, out: str) -> dict[str, Any]:
     trainable = sum(p.numel() for p in tr.model.parameters() if p.requires_grad)
     load_before = os.getloadavg()[0]
     tr.train()
-    # (Accelerate upcasts trainable flat parameters to fp32 under mixed precision:
-    # the ideal is in the dtype they train in)
-    itemsize = next(p for p in tr.model_wrapped.parameters() if p.requires_grad).element_size()
+    # The ideal is in the dtype of the gradients held, read from one (with QLoRA's
+    # bf16 adapters, Accelerate's upcast of trainable flat parameters makes them fp32).
+    itemsize = measure.grad_itemsize or next(
+        p for p in tr.model_wrapped.parameters() if p.requires_grad).element_size()
     ideal = trainable * itemsize / ws
     measured = measure.steps[cfg["warmup"]:]
     res: dict[str, Any] = dict(
         cls=type(tr.model_wrapped).__module__, ideal=ideal, trainable=trainable,
+        grad_itemsize=itemsize,
         load=[load_before, os.getloadavg()[0]],
         params=sum(p.numel() for p in tr.model.parameters()),
         grad=max(measure.grad[cfg["warmup"]:] or [0]),
