@@ -245,7 +245,7 @@ def run_row(cfg: dict[str, Any], base: str, out: str) -> dict[str, Any]:
         cls=type(tr.model_wrapped).__module__, ideal=ideal, trainable=trainable,
         grad_itemsize=itemsize,
         load=[load_before, os.getloadavg()[0]],
-        params=sum(p.numel() for p in tr.model.parameters()),
+        params=sum(p.numel() for p in tr.model.parameters()),  # (this rank's, as wrapped)
         grad=max(measure.grad[cfg["warmup"]:] or [0]),
         wall=statistics.median(s["wall"] for s in measured),
         cpu=statistics.median(s["cpu"] for s in measured),
@@ -362,9 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                     _write_json(args, results)  # (after every row: a long run keeps what it measured)
                     print(f"  {algo} {impl} use_orig_params={uop} (round {rep}): done "
                           f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
-    first = next((r for res in results for r in res["ranks"] if "params" in r), None)
-    print(f"\nmodel: LLaMA ({args.size}), {first['params'] / 1e6:.1f}M parameters; "
-          if first else "\nmodel: not built; ", end="")
+    print(f"\nmodel: LLaMA ({args.size}), {base_params(args.size) / 1e6:.1f}M parameters; ", end="")
     print(f"{args.nproc} gloo ranks on CPU, 1 thread each; {args.seq} tokens per sequence; "
           f"{args.warmup} warm-up + {args.steps} measured steps; machine load {os.getloadavg()}\n")
     results.sort(key=lambda res: (args.only.split(",").index(res["algo"]), res["repeat"]))
@@ -380,6 +378,18 @@ def _write_json(args: argparse.Namespace, results: list[dict[str, Any]]) -> None
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(args=vars(args), results=results), f, indent=2)
+
+
+def base_params(size: str) -> int:
+    """Parameters of the base model (built on the meta device: its size before
+    quantizing or sharding)."""
+    import torch
+    from _trl_models import CONFIGS
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**CONFIGS[size]))
+    return sum(p.numel() for p in model.parameters())
 
 
 def rst_table(header: list[str], rows: list[list[str]]) -> str:
