@@ -19,7 +19,7 @@ import torch.nn.functional as F
 # The FSDP1 wrappers compared: torch's, ours, torch's FSDP2, DDP, and (world
 # size 1 only) the plain module with no wrapper at all.
 FRAMEWORKS = ("torch_fsdp1", "fsdp_wrap", "fsdp2", "ddp", "plain")
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")  # bench_nodes.py adds the hybrid ones
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,8 +174,11 @@ def low_precision() -> torch.dtype | None:
     return {"": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
-def build(v: Variant, model: nn.Module, device: torch.device) -> nn.Module:
-    """Wrap ``model`` (already on ``device``) as ``v`` says; one unit per Block + root."""
+def build(v: Variant, model: nn.Module, device: torch.device, device_mesh: Any = None) -> nn.Module:
+    """Wrap ``model`` (already on ``device``) as ``v`` says; one unit per Block + root.
+
+    ``device_mesh``: given to both FSDP1s (``bench_nodes.py``: a 2-D mesh for the
+    hybrid strategies, whose default groups torch's FSDP1 cannot build on CPU)."""
     dtype = low_precision()
     if v.framework in ("torch_fsdp1", "fsdp_wrap"):
         if v.framework == "torch_fsdp1":
@@ -189,6 +192,8 @@ def build(v: Variant, model: nn.Module, device: torch.device) -> nn.Module:
             extra["bucket_cap_mb"] = v.bucket_cap_mb
         if v.all_gather_batch_mb is not None:
             extra["all_gather_batch_mb"] = v.all_gather_batch_mb
+        if device_mesh is not None:
+            extra["device_mesh"] = device_mesh
         return api.FullyShardedDataParallel(
             model,
             **extra,

@@ -1,4 +1,4 @@
-"""Smoke test of ``benchmarks/bench_fsdp.py``: it runs and prints its tables.
+"""Smoke tests of ``benchmarks/bench_fsdp.py`` and ``bench_nodes.py``: they run and print their tables.
 
 Toy sizes, few steps, a subset of the configurations.  Nothing here looks at a
 timing: the benchmark's numbers are for ``docs/performance.rst``, not for CI.
@@ -54,3 +54,28 @@ def test_benchmark_runs_and_prints_tables(tmp_path):
     # Same weights and data: every framework's first loss is the same.
     losses = list(res["first_loss"].values())
     assert max(losses) - min(losses) < 1e-5, res["first_loss"]
+
+
+@pytest.mark.slow  # a smoke run of a by-hand tool (benchmarks/), in CI with -m slow
+def test_nodes_benchmark_runs_and_prints_its_table(tmp_path):
+    from fsdp_wrap import testbed
+
+    reason = testbed.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"no test-bed cluster: {reason}")
+    out_json = tmp_path / "raw.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_nodes.py"), "--tiny", "--quick",
+           "--strategies", "FULL_SHARD,HYBRID_SHARD", "--json", str(out_json)]
+    proc = run_bounded(cmd, timeout=600, env=dict(os.environ, PYTHONWARNINGS="ignore"), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for column in ("strategy", "framework", "step s", "/fsdp1", "MB/step/node", "x count"):
+        assert column in proc.stdout, column
+    res = json.loads(out_json.read_text())["rates"]["1gbit"]
+    assert set(res["keys"]) == {"fsdp_wrap/FULL_SHARD", "torch_fsdp1/FULL_SHARD",
+                                "fsdp_wrap/HYBRID_SHARD", "torch_fsdp1/HYBRID_SHARD", "ddp/-"}
+    # same weights and data: every configuration's first loss is the same
+    assert len(set(res["first"].values())) == 1, res["first"]
+    # both libraries send the same bytes per strategy (node 0, every timed step)
+    for strategy in ("FULL_SHARD", "HYBRID_SHARD"):
+        ours, theirs = (res["sent"][f"{fw}/{strategy}"][0] for fw in ("fsdp_wrap", "torch_fsdp1"))
+        assert all(abs(a / b - 1) < 0.01 for a, b in zip(ours, theirs)), (strategy, ours, theirs)

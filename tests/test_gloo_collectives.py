@@ -1,10 +1,12 @@
 """The gloo forms of fsdp_wrap's collectives (``fsdp_wrap/comm/collectives.py``).
 
-On gloo with CPU tensors a large all-gather runs as one broadcast per rank and
+On gloo with CPU tensors a large all-gather runs as one broadcast per rank
+(where the group lies within one node) and
 a reduce-scatter of a scratch input as an in-place all-reduce.  Checked here:
 both give exactly what torch's collectives give (2 and 3 ranks, a subgroup,
 synchronous and asynchronous, below and above the size where broadcasts take
-over), they issue the c10d ops they claim to, and
+over, one node or one rank per node as ``LOCAL_WORLD_SIZE`` says), they issue
+the c10d ops they claim to, and
 training with units larger than that size matches torch's FSDP1 step by step.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
 import warnings
 from collections import Counter
 from typing import Any
@@ -40,11 +43,14 @@ class _C10dOps(TorchDispatchMode):
 
 def _gloo_configs(ws: int) -> list[dict[str, Any]]:
     """Below and above the size where broadcasts take over, sync and async; on 3
-    ranks also the subgroup of ranks 0 and 2 (group ranks differ from global ones)."""
+    ranks also the subgroup of ranks 0 and 2 (group ranks differ from global ones);
+    ``per_node``: the ``LOCAL_WORLD_SIZE`` the ranks see (``None``: unset, one
+    node; 1: every rank a node of its own, so every group spans nodes)."""
     big = C.GLOO_BROADCAST_MIN_BYTES // 4  # fp32 elements in the threshold
     groups = ["world"] + (["ranks 0, 2"] if ws == 3 else [])
-    return [dict(group=g, numel=numel, async_op=async_op)
-            for g, numel, async_op in itertools.product(groups, [1000, big, 3 * big + 6], [False, True])]
+    return [dict(group=g, numel=numel, async_op=async_op, per_node=per_node)
+            for g, numel, async_op, per_node in itertools.product(
+                groups, [1000, big, 3 * big + 6], [False, True], [None, 1])]
 
 
 def _expect(what: str, ok: bool, why: str) -> str | None:
@@ -69,12 +75,21 @@ def _gather_and_reduce(cfg: dict[str, Any], group: Any) -> list[str]:
     expected = torch.empty(n * shard_numel)
     dist.all_gather_into_tensor(expected, shard, group=group)
     out = torch.full((n * shard_numel,), float("nan"))
-    with _C10dOps() as seen:
-        work = C.all_gather_into(out, shard, group, async_op=async_op)
-        if work is not None:
-            work.wait()
-    tag = f"{rank_tag()} all-gather n={n} numel={numel} async={async_op}"
-    by_broadcast = n * shard_numel * 4 >= C.GLOO_BROADCAST_MIN_BYTES
+    old = os.environ.pop("LOCAL_WORLD_SIZE", None)
+    if cfg["per_node"] is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = str(cfg["per_node"])
+    try:
+        with _C10dOps() as seen:
+            work = C.all_gather_into(out, shard, group, async_op=async_op)
+            if work is not None:
+                work.wait()
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+        if old is not None:
+            os.environ["LOCAL_WORLD_SIZE"] = old
+    tag = f"{rank_tag()} all-gather n={n} numel={numel} async={async_op} per_node={cfg['per_node']}"
+    # across nodes (per_node=1) gloo's own ring, within one node broadcasts from the threshold up
+    by_broadcast = n * shard_numel * 4 >= C.GLOO_BROADCAST_MIN_BYTES and cfg["per_node"] is None
     want = {"broadcast_": n} if by_broadcast else {"_allgather_base_": 1}
     errs = [_expect(f"{tag} values", torch.equal(out, expected), "wrong values"),
             _expect(f"{tag} c10d ops", dict(seen.ops) == want, f"{dict(seen.ops)}, expected {want}")]
@@ -107,6 +122,28 @@ def _gathers_and_reductions(configs: list[dict[str, Any]], inject: Injection | N
     if any(c["group"] == "ranks 0, 2" for c in configs):  # the same configs on every rank
         groups["ranks 0, 2"] = dist.new_group([0, 2])  # every rank takes part in new_group
     return run_configs(configs, lambda c: _gather_and_reduce(c, groups[c["group"]]), inject=inject)
+
+
+def test_gather_by_broadcasts_only_within_a_node() -> None:
+    big = C.GLOO_BROADCAST_MIN_BYTES
+    assert C.gather_by_broadcasts(big, [0, 1, 2, 3], None)  # no LOCAL_WORLD_SIZE: one node
+    assert C.gather_by_broadcasts(big, [0, 1, 2, 3], 4)
+    assert C.gather_by_broadcasts(big, [2, 3], 2)  # node 1's shard group
+    assert not C.gather_by_broadcasts(big - 1, [0, 1], 2)  # below the threshold
+    assert not C.gather_by_broadcasts(big, [0, 1, 2, 3], 2)  # 2 nodes x 2 ranks
+    assert not C.gather_by_broadcasts(big, [1, 3], 2)  # a replicate group
+    assert not C.spans_nodes([0, 1], None) and C.spans_nodes([3, 4], 4)
+    old = os.environ.pop("LOCAL_WORLD_SIZE", None)
+    try:
+        assert C.ranks_per_node() is None
+        os.environ["LOCAL_WORLD_SIZE"] = "8"
+        assert C.ranks_per_node() == 8
+        os.environ["LOCAL_WORLD_SIZE"] = "0"
+        assert C.ranks_per_node() is None
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+        if old is not None:
+            os.environ["LOCAL_WORLD_SIZE"] = old
 
 
 def test_gloo_forms_equal_torch_collectives(pool2: Any, pool3: Any) -> None:

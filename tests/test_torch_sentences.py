@@ -246,3 +246,18 @@ def test_the_installed_torch_says_it(path: str, sentence: str) -> None:
 def test_every_chosen_wording_is_used() -> None:
     used = {name for ss in SENTENCES.values() for s in ss for name in re.findall(r"\{([A-Z_]+)\}", s)}
     assert used == set(CHOSEN)
+
+
+def test_the_torch_matrix_lists_test_files() -> None:
+    """CI's torch lanes run ``pytest @tests/torch_matrix.txt`` (.ci/run, tox.ini):
+    one test file per line, no comments (pytest reads every line as an
+    argument), each an existing file, this one among them."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    with open(os.path.join(here, "torch_matrix.txt")) as f:
+        lines = f.read().splitlines()
+    assert lines and all(lines), "blank lines in tests/torch_matrix.txt"
+    missing = [p for p in lines if not os.path.isfile(os.path.join(root, p))]
+    assert not missing, f"tests/torch_matrix.txt names files that do not exist: {missing}"
+    assert "tests/test_torch_sentences.py" in lines
+    assert len(set(lines)) == len(lines), "a file listed twice runs twice"

@@ -8,7 +8,11 @@
   (:mod:`fsdp_wrap.cli.ckpt`);
 * ``fsdp-wrap run CMD ...``: run a command (``torchrun train.py``, ``accelerate
   launch ...``) with torch's FSDP1 names pointing at fsdp_wrap in every Python
-  process it starts (:mod:`fsdp_wrap.cli.run`).
+  process it starts (:mod:`fsdp_wrap.cli.run`);
+* ``fsdp-wrap cluster -- CMD ...``: run a command on N nodes made on this
+  machine (network namespaces, a rate-limited link, torchrun's multi-node
+  rendezvous) (:mod:`fsdp_wrap.cli.cluster`, the test bed in
+  :mod:`fsdp_wrap.testbed`).
 
 Exit codes and error lines are shared (:mod:`fsdp_wrap.cli._common`).  This
 package is an application of the library; nothing in the library imports it.
@@ -24,6 +28,7 @@ from collections.abc import Sequence
 import torch
 
 import fsdp_wrap.cli.ckpt as ckpt_cmd
+import fsdp_wrap.cli.cluster as cluster_cmd
 import fsdp_wrap.cli.demo as demo_cmd
 import fsdp_wrap.cli.plan as plan_cmd
 import fsdp_wrap.cli.run as run_cmd
@@ -47,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, formatter_class=HelpFormatter,
         description="fsdp_wrap's command line: a demo, a memory planner, an offline checkpoint "
-        "tool, and a launcher that switches torch's FSDP1 to fsdp_wrap.",
+        "tool, a launcher that switches torch's FSDP1 to fsdp_wrap, and a multi-node test bed "
+        "on one machine.",
         epilog="Run 'fsdp-wrap COMMAND --help' for a command's options.")
     parser.add_argument(
         "--version", action="version",
@@ -55,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"Python {platform.python_version()})")
     add_debug(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
-    for cmd in (demo_cmd, plan_cmd, ckpt_cmd, run_cmd):
+    for cmd in (demo_cmd, plan_cmd, ckpt_cmd, run_cmd, cluster_cmd):
         cmd.add_parser(sub)
     return parser
 
@@ -70,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_usage(sys.stderr)
-        print(f"{PROG}: error: choose a command: demo, plan, ckpt or run "
+        print(f"{PROG}: error: choose a command: demo, plan, ckpt, run or cluster "
               f"('{PROG} --help' says what each does)", file=sys.stderr)
         return EXIT_USAGE
     prog = f"{PROG} {args.command}"

@@ -9,13 +9,33 @@ collectives (measured on torch 2.13, 2 ranks, ``docs/performance.rst``):
   (:func:`all_gather_into`): gloo's all-gather stages the whole output in a
   buffer of its own and copies it out, so at 48 MiB it takes about 90 ms where
   two broadcasts take 20, at 7 MiB 3.5-8 ms against 3.1-3.3, and it holds a
-  second output-sized buffer meanwhile; at 1 MiB the two are even;
+  second output-sized buffer meanwhile; at 1 MiB the two are even.  Only
+  where the group lies within one node (:func:`gather_by_broadcasts`): across
+  nodes the broadcasts' trees send more over the link than gloo's ring;
 * a reduce-scatter of a scratch input by an in-place all-reduce
   (:func:`reduce_scatter_sum`).
+
+[Note: what crosses the link]
+Which collective carries a gather decides the bytes between nodes, not only
+the time on one host.  gloo's all-gather is a ring in group-rank order: each
+rank sends ``(n - 1) / n`` of the output to the next, and with torchrun's
+layout (a node's ranks consecutive) one ring edge leaves each node, so a node
+sends ``(n - 1) / n`` of the output.  gloo's broadcast is a binomial tree
+rooted at the source (``r -> r+1``, then ``r -> r+2`` and ``r+1 -> r+3``, ...),
+whose edges cross the node boundary more often: at 2 nodes x 2 ranks the four
+broadcasts of a gather send 1.25x the output per node, the ring 0.75x
+(measured with the interface counters of ``fsdp_wrap.testbed``:
+``docs/performance.rst``, "Across nodes").  So a group that spans nodes
+gathers with gloo's all-gather, as torch's FSDP1 does.  A rank's node is
+``global rank // LOCAL_WORLD_SIZE`` (torchrun's numbering, the same rule the
+default hybrid groups use); without ``LOCAL_WORLD_SIZE`` every rank is taken to
+share one node.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from typing import Callable, NamedTuple
 
 import torch
@@ -52,8 +72,31 @@ def divide_factors(data_parallel_world_size: int) -> DivideFactors:
     return DivideFactors(float(factor), data_parallel_world_size / factor)
 
 
-#: On gloo, all-gather outputs from this size up are gathered by broadcasts.
+#: On gloo, all-gather outputs from this size up are gathered by broadcasts
+#: (within one node: :func:`gather_by_broadcasts`).
 GLOO_BROADCAST_MIN_BYTES = 1 << 20
+
+
+def ranks_per_node() -> int | None:
+    """``LOCAL_WORLD_SIZE`` as torchrun (and Accelerate, Lightning, ...) set it;
+    ``None`` where it is not set (then every rank is taken to share one node)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def spans_nodes(ranks: Sequence[int], per_node: int | None) -> bool:
+    """Whether the global ``ranks`` of a group sit on more than one node, with
+    ``per_node`` consecutive ranks per node (``None``: one node holds them all)."""
+    if not per_node:
+        return False
+    return len({r // per_node for r in ranks}) > 1
+
+
+def gather_by_broadcasts(nbytes: int, ranks: Sequence[int], per_node: int | None) -> bool:
+    """Whether a gloo all-gather of ``nbytes`` output over the group of global
+    ``ranks`` runs as one broadcast per rank: from :data:`GLOO_BROADCAST_MIN_BYTES`
+    up, where the group lies within one node (see the note at the top)."""
+    return nbytes >= GLOO_BROADCAST_MIN_BYTES and not spans_nodes(ranks, per_node)
 
 
 def all_gather_into(
@@ -61,22 +104,23 @@ def all_gather_into(
 ) -> Work | PendingWork | None:
     """Gather every rank's equally sized ``shard`` into ``output`` (rank order).
 
-    On gloo with a contiguous CPU output of at least
-    :data:`GLOO_BROADCAST_MIN_BYTES`: one broadcast per group rank, each into
-    that rank's row of ``output`` (the same bytes on the wire, no staging
-    buffer, no copy-out), all in flight at once.
+    On gloo with a contiguous CPU output where :func:`gather_by_broadcasts`
+    says so: one broadcast per group rank, each into that rank's row of
+    ``output`` (no staging buffer, no copy-out), all in flight at once.
     """
-    if (output.numel() * output.element_size() >= GLOO_BROADCAST_MIN_BYTES
-            and output.is_contiguous() and _is_gloo_cpu(group, output)):
+    nbytes = output.numel() * output.element_size()
+    if (nbytes >= GLOO_BROADCAST_MIN_BYTES and output.is_contiguous()
+            and _is_gloo_cpu(group, output)):
         ranks = dist.get_process_group_ranks(group)  # (global ranks, group order)
-        rows = output.view(len(ranks), -1)
-        rows[dist.get_rank(group)].copy_(shard.reshape(-1))
-        pending = PendingWork([dist.broadcast(rows[r], src=src, group=group, async_op=True)
-                               for r, src in enumerate(ranks)])
-        if async_op:
-            return pending
-        pending.wait()
-        return None
+        if gather_by_broadcasts(nbytes, ranks, ranks_per_node()):
+            rows = output.view(len(ranks), -1)
+            rows[dist.get_rank(group)].copy_(shard.reshape(-1))
+            pending = PendingWork([dist.broadcast(rows[r], src=src, group=group, async_op=True)
+                                   for r, src in enumerate(ranks)])
+            if async_op:
+                return pending
+            pending.wait()
+            return None
     return getattr(dist, ALL_GATHER_SINGLE)(output, shard, group=group, async_op=async_op)
 
 

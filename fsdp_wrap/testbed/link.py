@@ -1,0 +1,69 @@
+"""Inside a node of a cluster: which node this is, and what its link has carried.
+
+A rank started by :class:`fsdp_wrap.testbed.Cluster` finds in its environment
+the node's number, the number of nodes and the name of the node's interface;
+:func:`node_link_bytes` reads that interface's counters (``ip netns exec``
+mounts the namespace's own ``/sys``).  The counters are the node's, shared by
+its ranks: read them on one rank per node (``LOCAL_RANK`` 0), with a barrier
+on each side of every read, to learn what a step sent across the link
+(:func:`sent_during` does it).  Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, TypeVar
+
+__all__ = ["ENV_IFNAME", "ENV_NODE", "ENV_NODES", "node_index", "node_link_bytes", "sent_during"]
+
+T = TypeVar("T")
+
+ENV_IFNAME = "FSDP_WRAP_NODE_IFNAME"
+ENV_NODE = "FSDP_WRAP_NODE"
+ENV_NODES = "FSDP_WRAP_NODES"
+
+
+def node_index() -> int | None:
+    """This node's number in its cluster (node 0 hosts the rendezvous); ``None``
+    outside a cluster."""
+    value = os.environ.get(ENV_NODE)
+    return int(value) if value is not None else None
+
+
+def node_link_bytes() -> tuple[int, int] | None:
+    """``(sent, received)``: the bytes this node's link has carried so far
+    (Ethernet frames: payload, TCP/IP/Ethernet headers, acks); ``None`` outside
+    a cluster."""
+    ifname = os.environ.get(ENV_IFNAME)
+    if not ifname:
+        return None
+    stats = f"/sys/class/net/{ifname}/statistics"
+    with open(f"{stats}/tx_bytes") as f:
+        sent = int(f.read())
+    with open(f"{stats}/rx_bytes") as f:
+        received = int(f.read())
+    return sent, received
+
+
+def sent_during(fn: Callable[[], T], barrier: Callable[[], object]) -> tuple[T, int | None]:
+    """Run ``fn()`` on every rank; return its result and the bytes this node's
+    link sent meanwhile (on ``LOCAL_RANK`` 0; ``None`` on the other ranks and
+    outside a cluster).  Call it on every rank, with ``barrier`` a barrier over
+    all of them (``torch.distributed.barrier``).
+
+    A barrier on *each* side of both reads: one barrier before a read is not
+    enough, since the node's other ranks leave it and start sending while local
+    rank 0 is still reading (on a 1 Gbit/s link an 8 MiB exchange measured 5%
+    short that way), and their next work would be counted after ``fn``.  The
+    barriers' own few hundred bytes are counted.
+    """
+    def read() -> int | None:
+        barrier()
+        got = node_link_bytes() if os.environ.get("LOCAL_RANK") == "0" else None
+        barrier()
+        return None if got is None else got[0]
+
+    before = read()
+    result = fn()
+    after = read()
+    return result, None if before is None or after is None else after - before
