@@ -22,6 +22,7 @@ import torch.nn as nn
 
 import fsdp_wrap.comm.collectives as C
 import fsdp_wrap.runtime.construct as _init
+import fsdp_wrap.runtime.guards as guards
 import fsdp_wrap.runtime.hooks as _runtime
 import fsdp_wrap.runtime.setup as setup
 import fsdp_wrap.runtime.summon as _summon
@@ -122,6 +123,21 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI):
                 "FSDP was given a module that is already wrapped by FullyShardedDataParallel; "
                 "wrap the inner module once (nest FSDP around submodules instead)."
             )
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            # First, before anything that can block: when ranks are threads of
+            # one process (torch's threaded process group), a thread waiting in
+            # a collective lets the other enter its own warnings.catch_warnings
+            # (process-wide state), and the warning would land in the wrong
+            # thread's record.  Names, not the repr: a child unit's repr spells
+            # out FSDP's internals.
+            children = [clean_fqn(n) for n, _ in module.named_children()]
+            warnings.warn(
+                "FSDP will not all-gather parameters for containers that do "
+                f"not implement forward: {type(module).__name__} (children {children}) "
+                f"[rank {global_rank()}]; wrap its "
+                "children, or a module whose forward uses them, instead",
+                stacklevel=2,
+            )
         # 1. Arguments, checked before any collective.
         strategy = coerce_enum(sharding_strategy, ShardingStrategy, "sharding_strategy")
         backward_prefetch = coerce_enum(backward_prefetch, BackwardPrefetch, "backward_prefetch")
@@ -132,9 +148,11 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI):
         batch_mb = resolve_all_gather_batch_mb(all_gather_batch_mb)
         ignored_mods, ignored_params = _init.resolve_ignored(module, ignored_modules, ignored_states)
         self._ignored_modules, self._ignored_params = ignored_mods, ignored_params
-        # 2. Process groups.
+        # ... and what this machine cannot honour (a device it lacks, a dtype).
+        device = setup.check_machine(module, device_id, mixed_precision, ignored_params)
+        # 2. Process groups (their backends must carry the device's tensors).
         pg_state, child_group = setup.init_process_groups(
-            self, process_group, device_mesh, strategy, auto_wrap_policy is not None
+            self, process_group, device_mesh, strategy, auto_wrap_policy is not None, device
         )
         # 3. Children the policy picks become units of their own, with the
         # root's arguments (the ignored set resolved to parameters, as torch
@@ -165,16 +183,6 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI):
         _runtime.register_handle_hooks(self)
         self._fsdp_wrapped_module = module
         register_unit(self)
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-            # Names, not the repr: a child unit's repr spells out FSDP's internals.
-            children = [clean_fqn(n) for n, _ in module.named_children()]
-            warnings.warn(
-                "FSDP will not all-gather parameters for containers that do "
-                f"not implement forward: {type(module).__name__} (children {children}) "
-                f"[rank {global_rank()}]; wrap its "
-                "children, or a module whose forward uses them, instead",
-                stacklevel=2,
-            )
         # 5. State-dict hooks; torch.compile breaks the graph at unit boundaries.
         _state_dict.register_hooks(self)
         run_eagerly_under_dynamo()
@@ -555,9 +563,12 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI):
         named by clean FQN.
         """
         try:
-            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+            result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         except RuntimeError as err:
             raise RuntimeError(clean_fqn(str(err))) from None
+        if not strict:
+            guards.check_nothing_loaded(state_dict, result)  # a warning if no key matched
+        return result
 
 
 def _grad_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:

@@ -455,9 +455,12 @@ class DistPool:
         pending = set(range(self.world_size))
         startup_timeout = max(self.timeout, 120.0)
         deadline = self._start_time + startup_timeout
+        first = True
         while pending:
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            # Look at the pipes once before giving up: a pool whose first use came long
+            # after its start (a slow fixture in between) may have been ready all along.
+            if remaining <= 0 and not first:
                 out = self._outputs(range(self.world_size))
                 self._kill()
                 msg = f"DistPool({self.world_size}) start-up timed out after {startup_timeout:.0f}s"
@@ -465,7 +468,8 @@ class DistPool:
             waitables = [self._conns[r] for r in pending] + [
                 self._procs[r].sentinel for r in pending
             ]
-            multiprocessing.connection.wait(waitables, timeout=remaining)
+            multiprocessing.connection.wait(waitables, timeout=max(remaining, 0.0))
+            first = False
             for r in sorted(pending):
                 msg_ok = False
                 try:

@@ -231,6 +231,10 @@ def test_damaged_and_foreign_inputs_get_one_clear_error(tmp_path: Any) -> None:
     data = open(shard, "rb").read()
     open(shard, "wb").write(data[:-10])
     rc, _, err = _ckpt_here("convert", hf, str(tmp_path / "x"))
+    # (the conversion's marker records each file's size and CRC-32)
+    assert rc == 1 and "model-00001-of-00001.safetensors holds" in err and "truncated" in err
+    os.remove(os.path.join(hf, "fsdp_wrap_checkpoint.json"))  # a directory from elsewhere
+    rc, _, err = _ckpt_here("convert", hf, str(tmp_path / "x"))
     assert rc == 1 and "truncated or corrupt" in err
     # a .safetensors name for a torch.save file (the default format) is refused up front
     named = tmp_path / "model.safetensors"

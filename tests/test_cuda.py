@@ -553,3 +553,45 @@ def test_qlora_nf4_on_cuda(request: pytest.FixtureRequest, where: str) -> None:
             assert losses == pytest.approx(ref, rel=2**-8), (losses, ref)
             assert ratio <= 1.1, ratio
         assert torch_ratio > 2, torch_ratio
+
+
+# ---------------------------------------------------------------------------
+# 7. Arguments this machine cannot honour (the CPU cases: tests/test_machine_args.py)
+# ---------------------------------------------------------------------------
+
+
+def _unhonourable_cuda_args() -> dict[str, tuple[str, str] | None]:
+    """fsdp_wrap's answer to a GPU index past this machine's GPUs (as a string
+    and as an int) and to a CPU device mesh for a unit on the GPU."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp_wrap
+
+    n = torch.cuda.device_count()
+    cases = {
+        "index_past_gpus": lambda: fsdp_wrap.FullyShardedDataParallel(
+            nn.Linear(3, 3), device_id=f"cuda:{n}"),
+        "int_past_gpus": lambda: fsdp_wrap.FullyShardedDataParallel(nn.Linear(3, 3), device_id=n),
+        "cpu_mesh_gpu_unit": lambda: fsdp_wrap.FullyShardedDataParallel(
+            nn.Linear(3, 3), device_id=torch.device(CUDA),
+            device_mesh=init_device_mesh("cpu", (dist.get_world_size(),))),
+    }
+    out: dict[str, tuple[str, str] | None] = {}
+    for name, fn in cases.items():
+        try:
+            fn()
+            out[name] = None
+        except Exception as e:  # noqa: BLE001  (recorded for the test)
+            out[name] = (type(e).__name__, str(e))
+    return out
+
+
+def test_unhonourable_cuda_arguments_are_named(pool2: DistPool) -> None:
+    n = torch.cuda.device_count()
+    for rank, out in enumerate(pool2.run(_unhonourable_cuda_args)):
+        for name in ("index_past_gpus", "int_past_gpus"):
+            kind, msg = out[name] or ("", "")
+            assert kind == "RuntimeError" and "cannot be used on this machine" in msg, (name, msg)
+            assert f"only {n} cuda device(s)" in msg and f"[rank {rank}]" in msg, msg
+        kind, msg = out["cpu_mesh_gpu_unit"] or ("", "")
+        assert kind == "ValueError" and "device_mesh is a 'cpu' mesh" in msg, msg

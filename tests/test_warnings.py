@@ -114,3 +114,83 @@ def test_legacy_optim_apis_warn_as_torch(pool2: Any) -> None:
         # The oracle does warn (the comparison is not vacuous).
         assert any(w[1] == OPTIM_INPUT_PHRASE for w in torch_res["full"]), torch_res
         assert any(w[1] == LEGACY_PHRASE for w in torch_res["sharded"]), torch_res
+
+
+# --------------------------------------------------------------- ranks as threads
+
+
+def _on_threaded_ranks(fn: Any, world: int = 2) -> dict[int, str]:
+    """``fn(rank)`` on ``world`` threads of this process, each a rank of torch's
+    threaded process group (what torch's ``FSDPTestMultiThread`` tests use);
+    returns each rank's outcome (``"ok"`` or the exception's repr)."""
+    import threading
+
+    import torch.testing._internal.distributed.multi_threaded_pg as mtp
+
+    isolation = torch._C._distributed_c10d._set_thread_isolation_mode
+    isolation(True)
+    mtp._install_threaded_pg()
+    store = dist.HashStore()
+    results: dict[int, str] = {}
+
+    def body(rank: int) -> None:
+        dist.init_process_group("threaded", rank=rank, world_size=world, store=store)
+        try:
+            fn(rank)
+            results[rank] = "ok"
+        except BaseException as e:  # noqa: BLE001  (reported to the test)
+            results[rank] = repr(e)
+            mtp.ProcessLocalGroup.exception_handle(e)  # wake the peers up
+        finally:
+            dist.destroy_process_group()
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        mtp.ProcessLocalGroup.reset()
+        mtp._uninstall_threaded_pg()
+        isolation(False)
+    return results
+
+
+def test_container_warning_reaches_every_thread_rank() -> None:
+    """Each rank's own ``catch_warnings`` gets its warning when ranks are threads.
+
+    ``warnings.catch_warnings`` is process-wide (before Python 3.14): a thread
+    entering it replaces the other's record.  Rank 1 enters its block while
+    rank 0 is inside FSDP's constructor, held in a collective there
+    (``sync_module_states``) until rank 1 joins it.  The warning is issued
+    before anything that can block, so rank 0's warning is already in rank 0's
+    record when rank 1's block begins (it used to be issued at the end of the
+    constructor, where it landed in rank 1's record: torch's
+    ``test_fsdp_unsupported_module_cls`` then failed in 2 runs of 3).
+    """
+    import threading
+    import time
+
+
+    cls = fsdp_cls("ours")  # imported here: an import inside rank 0's block would be the wait
+    turns = [threading.Event(), threading.Event()]
+
+    def construct(rank: int) -> None:
+        for turn, container in zip(
+            turns, (nn.ModuleList([nn.Linear(3, 3)]), nn.ModuleDict({"a": nn.Linear(3, 3)}))
+        ):
+            if rank == 1:
+                turn.wait(timeout=60)
+                time.sleep(0.5)  # rank 0 is now waiting in the constructor's broadcast
+            with warnings.catch_warnings(record=True) as rec:
+                warnings.simplefilter("always")
+                if rank == 0:
+                    turn.set()
+                cls(container, sync_module_states=True)
+            got = [str(w.message) for w in rec if CONTAINER_PHRASE in str(w.message)]
+            if len(got) != 1 or f"[rank {rank}]" not in got[0]:
+                raise AssertionError(f"rank {rank} recorded {got}")
+            dist.barrier()  # both blocks closed before the next turn
+
+    assert _on_threaded_ranks(construct) == {0: "ok", 1: "ok"}

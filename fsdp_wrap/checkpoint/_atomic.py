@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import time
+import zlib
 from typing import Any
 
 MARKER = "fsdp_wrap_checkpoint.json"
@@ -106,9 +107,14 @@ def report(tmp: str, rank: int, error: BaseException | None) -> None:
 
 
 def commit(tmp: str, path: str, extra: dict[str, Any]) -> None:
-    """Rank 0, after every rank reported success: mark complete and rename into place."""
+    """Rank 0, after every rank reported success: mark complete and rename into place.
+
+    The marker records each file's size and CRC-32 (read back once, from the
+    page cache as a rule), so that a loader can tell a damaged, truncated or
+    swapped-in file from the one this save wrote (:func:`check_files`)."""
     marker = read_marker(tmp) or {}
     marker.update(extra)
+    marker["files"] = file_checksums(tmp)
     marker.update(complete=True, finished_at=time.time())
     write_json(os.path.join(tmp, MARKER), marker)
     for name in os.listdir(tmp):
@@ -125,11 +131,66 @@ def commit(tmp: str, path: str, extra: dict[str, Any]) -> None:
         shutil.rmtree(aside, ignore_errors=True)
 
 
+# ------------------------------------------------------------------ checksums
+
+_CHUNK = 16 * 2**20
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def file_checksums(directory: str) -> dict[str, dict[str, int]]:
+    """``{name: {"size": bytes, "crc32": int}}`` of every file the save wrote (the
+    marker and the ranks' progress files aside)."""
+    out: dict[str, dict[str, int]] = {}
+    for name in sorted(os.listdir(directory)):
+        full = os.path.join(directory, name)
+        if name == MARKER or name.startswith(".rank-") or not os.path.isfile(full):
+            continue
+        out[name] = {"size": os.path.getsize(full), "crc32": _crc32(full)}
+    return out
+
+
+def check_files(directory: str, marker: dict[str, Any]) -> None:
+    """Every file the marker lists is there, of its size and CRC-32; else a
+    ``ValueError`` naming the file and what is wrong (nothing is read into any
+    model before this passes).  Markers from before checksums list none."""
+    files = marker.get("files")
+    if not isinstance(files, dict):
+        return
+    fix = "it is damaged; load an earlier checkpoint (or save this one again)"
+    for name, want in sorted(files.items()):
+        full = os.path.join(directory, name)
+        if not os.path.isfile(full):
+            raise ValueError(f"checkpoint {directory} is damaged: {name} is missing; load an "
+                             "earlier checkpoint (or save this one again)")
+        size = os.path.getsize(full)
+        if size != want.get("size"):
+            raise ValueError(
+                f"checkpoint {directory}: {name} holds {size} bytes but the save wrote "
+                f"{want.get('size')} (truncated or replaced); {fix}"
+            )
+        crc = _crc32(full)
+        if crc != want.get("crc32"):
+            raise ValueError(
+                f"checkpoint {directory}: {name} does not hold what the save wrote (CRC-32 "
+                f"{crc:08x}, recorded {int(want.get('crc32', 0)):08x}: a damaged or swapped-in "
+                f"file); {fix}"
+            )
+
+
 # ------------------------------------------------------------------ checking
 
 
 def incomplete_reason(directory: str, marker: dict[str, Any]) -> str:
     """Which ranks never finished, from the rank files of an incomplete directory."""
+    if str(marker.get("kind", "")).startswith("convert"):
+        return "the conversion writing it did not finish"
     ws = marker.get("world_size")
     names = os.listdir(directory) if os.path.isdir(directory) else []
     done = {int(n.split("-")[1].split(".")[0]) for n in names if n.endswith(".done")}
@@ -196,4 +257,5 @@ def check_complete(path: str) -> dict[str, Any]:
         raise ValueError(
             f"checkpoint {candidate} is incomplete: {incomplete_reason(candidate, marker)}; {tail}"
         )
+    check_files(candidate, marker)
     return marker

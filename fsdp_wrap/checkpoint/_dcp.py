@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -112,9 +113,22 @@ class DcpCheckpoint:
         return holder[e.fqn]
 
     def _load(self, template: dict[str, Any]) -> None:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
-            dcp.load(template, storage_reader=self._reader, no_dist=True)
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
+                dcp.load(template, storage_reader=self._reader, no_dist=True)
+        except (Exception, CheckpointException) as e:  # (CheckpointException: a BaseException)
+            # A data file whose bytes are damaged where DCP's reader parses them:
+            # one line naming the checkpoint and the entry, not DCP's traceback.
+            cause: Any = e
+            if isinstance(e, CheckpointException):
+                cause = next(iter(e.failures.values()), e)
+                cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, stack)
+            what = str(cause).strip().splitlines()[-1] if str(cause).strip() else ""
+            raise ValueError(
+                f"checkpoint {self.directory} is damaged: reading {', '.join(template)} failed "
+                f"({type(cause).__name__}: {what}); use an earlier checkpoint"
+            ) from e
 
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles ``.metadata``, also as written by a newer torch than this one.

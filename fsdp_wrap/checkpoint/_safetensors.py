@@ -44,6 +44,9 @@ for _name, _st in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
 ST_TO_DTYPE = {v: k for k, v in DTYPE_TO_ST.items()}
 
 INDEX_SUFFIX = ".safetensors.index.json"
+#: The header length a file has until its writer closes it (a writer that died
+#: leaves it, and no reader accepts a header of length 0).
+UNFINISHED = b"\0" * 8
 _ALIGN = 8  # data offsets aligned like the safetensors package aligns them
 
 
@@ -169,11 +172,16 @@ class ShardedWriter:
         self.written: dict[str, int] = {}  # elements written per tensor
         self._handles: dict[int, BinaryIO] = {}
         meta = {"format": "pt", **(metadata or {})}
+        self._lengths: list[bytes] = []
         for i, (file, shard) in enumerate(zip(self.files, self.shards)):
             head, offsets = _header_bytes(shard, meta)
             with open(os.path.join(directory, file), "wb") as f:
-                f.write(head)
+                # The header's length stays 0 until close(): a file whose
+                # writer died is refused by every safetensors reader instead
+                # of loading with zeros where its data never arrived.
+                f.write(UNFINISHED + head[8:])
                 f.truncate(len(head) + sum(e.nbytes for e in shard))
+            self._lengths.append(head[:8])
             for name, off in offsets.items():
                 self.where[name] = (i, off)
 
@@ -224,6 +232,12 @@ class ShardedWriter:
                 f"{len(missing)} planned tensor(s) were never written to {self.directory}, "
                 f"first '{missing[0]}'"
             )
+        for file, length in zip(self.files, self._lengths):  # the data are down: now valid
+            with open(os.path.join(self.directory, file), "r+b") as f:
+                f.write(length)
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
         if self.single_file is not None:
             return os.path.join(self.directory, self.single_file)
         index = {
@@ -272,6 +286,12 @@ def read_header(path: str) -> tuple[dict[str, StoredTensor], dict[str, str]]:
         if len(head) < 8:
             raise ValueError(f"{path} is not a safetensors file: only {size} bytes")
         (n,) = struct.unpack("<Q", head)
+        if head == UNFINISHED and size > 8:
+            raise ValueError(
+                f"{path} is incomplete: its writer never finished it (the header length is "
+                "still 0, as a save or conversion leaves it until every tensor is written); "
+                "use an earlier checkpoint or run the save again"
+            )
         if n > size - 8 or n > 100 * 2**20:
             raise ValueError(
                 f"{path} is not a valid safetensors file: header length {n} but the file "

@@ -72,6 +72,7 @@ class StreamingTorchSave:
                 "storages differently (please report it)"
             )
         self._crcs = [0] * len(self._records)
+        self._seal = _unseal(self.path)
         return order
 
     def fill(self, tensor: torch.Tensor) -> None:
@@ -96,10 +97,55 @@ class StreamingTorchSave:
             raise RuntimeError(
                 f"{self.path}: {len(self._planned) - self._next} planned tensors were never written"
             )
-        _fix_crcs(self.path, [h for h, _, _ in self._records], self._crcs)
-        if fsync:
-            with open(self.path, "rb+") as f:
+        start, eocd = self._seal
+        _fix_crcs(self.path, [h for h, _, _ in self._records], self._crcs, start)
+        with open(self.path, "rb+") as f:  # the archive is readable from here on
+            f.seek(eocd)
+            f.write(_EOCD_SIGNATURE)
+            f.flush()
+            if fsync:
                 os.fsync(f.fileno())
+
+
+_EOCD_SIGNATURE = b"PK\x05\x06"
+#: Written over the archive's end-of-central-directory signature while the data
+#: are being filled in: ``zipfile`` and ``torch.load`` find no archive there, so
+#: a writer that died leaves a file nothing loads (instead of one whose
+#: tensors read as zeros).  ``finish`` puts the signature back last.
+UNFINISHED_SIGNATURE = b"FW\x00\x00"
+
+
+def _unseal(path: str) -> tuple[int, int]:
+    """Hide the archive's end record; return (central directory offset, its offset)."""
+    with zipfile.ZipFile(path) as z:
+        start = int(z.start_dir)  # type: ignore[attr-defined]
+    with open(path, "r+b") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - 65536 - 22))
+        tail = f.read()
+        at = tail.rfind(_EOCD_SIGNATURE)
+        if at < 0:
+            raise RuntimeError(f"{path}: torch.save wrote no end-of-central-directory record")
+        eocd = size - len(tail) + at
+        f.seek(eocd)
+        f.write(UNFINISHED_SIGNATURE)
+        f.flush()
+    return start, eocd
+
+
+def is_unfinished(path: str) -> bool:
+    """Whether ``path`` is a torch.save file this module started and never finished."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 65536 - 22))
+            tail = f.read()
+    except OSError:
+        return False
+    return head == b"PK\x03\x04" and _EOCD_SIGNATURE not in tail and UNFINISHED_SIGNATURE in tail
 
 
 def _data_records(path: str) -> list[tuple[int, int, int]]:
@@ -117,16 +163,15 @@ def _data_records(path: str) -> list[tuple[int, int, int]]:
     return [out[k] for k in sorted(out)]
 
 
-def _fix_crcs(path: str, header_offsets: list[int], crcs: list[int]) -> None:
-    """Write each record's CRC-32 into its local header and central directory entry."""
+def _fix_crcs(path: str, header_offsets: list[int], crcs: list[int], start: int) -> None:
+    """Write each record's CRC-32 into its local header and central directory entry
+    (the central directory begins at ``start``)."""
     by_header = dict(zip(header_offsets, crcs))
     with open(path, "r+b") as f:
         for off, crc in by_header.items():
             f.seek(off + 14)
             f.write(struct.pack("<I", crc))
         # central directory: walk its entries (signature PK\1\2), 46-byte fixed part
-        with zipfile.ZipFile(path) as z:
-            start = z.start_dir  # type: ignore[attr-defined]
         f.seek(start)
         pos = start
         while True:
@@ -179,3 +224,21 @@ def _tensors_in_pickle_order(obj: Any) -> Iterator[torch.Tensor]:
                 yield from walk(v)
 
     yield from walk(obj)
+
+
+def check_zip_crcs(path: str) -> None:
+    """A ``torch.save`` zip records a CRC-32 per record, which ``torch.load``
+    does not check: a flipped byte in a tensor would convert silently."""
+    if not zipfile.is_zipfile(path):
+        return  # the legacy format, or no zip at all: torch.load says what it is
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        raise ValueError(f"{path} is damaged: its zip records cannot be read ({e}); use an "
+                         "earlier checkpoint") from e
+    if bad is not None:
+        raise ValueError(
+            f"{path} is damaged: record {bad} does not match the CRC-32 torch.save wrote for it "
+            "(a flipped or overwritten byte); use an earlier checkpoint"
+        )

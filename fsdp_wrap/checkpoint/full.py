@@ -458,7 +458,8 @@ def _agree(error: BaseException | None, rank: int, what: str) -> None:
 def verify_full_checkpoint(model: nn.Module, path: str, strict: bool = True) -> dict[str, Any]:
     """Check ``path`` against ``model`` without touching it; raise on the first mismatch.
 
-    Complete (the marker says so and every file the index names is there and
+    Complete (the marker says so, every file it lists is there with the size
+    and CRC-32 the save recorded, and every file the index names is there and
     long enough), every tensor the model needs present with its shape and
     dtype (a tied parameter under any one of its names), and (``strict``)
     nothing else.  Returns the stored tensors by name.

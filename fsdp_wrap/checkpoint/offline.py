@@ -37,7 +37,8 @@ import fsdp_wrap.checkpoint._atomic as _atomic
 import fsdp_wrap.checkpoint._dcp as _dcp
 import fsdp_wrap.checkpoint._safetensors as _safetensors
 from fsdp_wrap.checkpoint._safetensors import Entry, ShardedWriter
-from fsdp_wrap.checkpoint._torch_save import StreamingTorchSave
+from fsdp_wrap.checkpoint._torch_save import StreamingTorchSave, check_zip_crcs
+from fsdp_wrap.checkpoint._torch_save import is_unfinished as is_unfinished_torch
 
 MARKER = _atomic.MARKER  # written by fsdp_wrap's own savers
 _MODEL_KEYS = ("model",)
@@ -103,6 +104,7 @@ class Source:
 
 def open_source(path: str, trust_pickle: bool = False) -> Source:
     """Recognise and open a checkpoint; clear errors for foreign or damaged ones."""
+    _check_not_unfinished_file(path)
     if not os.path.exists(path) and not os.path.isdir(_atomic.temp_path(path)):
         raise FileNotFoundError(f"{path} does not exist")
     marker = _read_marker(path)
@@ -122,6 +124,20 @@ def open_source(path: str, trust_pickle: bool = False) -> Source:
         tensors, _ = _safetensors.read_header(path)
         return Source(path, "safetensors", [_st_leaf(("model", n), t) for n, t in tensors.items()])
     return _open_torch_file(path, trust_pickle)
+
+
+def _check_not_unfinished_file(path: str) -> None:
+    """A ``torch.save`` output whose conversion was interrupted (``OUT.incomplete``)."""
+    tmp = path if path.endswith(_atomic.INCOMPLETE_SUFFIX) else _atomic.temp_path(path)
+    if os.path.exists(path) and not path.endswith(_atomic.INCOMPLETE_SUFFIX):
+        return
+    if os.path.isfile(tmp):
+        how = ("its conversion was interrupted before the end" if is_unfinished_torch(tmp)
+               else "it was never renamed into place")
+        raise ValueError(
+            f"checkpoint {tmp} is incomplete: {how} (`fsdp-wrap ckpt` writes OUT.incomplete "
+            f"and renames it to OUT when done); delete it and run the conversion again"
+        )
 
 
 def _read_marker(path: str) -> dict[str, Any]:
@@ -188,7 +204,9 @@ def _open_safetensors_dir(path: str, marker: dict[str, Any]) -> Source:
             for n, t in _safetensors.read_header(os.path.join(path, file))[0].items():
                 leaves.append(_st_leaf(("model", n), t))
     src = Source(path, "safetensors", leaves)
-    if marker.get("writer") == "fsdp_wrap":
+    if marker.get("writer") == "fsdp_wrap" and str(marker.get("kind", "")).startswith("convert"):
+        src.writer = "fsdp_wrap (fsdp-wrap ckpt convert), complete"
+    elif marker.get("writer") == "fsdp_wrap":
         src.writer = "fsdp_wrap (save_full_checkpoint), complete"
         src.notes.append(f"saved by {marker.get('world_size')} ranks; full tensors load at any world size")
     return src
@@ -199,6 +217,7 @@ def _const(value: Any) -> Callable[[], Any]:
 
 
 def _open_torch_file(path: str, trust_pickle: bool) -> Source:
+    check_zip_crcs(path)
     try:
         obj = torch.load(path, map_location="cpu", mmap=True, weights_only=not trust_pickle)
     except Exception as e:
@@ -385,8 +404,9 @@ def convert(
     checkpoint converted to DCP holds each tensor as one chunk and resumes at
     any world size through the SHARDED recipe.  ``include_optim=False``
     leaves the optimizer state out; ``max_shard_size`` (bytes) bounds each
-    safetensors file.  Output goes to ``out + ".tmp-fsdp-wrap"`` and is
-    renamed when complete; an existing ``out`` raises ``FileExistsError``.
+    safetensors file.  Output goes to ``out + ".incomplete"`` and is
+    renamed when complete (a directory carries fsdp_wrap's completeness
+    marker); an existing ``out`` raises ``FileExistsError``.
     Returns a one-line summary.  No process group needed.
     """
     src = open_source(src_path, trust_pickle)
@@ -406,23 +426,25 @@ def convert(
         ]
         total = sum(lf.nbytes for lf in leaves)
         bar = Progress(f"{fmt} <- {src.kind}", total, progress)
-        tmp = out + ".tmp-fsdp-wrap"
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp) if os.path.isdir(tmp) else os.remove(tmp)
+        # Written under OUT.incomplete, renamed when complete (a directory as
+        # the full save does it: _atomic's marker says "complete": false until
+        # then); a process killed midway leaves nothing any loader accepts.
+        tmp = _atomic.temp_path(out)
         try:
             if fmt == "torch":
+                _remove(tmp)
                 _write_torch(tmp, leaves, bar)
-            elif fmt == "safetensors":
-                os.makedirs(tmp)
-                _write_safetensors(tmp, src, leaves, max_shard_size, bar)
+                os.replace(tmp, out)
+                _atomic.fsync_dir(os.path.dirname(os.path.abspath(out)))
             else:
-                _write_dcp(tmp, src, leaves, bar)
-            os.replace(tmp, out)
+                tmp = _atomic.begin(out, 1, f"convert-{fmt}", {"source": src_path})
+                if fmt == "safetensors":
+                    _write_safetensors(tmp, src, leaves, max_shard_size, bar)
+                else:
+                    _write_dcp(tmp, src, leaves, bar)
+                _atomic.commit(tmp, out, {"tensors": sum(1 for lf in leaves if lf.shape)})
         except BaseException:
-            if os.path.isdir(tmp):
-                shutil.rmtree(tmp, ignore_errors=True)
-            elif os.path.exists(tmp):
-                os.remove(tmp)
+            _remove(tmp)
             raise
         finally:
             bar.close()
@@ -430,6 +452,13 @@ def convert(
         return f"wrote {out} ({fmt}): {n} tensors, {_human(total)}"
     finally:
         src.close()
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.exists(path):
+        os.remove(path)
 
 
 def consolidate(dcp_dir: str, out: str, fmt: str = "torch", **kwargs: Any) -> str:

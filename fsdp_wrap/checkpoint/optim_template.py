@@ -93,12 +93,16 @@ def init_optim_state_from_checkpoint(
     state (0 when the checkpoint holds no optimizer state).  Local to this rank:
     no collective.  The zeros are placeholders for the load, which replaces
     them: use the optimizer after ``optim.load_state_dict``, not before.
+    A directory is checked first, before anything changes: its ``.metadata``
+    readable, every data file it names present and long enough (a
+    ``ValueError`` naming the file otherwise).
     """
     if any(optim.state.values()):
         return 0
     if isinstance(checkpoint_id, (str, os.PathLike)):
         try:  # (the offline tool's reader: it tells a missing, incomplete or damaged one apart)
             metadata = _dcp.read_metadata(os.fspath(checkpoint_id))
+            _dcp.check_files(os.fspath(checkpoint_id), metadata)  # missing or truncated data
         except (FileNotFoundError, ValueError) as e:
             raise type(e)(f"[rank {global_rank()}] init_optim_state_from_checkpoint: {e}; "
                           "pass the directory dcp.save wrote") from e

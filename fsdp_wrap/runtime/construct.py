@@ -20,6 +20,7 @@ from torch.distributed import ProcessGroup
 import fsdp_wrap.comm.collectives as C
 from fsdp_wrap.api import HYBRID_STRATEGIES, ShardingStrategy
 from fsdp_wrap.handle.layout import walk_unit_modules
+from fsdp_wrap.runtime.capability import check_device_id
 from fsdp_wrap.runtime.names import clean_fqn
 from fsdp_wrap.runtime.state import UnitState
 
@@ -257,12 +258,8 @@ def resolve_device(
     """The compute device: ``device_id``, else the parameters' device (CPU works)."""
     tensors = _unit_tensors(module, stop, ignored)
     devices = {t.device for _, t in tensors if t.device.type != "meta"}
-    if device_id is not None:
-        device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(
-            device_id
-        )
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+    device = check_device_id(device_id)
+    if device is not None:
         return device
     non_cpu = {d for d in devices if d.type != "cpu"}
     if len(non_cpu) > 1:
@@ -284,8 +281,9 @@ def materialize_meta(
     param_init_fn: Callable[[nn.Module], None] | None,
     device: torch.device,
     rank: int,
-) -> None:
-    """Materialise a meta-device unit, one module at a time, on ``device``.
+) -> bool:
+    """Materialise a meta-device unit, one module at a time, on ``device``;
+    whether there was anything on the meta device.
 
     Modules are visited breadth-first, not entering nested FSDP units (they
     materialised themselves) or ignored modules.  ``param_init_fn(module)`` is
@@ -301,7 +299,7 @@ def materialize_meta(
             "(e.g. lambda m: m.to_empty(device=..., recurse=False)), or None"
         )
     if not any(t.is_meta for _, t in _unit_tensors(module, stop, ignored)):
-        return
+        return False
     queue, order = [module], []
     while queue:
         m = queue.pop(0)
@@ -331,6 +329,7 @@ def materialize_meta(
             "param_init_fn must materialise every parameter and buffer of the module it is given "
             "(e.g. module.to_empty(device=..., recurse=False) then initialise)."
         )
+    return True
 
 
 def move_to_device(

@@ -32,6 +32,7 @@ from torch.autograd import Variable
 from torch.nn.utils.rnn import PackedSequence
 
 import fsdp_wrap.runtime.construct as _init
+import fsdp_wrap.runtime.guards as guards
 import fsdp_wrap.runtime.tree as tree
 from fsdp_wrap._compat import in_backward
 from fsdp_wrap.api import BackwardPrefetch, ShardingStrategy
@@ -96,6 +97,8 @@ def root_pre_forward(state: UnitState, args: tuple[Any, ...], kwargs: dict[str, 
         if state._is_root and state.compute_device.type != "cpu":
             args, kwargs = _to_device((args, kwargs), state.compute_device)
         return args, kwargs
+    if not state._replicas_checked:
+        guards.check_replicas(state)  # once: replicas must start alike (a collective if any)
     training = torch.is_grad_enabled()
     for handle in state._all_handles:
         if handle.use_orig_params:

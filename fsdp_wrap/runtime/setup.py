@@ -11,10 +11,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 import fsdp_wrap.comm.collectives as C
+import fsdp_wrap.runtime.capability as capability
 import fsdp_wrap.runtime.construct as construct
+import fsdp_wrap.runtime.guards as guards
 from fsdp_wrap.api import (
     BackwardPrefetch,
     CPUOffload,
@@ -39,6 +42,7 @@ from fsdp_wrap.runtime.exec_order import ExecOrder
 from fsdp_wrap.runtime.state import TrainingState, UnitState, is_unit
 
 __all__ = [
+    "check_machine",
     "init_process_groups",
     "init_settings",
     "init_runtime_state",
@@ -47,16 +51,36 @@ __all__ = [
 ]
 
 
+def check_machine(
+    module: nn.Module, device_id: Any, mixed_precision: MixedPrecision | None, ignored: set[Any],
+) -> torch.device:
+    """The device the unit will compute on, once this machine is known to have
+    it and to compute in ``mixed_precision``'s dtypes (no collective)."""
+    device = capability.check_device_id(device_id)
+    if device is None:
+        device = next(
+            (p.device for p in module.parameters() if p not in ignored and not p.is_meta),
+            torch.device("cpu"),
+        )
+    capability.check_mixed_precision(mixed_precision, device)
+    return device
+
+
 def init_process_groups(
     state: UnitState, process_group: Any, device_mesh: Any, strategy: ShardingStrategy,
-    auto_wrap: bool,
+    auto_wrap: bool, device: torch.device | None = None,
 ) -> tuple[construct.ProcessGroupState, Any]:
     """The unit's groups and gradient divide factors.
 
     Returns the groups' state and what the children made by auto-wrapping get
     as ``process_group`` (a hybrid unit's children share its groups).
+    ``device``: the compute device, which the groups' backends must carry.
     """
     pg_state = construct.resolve_process_group(process_group, device_mesh, strategy, auto_wrap)
+    if device is not None:
+        arg = "device_mesh" if device_mesh is not None else "process_group"
+        capability.check_group_device([pg_state.group, pg_state.replicate_group], device, arg)
+        capability.check_mesh_device(device_mesh, device)
     state.process_group = pg_state.group
     state.rank = pg_state.rank
     state.world_size = pg_state.world_size
@@ -116,6 +140,8 @@ def init_runtime_state(state: UnitState, bucket_cap_mb: float, batch_mb: float) 
     # Original dtypes of buffers cast to ``buffer_dtype`` (clean FQN under the
     # wrapped module -> dtype); state dicts save them in these dtypes.
     state._buffer_orig_dtypes = {}
+    state._replicas_checked = False  # (root) guards.check_replicas, at the first forward
+    state._built_from_meta = False
 
 
 def _stops_walk(state: UnitState) -> Any:
@@ -132,7 +158,7 @@ def place_module(
     asked) the same on every rank as on rank 0."""
     stop, ignored = _stops_walk(state), state._ignored_params
     state.compute_device = construct.resolve_device(module, device_id, stop, ignored)
-    construct.materialize_meta(
+    state._built_from_meta = construct.materialize_meta(
         module, stop, ignored, param_init_fn, state.compute_device, state.rank
     )
     construct.move_to_device(module, state.compute_device, stop, ignored)
@@ -180,3 +206,5 @@ def build_handle(
             state._handles.append(FlatParamHandle(module, group, group_shared, config,
                                                   flat_name=name))
     state.params = [h.flat_param for h in state._handles]
+    guards.mark_unit_params(state)
+    guards.install_optimizer_check()

@@ -98,6 +98,8 @@ class UnitState(nn.Module):
     _hooked_handles: set[FlatParamHandle]  # flat parameters whose gradient hooks are registered
     _buffers_in_full_precision: bool
     _optims_in_backward: bool
+    _replicas_checked: bool  # (root) replicas compared at the first forward (runtime.guards)
+    _built_from_meta: bool  # this rank materialised the unit from the meta device
     # the tree (root bookkeeping)
     _is_root: bool | None  # None until lazy init
     _root: UnitState

@@ -14,6 +14,7 @@ import torch.nn as nn
 
 import fsdp_wrap.comm.collectives as C
 import fsdp_wrap.runtime.construct as construct
+import fsdp_wrap.runtime.guards as guards
 from fsdp_wrap.comm.collectives import global_rank
 from fsdp_wrap.runtime.exec_order import ForwardOrderCheck
 from fsdp_wrap.runtime.names import clean_fqn
@@ -64,6 +65,7 @@ def lazy_init(state: UnitState) -> None:
         st._optims_in_backward = any(
             hasattr(p, "_in_backward_optimizers") for h in st._handles for p in h.params
         )
+    guards.check_tree(state)
     if state.world_size > 1:
         # Compares the flat parameters' dtype and shape too: data replaced on
         # some ranks only is reported on every rank, before any gather.
@@ -111,9 +113,11 @@ def all_gather_unit_signatures(state: UnitState) -> None:
     later as a hang or a silently wrong all-gather.
     """
     mine = [(unit_signature(s), unit_names(s)) for s in state._all_fsdp_states]
-    everyone = C.all_gather_objects(mine, state.process_group)
-    for r, theirs in enumerate(everyone):
-        theirs_list: list[Any] = theirs  # type: ignore[assignment]
+    # (plus whether each unit came from the meta device here: runtime.guards)
+    meta = [s._built_from_meta for s in state._all_fsdp_states]
+    everyone: list[Any] = C.all_gather_objects((mine, meta), state.process_group)
+    for r, (theirs, _) in enumerate(everyone):
+        theirs_list: list[Any] = theirs
         if [sig for sig, _ in theirs_list] == [sig for sig, _ in mine]:
             continue
         for i in range(max(len(mine), len(theirs_list))):
@@ -128,6 +132,9 @@ def all_gather_unit_signatures(state: UnitState) -> None:
                     "way (same auto_wrap_policy, sizes, dtypes and sharding strategy); "
                     "otherwise collectives would hang."
                 )
+    for i, st in enumerate(state._all_fsdp_states):
+        unit = st._handles[0].unit_fqn or "<root>" if st._handles else "<root>"
+        guards.meta_mismatch(st, unit, [m[i] for _, m in everyone])
 
 
 def _describe_unit(entry: Any) -> str:

@@ -1,9 +1,12 @@
-"""Finding the tensors of a Hugging Face checkpoint: headers only, no data read."""
+"""Finding the tensors of a Hugging Face checkpoint: headers only, no data read (but
+fsdp_wrap's own saves are checked whole against the sizes and CRC-32s their marker
+records)."""
 
 from __future__ import annotations
 
 import os
 
+import fsdp_wrap.checkpoint._atomic as _atomic
 import fsdp_wrap.checkpoint._safetensors as _st
 from fsdp_wrap.checkpoint._safetensors import StoredTensor
 from fsdp_wrap.comm.collectives import global_rank
@@ -28,6 +31,11 @@ def stored_tensors(path: str) -> dict[str, StoredTensor]:
         return _st.read_header(path)[0]
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{tag} no checkpoint at {path}: neither a directory nor a file")
+    if _atomic.read_marker(path) is not None:  # fsdp_wrap's own save: complete, files intact
+        try:
+            _atomic.check_complete(path)
+        except ValueError as e:
+            raise ValueError(f"{tag} {e}") from e
     try:
         return _st.stored_tensors(path)
     except FileNotFoundError:

@@ -179,6 +179,41 @@ def _auto_wrap(
     mp_classes = _mp_classes_to_ignore(unit_kwargs.get("mixed_precision"))
     step = _wrap_with_object_policy if _is_object_policy(policy) else _wrap_with_function_policy
     step(root_module, policy, ignored_modules, ignored_params, unit_kwargs, mp_classes, fsdp_cls)
+    _warn_if_no_class_matched(root_module, policy, fsdp_cls)
+
+
+def _policy_classes(policy: Any) -> set[type] | None:
+    """The module classes of a class-based policy (``ModuleWrapPolicy``, a
+    ``functools.partial`` of ``transformer_auto_wrap_policy``), else ``None``."""
+    classes = getattr(policy, "_module_classes", None)
+    if classes is None and isinstance(policy, functools.partial):
+        name = getattr(policy.func, "__name__", "")
+        if name in ("transformer_auto_wrap_policy", "_module_wrap_policy"):
+            classes = policy.keywords.get("transformer_layer_cls",
+                                          policy.keywords.get("module_classes"))
+    return set(classes) if classes is not None else None
+
+
+def _warn_if_no_class_matched(root_module: nn.Module, policy: Any, fsdp_cls: type[nn.Module]) -> None:
+    """A class-based policy that made no unit names classes the model does not
+    use (a typo, another model's block class): the model would be one unit,
+    gathered whole in every forward, with no word.  Warn, naming both."""
+    classes = _policy_classes(policy)
+    if not classes:
+        return
+    if any(isinstance(m, fsdp_cls) for m in root_module.modules() if m is not root_module):
+        return
+    wanted = sorted(c.__name__ for c in classes)
+    present = sorted({type(m).__name__ for m in root_module.modules()})
+    shown = ", ".join(present[:12]) + (", ..." if len(present) > 12 else "")
+    warnings.warn(
+        f"auto_wrap_policy wraps module classes {wanted} but the {type(root_module).__name__} "
+        f"being wrapped contains none of them{_init._rank_tag()}, so it becomes one "
+        "FSDP unit: all its parameters are gathered at once in every forward and backward. Its "
+        f"module classes: {shown}. Name the class of its repeated blocks (e.g. the decoder "
+        "layer class).",
+        stacklevel=4,  # (this function, _auto_wrap, the constructor, its caller)
+    )
 
 
 def _mp_classes_to_ignore(mixed_precision: Any) -> tuple[type[nn.Module], ...] | None:
