@@ -142,6 +142,11 @@ setup(
         # Hugging Face model, and bitsandbytes >= 0.50, the first release that
         # quantizes NF4 and runs Linear4bit on CPU, for QLoRA.
         "finetune": ["peft", "bitsandbytes>=0.50", "transformers"],
+        # TRL's SFT, DPO and GRPO trainers, run for real on 2 CPU ranks by
+        # tests/test_trl.py (with PEFT LoRA and bitsandbytes QLoRA): what most
+        # FSDP1 fine-tuning goes through.  The 1.x API the tests use; tested
+        # with 1.16.  Not needed by the library.
+        "trl": ["trl>=1.0", "peft", "bitsandbytes>=0.50", "transformers"],
         # peft: load_pretrained maps a LoRA model's names onto a base checkpoint
         # (tests/test_load_pretrained.py) and the LoRA tests (tests/test_peft.py)
         # run real peft models.

@@ -47,7 +47,7 @@ from fsdp_wrap.comm.gather_batch import resolve_all_gather_batch_mb
 from fsdp_wrap.comm.quant.config import CollectiveQuantization, resolve_quantization
 from fsdp_wrap.runtime.accumulation import AccumulationAPI, warn_if_partial
 from fsdp_wrap.runtime.names import clean_fqn
-from fsdp_wrap.runtime.state import TrainingState, UnitState
+from fsdp_wrap.runtime.state import TrainingState, UnitState, register_unit
 from fsdp_wrap.state_dict.optim_api import OptimStateDictAPI
 
 __all__ = ["FullyShardedDataParallel", "OptimStateKeyType"]
@@ -192,6 +192,7 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI, AccumulationAPI):
         setup.build_handle(self, module, pg_state)
         _runtime.register_handle_hooks(self)
         self._fsdp_wrapped_module = module
+        register_unit(self)
         # 5. State-dict hooks; torch.compile breaks the graph at unit boundaries.
         _state_dict.register_hooks(self)
         run_eagerly_under_dynamo()

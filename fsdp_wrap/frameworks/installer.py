@@ -26,8 +26,12 @@ one module of this package per framework:
   FSDP1 internals (``torch.distributed.fsdp._*``) excepted, so torch's FSDP1
   keeps working for anyone holding it directly;
 * Accelerate (:mod:`fsdp_wrap.frameworks.accelerate`): its sharded optimizer
-  load is made exact for fsdp_wrap's units, now if Accelerate is imported,
-  else when it is.
+  load is made exact for fsdp_wrap's units;
+* PEFT (:mod:`fsdp_wrap.frameworks.peft`): its adapter state-dict functions
+  find, save and load every rank's adapters in a model holding fsdp_wrap's
+  units;
+
+each now if the framework is imported, else when it is.
 
 :func:`uninstall` undoes exactly what :func:`install` did.
 """
@@ -41,6 +45,7 @@ import threading
 from typing import Any
 
 import fsdp_wrap.frameworks.accelerate as _accelerate
+import fsdp_wrap.frameworks.peft as _peft
 import fsdp_wrap.frameworks.torch_fsdp as _torch_fsdp
 from fsdp_wrap._compat import __version__
 from fsdp_wrap.frameworks._patches import FunctionWraps, importers, unwrap_everywhere
@@ -56,7 +61,7 @@ PTH_NAME = "fsdp_wrap-install.pth"
 logger = logging.getLogger("fsdp_wrap.installer")
 
 #: The framework functions install() wraps, one entry per framework module.
-_FUNCTION_WRAPS: tuple[FunctionWraps, ...] = (_accelerate.WRAPS,)
+_FUNCTION_WRAPS: tuple[FunctionWraps, ...] = (_accelerate.WRAPS, _peft.WRAPS)
 
 _lock = threading.Lock()
 _applied: list[Any] = []  # (Patch or MetaPathEntry, in the order applied)

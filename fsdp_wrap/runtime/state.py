@@ -10,6 +10,7 @@ order: :mod:`fsdp_wrap.runtime.construct`) and at lazy init
 
 from __future__ import annotations
 
+import weakref
 from enum import Enum, auto
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from fsdp_wrap.handle.flat_param import FlatParamHandle
     from fsdp_wrap.runtime.exec_order import ExecOrder
 
-__all__ = ["TrainingState", "UnitState", "is_unit"]
+__all__ = ["TrainingState", "UnitState", "is_unit", "live_units", "register_unit"]
 
 
 class TrainingState(Enum):
@@ -127,3 +128,18 @@ class UnitState(nn.Module):
 def is_unit(module: object) -> bool:
     """Is ``module`` an FSDP unit (an instance of the façade)?"""
     return isinstance(module, UnitState)
+
+
+# Every unit built in this process, held weakly (a dropped model is freed): the
+# framework glue finds the unit tree a module given to it lives in, which a
+# module cannot tell (it has no parent pointer).
+_LIVE: weakref.WeakSet[UnitState] = weakref.WeakSet()
+
+
+def register_unit(state: UnitState) -> None:
+    _LIVE.add(state)
+
+
+def live_units() -> list[UnitState]:
+    """The units built in this process that are still alive."""
+    return list(_LIVE)

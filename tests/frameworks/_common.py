@@ -1,5 +1,6 @@
 """What the framework scripts share: results, and the documented ways past the
-frameworks' GPU-only gates on CPU (test harness only, never the library).
+frameworks' GPU-only gates on CPU (test harness only, never the library;
+Accelerate's is shared with the TRL benchmark, ``benchmarks/_trl_models.py``).
 
 Each script runs under ``torchrun --nproc-per-node 2`` (gloo) and writes one
 JSON file per rank into the output directory given as its first argument.
@@ -18,6 +19,8 @@ import torch.nn as nn
 
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
+
+from benchmarks._trl_models import accelerate_on_cpu as accelerate_on_cpu  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
 OUT = sys.argv[1] if len(sys.argv) > 1 else "."
@@ -46,20 +49,6 @@ def use_fsdp_wrap() -> None:
     import fsdp_wrap
 
     fsdp_wrap.install(verbose=False)
-
-
-def accelerate_on_cpu() -> None:
-    """Accelerate enables FSDP only for GPU process groups: flip the shared
-    state's distributed type before ``Accelerator`` reads it (and keep the
-    device plain ``cpu``, which torch's FSDP1 wants as its ``device_id``)."""
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-    from accelerate.utils import DistributedType
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    ps = PartialState(backend="gloo")
-    ps.distributed_type = DistributedType.MULTI_GPU
-    ps.device = torch.device("cpu")
 
 
 class Block(nn.Module):

@@ -5,10 +5,12 @@ torch's FSDP1 (``use_orig_params=True``, the only way torch runs LoRA), then
 on fsdp_wrap through ``fsdp_wrap.install()`` with both ``use_orig_params``.
 On fsdp_wrap the adapter is then saved the framework's own way (Accelerate:
 ``get_state_dict`` + PEFT's ``save_pretrained``; the Trainer: ``save_model``,
-which does the same) and with ``save_full_checkpoint(trainable_only=True)``;
-rank 0 compares the two ``adapter_model.safetensors`` and loads the streamed
-one into a plain base with ``PeftModel.from_pretrained``, whose loss must be
-the FSDP model's.  torch's FSDP1 only trains here: its FULL save with
+which does the same; PEFT's side patched by ``install()``,
+fsdp_wrap/frameworks/peft.py) and with
+``save_full_checkpoint(trainable_only=True)``; rank 0 compares both
+``adapter_model.safetensors`` with PEFT's own state dict of the trained
+weights and loads the streamed one into a plain base with
+``PeftModel.from_pretrained``, whose loss must be the FSDP model's.  torch's FSDP1 only trains here: its FULL save with
 ``offload_to_cpu`` (what both frameworks ask for) crashes on CPU.
 """
 
@@ -85,6 +87,8 @@ def compare_adapters(key: str, state: dict[str, torch.Tensor], framework_dir: st
     record(key + "/adapter_differ", [k for k in want if k not in got or not torch.equal(want[k], got[k])])
     framework = load_file(os.path.join(framework_dir, "adapter_model.safetensors"))
     record(key + "/framework_file_keys", len(framework))
+    record(key + "/framework_differ",
+           [k for k in want if k not in framework or not torch.equal(want[k], framework[k])])
     reloaded = PeftModel.from_pretrained(base_llama(), streamed_dir).eval()
     x = tokens(99)
     with torch.no_grad():
