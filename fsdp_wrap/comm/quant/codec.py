@@ -154,7 +154,11 @@ def encode_rows(x: torch.Tensor, codec: Codec,
     absmax = torch.empty(rows, plan.blocks, device=x.device)  # NaN where a block holds one
     for view, cols in _blocks_of(xf, plan, whole):
         absmax[:, cols] = view.abs().amax(dim=2)
-    scale = absmax.div_(codec.qmax)
+    # Divided by a 0-dim tensor on the device, not a Python number: CUDA turns a
+    # division by a host scalar into a multiplication by its reciprocal (not
+    # always the correctly rounded quotient) where the CPU divides; a tensor
+    # divisor makes both divide, so the packets are the same on every device.
+    scale = absmax.div_(absmax.new_full((), float(codec.qmax)))
     finite = bool(torch.isfinite(scale).all())
     if not finite:
         scale = torch.where(torch.isfinite(scale), scale, torch.full_like(scale, float("nan")))
