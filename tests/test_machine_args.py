@@ -12,6 +12,7 @@ CUDA cases (a device index past the GPUs, a CPU mesh for a GPU unit) are in
 
 from __future__ import annotations
 
+import datetime
 from typing import Any, Callable
 
 import pytest
@@ -30,6 +31,10 @@ def _net() -> nn.Module:
 
 
 def _train(impl: str, **kw: Any) -> None:
+    # A group of its own with a short timeout: torch's FSDP1 (the oracle) may
+    # fail inside a collective on one rank only, and the other rank must then
+    # time out here rather than leave a collective open on the default group.
+    kw.setdefault("process_group", dist.new_group(timeout=datetime.timedelta(seconds=10)))
     model = fsdp_cls(impl)(_net(), **kw)
     model(torch.randn(5, 4)).sum().backward()
 

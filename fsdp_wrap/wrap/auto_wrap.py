@@ -203,6 +203,8 @@ def _warn_if_no_class_matched(root_module: nn.Module, policy: Any, fsdp_cls: typ
         return
     if any(isinstance(m, fsdp_cls) for m in root_module.modules() if m is not root_module):
         return
+    if any(isinstance(m, tuple(classes)) for m in root_module.modules()):
+        return  # (the classes are there: one unit is what the policy chose, e.g. the root's class)
     wanted = sorted(c.__name__ for c in classes)
     present = sorted({type(m).__name__ for m in root_module.modules()})
     shown = ", ".join(present[:12]) + (", ..." if len(present) > 12 else "")
