@@ -250,14 +250,20 @@ def test_every_chosen_wording_is_used() -> None:
 
 def test_the_torch_matrix_lists_test_files() -> None:
     """CI's torch lanes run ``pytest @tests/torch_matrix.txt`` (.ci/run, tox.ini):
-    one test file per line, no comments (pytest reads every line as an
-    argument), each an existing file, this one among them."""
+    one argument per line, no comments (pytest reads every line as an
+    argument): test files, each existing, this one among them, and
+    ``--deselect=`` lines naming tests of those files (the sweeps' self-checks,
+    which test the harness rather than torch)."""
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(here)
     with open(os.path.join(here, "torch_matrix.txt")) as f:
         lines = f.read().splitlines()
     assert lines and all(lines), "blank lines in tests/torch_matrix.txt"
-    missing = [p for p in lines if not os.path.isfile(os.path.join(root, p))]
+    files = [p for p in lines if not p.startswith("--deselect=")]
+    for p in lines:
+        if p.startswith("--deselect="):
+            assert p.split("=", 1)[1].split("::")[0] in files, f"{p} deselects from an unlisted file"
+    missing = [p for p in files if not os.path.isfile(os.path.join(root, p))]
     assert not missing, f"tests/torch_matrix.txt names files that do not exist: {missing}"
     assert "tests/test_torch_sentences.py" in lines
     assert len(set(lines)) == len(lines), "a file listed twice runs twice"
