@@ -168,3 +168,15 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
             k.replace("_fsdp_wrapped_module.", ""): p.detach().clone()
             for k, p in model.named_parameters()
         }
+
+
+def same_nested(a: Any, b: Any) -> bool:
+    """Whether two nested state dicts (dicts, lists, tuples, tensors, numbers)
+    are equal, tensors bit for bit."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_nested(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_nested(x, y) for x, y in zip(a, b))
+    return bool(a == b)

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp_wrap.checkpoint.offline as offline
+from tests._ckpt_common import same_nested
 from tests._dist import progress
 
 DAMAGES = ("truncate", "flip-meta", "flip-data", "delete", "swap")
@@ -359,15 +360,6 @@ def _random_damage(seed: int, fmt: str, how: str, d: str, other: str) -> str:
 RANDOM_CASES = 24
 
 
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return bool(a == b)
-
 
 @pytest.mark.slow
 def test_random_damage_is_refused_or_harmless(pool2: Any, tmp_path: Any) -> None:
@@ -407,4 +399,4 @@ def test_random_damage_is_refused_or_harmless(pool2: Any, tmp_path: Any) -> None
         offline.convert(os.path.join(good, fmt, "full.pt") if fmt == "torch"
                         else os.path.join(good, fmt), ref_out, fmt="torch")
         a, b = torch.load(out, weights_only=True), torch.load(ref_out, weights_only=True)
-        assert _same(a, b), f"{name} converted into something else"
+        assert same_nested(a, b), f"{name} converted into something else"

@@ -29,6 +29,7 @@ import torch
 
 import fsdp_wrap.checkpoint.offline as offline
 from fsdp_wrap.checkpoint._atomic import MARKER
+from tests._ckpt_common import same_nested
 from tests._dist import progress
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,7 +116,7 @@ def _sharded_after_kill(root: str) -> dict[str, str]:
     got_params, got_optim = C.full_params(model), full_optim(model, opt)
     assert all(torch.equal(got_params[k], v) for k, v in ref["params"].items())
     if torch.distributed.get_rank() == 0:
-        assert _same(got_optim, ref["optim"]), "step2's optimizer state did not load exactly"
+        assert same_nested(got_optim, ref["optim"]), "step2's optimizer state did not load exactly"
     out: dict[str, str] = {}
     try:  # the model loaded from step2: torch's dcp.load refuses step4 itself
         with fsdp.state_dict_type(model, fsdp_wrap.StateDictType.SHARDED_STATE_DICT):
@@ -137,15 +138,6 @@ def _sharded_after_kill(root: str) -> dict[str, str]:
     assert all(torch.equal(after[k], v) for k, v in before.items())
     return out
 
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return bool(a == b)
 
 
 def test_killed_sharded_save(pool2: Any, killed: dict[str, Any]) -> None:
