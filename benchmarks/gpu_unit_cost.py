@@ -27,7 +27,10 @@ NO_SHARD), both ``use_orig_params`` values:
    non-NCCL kernel ran on another stream (0% means the reductions are
    serialised with compute).  ``--trace-dir`` keeps the traces.  At world
    size 1 fsdp_wrap issues no reduction (a group of one has nothing to
-   reduce), so its rows show none; torch's FSDP1 rows show what torch issues.
+   reduce), so its plain rows show none; the ``+hook`` rows register torch's
+   ``allreduce_hook`` (``--hook-rows``, on by default on CUDA), which makes
+   both FSDP1s all-reduce every unit's gradient through NCCL even at world
+   size 1: those rows show whether the reductions overlap backward compute.
 
 Prints one table and the targets (step <= 1.05x plain, peak <= torch's FSDP1).
 """
@@ -55,11 +58,21 @@ from _bench_models import TINY, WORKLOADS, Variant, build, loss_fn, make_batches
 
 KEYS = ("plain/-/-", "fsdp_wrap/FULL_SHARD/F", "fsdp_wrap/FULL_SHARD/T",
         "torch_fsdp1/FULL_SHARD/F", "torch_fsdp1/FULL_SHARD/T")
+# (``+hook``: torch's ``allreduce_hook`` registered as the communication hook,
+# so that fsdp_wrap issues a reduction at world size 1 too: the overlap rows)
+HOOK_KEYS = ("fsdp_wrap/FULL_SHARD/F+hook", "torch_fsdp1/FULL_SHARD/F+hook")
 
 
 def _variant(key: str) -> Variant:
-    fw, strategy, orig = key.split("/")
+    fw, strategy, orig = key.removesuffix("+hook").split("/")
     return Variant(fw, strategy, None if orig == "-" else orig == "T")
+
+
+def _register_allreduce_hook(model: torch.nn.Module) -> None:
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+
+    model.register_comm_hook(default_hooks.DefaultState(dist.group.WORLD),  # type: ignore[operator]
+                             default_hooks.allreduce_hook)
 
 
 class Bench:
@@ -79,6 +92,8 @@ class Bench:
     def make_step(self, key: str) -> Callable[[int], None]:
         v = _variant(key)
         model = build(v, make_model(self.w, device=self.device), self.device)
+        if key.endswith("+hook"):
+            _register_allreduce_hook(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         autocast = v.framework == "plain" and self.dtype is not None
 
@@ -154,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--keys", default=",".join(KEYS))
     p.add_argument("--trace-dir", default=None, help="keep the profiler's Chrome traces here")
+    p.add_argument("--hook-rows", choices=("auto", "yes", "no"), default="auto",
+                   help="add the +hook configurations (auto: on CUDA)")
     a = p.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         print("gpu_unit_cost: no CUDA device here; nothing measured (use --device cpu for a smoke run)")
@@ -173,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("nccl" if a.device == "cuda" else "gloo", rank=0, world_size=1)
     b = Bench(a)
     keys = [k for k in a.keys.split(",") if k]
+    if a.hook_rows == "yes" or (a.hook_rows == "auto" and a.device == "cuda"):
+        keys += [k for k in HOOK_KEYS if k not in keys]
     name = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
     print(f"# {name}; torch {torch.__version__}; {b.w.name}: {b.w.params() / 1e6:.0f}M params, "
           f"batch {b.w.batch}x{b.w.seq}; mixed precision {a.mixed_precision}; load "
