@@ -408,7 +408,9 @@ class FlatParamHandle:
             else:
                 _ensure_storage(slot.buffer)
             slot.buffer.copy_(self.local_shard, non_blocking=True)
-            slot.valid = True
+            # (checked until its unit uses it, as a gathered slot: a prefetched
+            # unit's finish_unshard does not check again; reshard frees it)
+            slot.valid = slot.checked = True
             return
         coded = not full_precision and self.wire.weights is not None
         src = self._coded_gather_source() if coded else self._gather_source(dtype)
@@ -441,7 +443,8 @@ class FlatParamHandle:
         """What this rank sends in an all-gather of the compute copy (its shard in
         the compute dtype; what a coded wire encodes), after taking up replaced
         original parameters."""
-        self.pre_unshard()
+        if not self._gathered[False].checked:
+            self.pre_unshard()
         if self.wire.weights is not None:
             return self._coded_gather_source()
         return self._gather_source(self.compute_dtype)
@@ -474,6 +477,15 @@ class FlatParamHandle:
                 slot.free()
             return True
         return False
+
+    def pre_unshard_for_forward(self) -> bool:
+        """:meth:`pre_unshard` at the root's pre-forward, which checks every
+        unit before any collective: the compute copy's slot counts as checked
+        until the unit's forward unshards it (one check per unshard, as torch
+        makes, not a second one there)."""
+        replaced = self.pre_unshard()
+        self._slot(self.computes_in_full_precision).checked = True
+        return replaced
 
     def finish_unshard(self, full_precision: bool = True) -> None:
         """Wait for the gather and point ``flat_param`` at the unsharded data."""
