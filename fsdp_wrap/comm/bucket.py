@@ -40,11 +40,15 @@ buckets too (synchronously, and in place when no padding is needed: no
 copy into a bucket buffer, so large units cost no extra memory).
 
 [Note: the reduction stream]
-On CUDA every reduction (bucketed or alone, with a communication hook too)
-runs on a stream of its own, one per device, as torch's FSDP1 runs its
-post-backward work: so the next units' backward kernels, issued on the
-compute stream meanwhile, are not queued behind the reduce-scatters, casts
-and copies of the units before them.  The order of events:
+On CUDA every reduction that communicates (bucketed or alone, or through a
+communication hook) runs on a stream of its own, one per device, as torch's
+FSDP1 runs its post-backward work: so the next units' backward kernels,
+issued on the compute stream meanwhile, are not queued behind the
+reduce-scatters, casts and copies of the units before them.  A reduction
+that is only casts and copies (world size 1, no hook) stays on the compute
+stream: measured on an H100, switching streams cost more host time per unit
+than the overlap of a cast gained (docs/performance.rst).  The order of
+events:
 
 * the reduction stream waits for the compute stream when a unit's gradient
   is handed over (the gradient, and everything the step wrote before, is
@@ -87,6 +91,8 @@ class UnitGrads(Protocol):
 
     @property
     def can_bucket_reduction(self) -> bool: ...
+    @property
+    def reduction_communicates(self) -> bool: ...
     @property
     def accumulating(self) -> bool: ...
     def reduce_gradient(self, sync: bool) -> None: ...
@@ -185,7 +191,8 @@ class GradBuckets:
         ``flat_param.grad`` on return: an optimizer steps in backward).
         """
         grad = unit.flat_param.grad
-        if not sync or grad is None or grad.device.type != "cuda":
+        if (not sync or grad is None or grad.device.type != "cuda"
+                or not unit.reduction_communicates):
             self._reduce(unit, sync, alone)
             return
         device = grad.device
