@@ -247,29 +247,33 @@ def wrapped(f):
 """
 
 
-@pytest.mark.parametrize("when", ["before", "after"])
-def test_install_wraps_peft_state_dict_functions(when: str) -> None:
+def test_install_wraps_peft_state_dict_functions() -> None:
     """Both functions are wrapped in every module that binds them, PEFT imported
-    before install() or after (by the import finder); uninstall() undoes both."""
-    out = _ok(_python(prelude=PEFT_CHECK, code=f"""
-    if {when == "before"!r}:
-        mods = holders()
-        fsdp_wrap.install(verbose=False)
-    else:
-        fsdp_wrap.install(verbose=False)
-        assert "peft" not in sys.modules
-        mods = holders()
-    for name in ("get_peft_model_state_dict", "set_peft_model_state_dict"):
-        fns = [getattr(m, name) for m in mods]
-        assert all(wrapped(f) and f is fns[0] for f in fns), (name, fns)
-    originals = [getattr(mods[0].get_peft_model_state_dict, _patches.MARK),
-                 getattr(mods[0].set_peft_model_state_dict, _patches.MARK)]
-    fsdp_wrap.uninstall()
-    for m in mods:
-        assert [m.get_peft_model_state_dict, m.set_peft_model_state_dict] == originals, m
-    print("OK")
+    after install() (by the import finder) or before; uninstall() undoes both.
+    One fresh interpreter (each costs seconds of imports): first install() with
+    PEFT not yet imported, uninstall(), then install() again with it imported,
+    uninstall()."""
+    out = _ok(_python(prelude=PEFT_CHECK, code="""
+    for when in ("after", "before"):
+        if when == "before":
+            mods = holders()
+            assert not any(wrapped(m.get_peft_model_state_dict) for m in mods), when
+            fsdp_wrap.install(verbose=False)
+        else:
+            fsdp_wrap.install(verbose=False)
+            assert "peft" not in sys.modules
+            mods = holders()
+        for name in ("get_peft_model_state_dict", "set_peft_model_state_dict"):
+            fns = [getattr(m, name) for m in mods]
+            assert all(wrapped(f) and f is fns[0] for f in fns), (when, name, fns)
+        originals = [getattr(mods[0].get_peft_model_state_dict, _patches.MARK),
+                     getattr(mods[0].set_peft_model_state_dict, _patches.MARK)]
+        fsdp_wrap.uninstall()
+        for m in mods:
+            assert [m.get_peft_model_state_dict, m.set_peft_model_state_dict] == originals, (when, m)
+        print("OK", when)
     """, timeout=300))
-    assert out.strip().endswith("OK")
+    assert [ln for ln in out.splitlines() if ln.startswith("OK")] == ["OK after", "OK before"], out
 
 
 @pytest.mark.slow  # a fresh interpreter importing torch and PEFT with the hook (CI runs it)
