@@ -9,7 +9,8 @@ layer a unit), with a unit per decoder layer, and at the root alone, with
 either ``use_orig_params``.  What PEFT as shipped finds is recorded beside
 (nothing, with nested units).  Then the install step itself, in fresh
 interpreters: every module binding the two functions gets the wrappers,
-``uninstall()`` gives PEFT's back; the start-up hook reaches PEFT too.
+``uninstall()`` gives PEFT's back (the start-up hook reaching PEFT:
+``tests/test_install.py``).
 ``PeftModel.from_pretrained`` on a wrapped base (inference) loads its adapter.
 
 The TRL trainers that run these paths for real: ``tests/test_trl.py``.
@@ -276,19 +277,5 @@ def test_install_wraps_peft_state_dict_functions() -> None:
     assert [ln for ln in out.splitlines() if ln.startswith("OK")] == ["OK after", "OK before"], out
 
 
-@pytest.mark.slow  # a fresh interpreter importing torch and PEFT with the hook (CI runs it)
-def test_startup_hook_reaches_peft() -> None:
-    """``FSDP_WRAP_INSTALL=1`` (what ``fsdp-wrap run`` sets): PEFT's functions
-    are wrapped in a script that never calls install()."""
-    from fsdp_wrap.frameworks import installer
-
-    if installer.startup_hook_path() is None:
-        pytest.skip(f"{installer.PTH_NAME} is not installed (fsdp_wrap not pip-installed here)")
-    out = _ok(_python(prelude=PEFT_CHECK, env={"FSDP_WRAP_INSTALL": "1"}, timeout=300, code="""
-    assert fsdp_wrap.installed()
-    mods = holders()
-    assert all(wrapped(m.get_peft_model_state_dict) and wrapped(m.set_peft_model_state_dict)
-               for m in mods)
-    print("OK")
-    """))
-    assert out.strip().endswith("OK")
+# The start-up hook (``FSDP_WRAP_INSTALL=1``) reaching PEFT: in the hook's own
+# fresh interpreter, tests/test_install.py::test_startup_hook_and_fsdp_wrap_run.
