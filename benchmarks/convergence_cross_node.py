@@ -178,7 +178,7 @@ def plot(res: dict[str, Any], path: str) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rate", default="unlimited", help="the link's rate")
     p.add_argument("--only", default="", help="configuration names (comma-separated)")

@@ -22,12 +22,18 @@ NO_SHARD), both ``use_orig_params`` values:
    the median of the per-round ratios to the plain module and to torch's FSDP1
    with the same ``use_orig_params``.
 3. **Overlap**: two steps of each FSDP configuration under ``torch.profiler``;
-   from the exported Chrome trace, the kernels whose name contains ``nccl``,
-   the streams they ran on, and the share of their time during which a
-   non-NCCL kernel ran on another stream (0% means the reductions are
-   serialised with compute).  ``--trace-dir`` keeps the traces.  At world
+   from the exported Chrome trace, the streams kernels ran on, the kernels
+   whose name contains ``nccl``, the kernels off the compute stream (the one
+   with the most kernel time: the reductions' casts, copies and collectives
+   run off it) and the share of their time during which a kernel ran on the
+   compute stream (0% means nothing overlapped: the reductions were
+   serialised with compute, or compute had nothing queued meanwhile, as
+   where the host is the limit; ``--batch`` makes the step GPU-bound).  ``--trace-dir`` keeps the traces.  At world
    size 1 fsdp_wrap issues no reduction (a group of one has nothing to
-   reduce), so its rows show none; torch's FSDP1 rows show what torch issues.
+   reduce), so its plain rows show none; the ``+hook`` rows register torch's
+   ``allreduce_hook`` (``--hook-rows``, on by default on CUDA), which makes
+   both FSDP1s all-reduce every unit's gradient through NCCL even at world
+   size 1: those rows show whether the reductions overlap backward compute.
 
 Prints one table and the targets (step <= 1.05x plain, peak <= torch's FSDP1).
 """
@@ -35,6 +41,7 @@ Prints one table and the targets (step <= 1.05x plain, peak <= torch's FSDP1).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -55,17 +62,29 @@ from _bench_models import TINY, WORKLOADS, Variant, build, loss_fn, make_batches
 
 KEYS = ("plain/-/-", "fsdp_wrap/FULL_SHARD/F", "fsdp_wrap/FULL_SHARD/T",
         "torch_fsdp1/FULL_SHARD/F", "torch_fsdp1/FULL_SHARD/T")
+# (``+hook``: torch's ``allreduce_hook`` registered as the communication hook,
+# so that fsdp_wrap issues a reduction at world size 1 too: the overlap rows)
+HOOK_KEYS = ("fsdp_wrap/FULL_SHARD/F+hook", "torch_fsdp1/FULL_SHARD/F+hook")
 
 
 def _variant(key: str) -> Variant:
-    fw, strategy, orig = key.split("/")
+    fw, strategy, orig = key.removesuffix("+hook").split("/")
     return Variant(fw, strategy, None if orig == "-" else orig == "T")
+
+
+def _register_allreduce_hook(model: torch.nn.Module) -> None:
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+
+    model.register_comm_hook(default_hooks.DefaultState(dist.group.WORLD),  # type: ignore[operator]
+                             default_hooks.allreduce_hook)
 
 
 class Bench:
     def __init__(self, a: argparse.Namespace) -> None:
         self.device = torch.device(a.device, 0) if a.device == "cuda" else torch.device("cpu")
         self.w = (TINY if a.tiny else WORKLOADS)[a.workload]
+        if a.batch:
+            self.w = dataclasses.replace(self.w, batch=a.batch)
         self.batches = make_batches(self.w, 0, 2, self.device)
         self.dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[a.mixed_precision]
 
@@ -79,6 +98,8 @@ class Bench:
     def make_step(self, key: str) -> Callable[[int], None]:
         v = _variant(key)
         model = build(v, make_model(self.w, device=self.device), self.device)
+        if key.endswith("+hook"):
+            _register_allreduce_hook(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         autocast = v.framework == "plain" and self.dtype is not None
 
@@ -116,29 +137,37 @@ class Bench:
             for i in range(2):
                 step(i)
             self.sync()
-        path = os.path.join(trace_dir, key.replace("/", "_") + ".json")
+        path = os.path.join(trace_dir, key.replace("/", "_").replace("+", "_") + ".json")
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f)
         events = events.get("traceEvents", events) if isinstance(events, dict) else events
         kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+        stream_time: dict[Any, float] = {}
+        for e in kernels:
+            st = e.get("args", {}).get("stream")
+            stream_time[st] = stream_time.get(st, 0.0) + e["dur"]
+        compute = max(stream_time, key=lambda st: stream_time[st]) if stream_time else None
         nccl = [e for e in kernels if "nccl" in e.get("name", "").lower()]
-        other = [e for e in kernels if "nccl" not in e.get("name", "").lower()]
+        # Off the compute stream: the reductions' own kernels (casts, copies,
+        # NCCL's); the share of their time during which a kernel ran on the
+        # compute stream is the overlap.
+        off = [e for e in kernels if e.get("args", {}).get("stream") != compute]
+        on = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels
+                    if e.get("args", {}).get("stream") == compute)
         covered = 0.0
-        for n in nccl:  # time of n during which a compute kernel runs on another stream
+        for n in off:
             a, b = n["ts"], n["ts"] + n["dur"]
-            spans = sorted((max(a, o["ts"]), min(b, o["ts"] + o["dur"])) for o in other
-                           if o.get("args", {}).get("stream") != n.get("args", {}).get("stream")
-                           and o["ts"] < b and o["ts"] + o["dur"] > a)
             end = a
-            for s, e in spans:
-                if e > end:
-                    covered += e - max(s, end)
-                    end = e
-        total = sum(n["dur"] for n in nccl)
-        return {"nccl_per_step": len(nccl) / 2,
-                "nccl_streams": sorted({n.get("args", {}).get("stream") for n in nccl}),
-                "compute_streams": sorted({o.get("args", {}).get("stream") for o in other}),
+            for s, e in on:
+                if e <= end or s >= b:
+                    continue
+                covered += min(e, b) - max(s, end)
+                end = min(e, b)
+        total = sum(n["dur"] for n in off)
+        return {"nccl_per_step": len(nccl) / 2, "off_per_step": len(off) / 2,
+                "off_ms": total / 2e3,
+                "streams": f"{len(stream_time)} ({compute} computes)",
                 "overlap": covered / total if total else None}
 
 
@@ -150,10 +179,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixed-precision", choices=("auto", "none", "bf16", "fp16"), default="auto",
                    help="auto: bf16 on CUDA, none on the CPU")
     p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (default: the workload's)")
     p.add_argument("--steps", type=int, default=3, help="steps per configuration and round")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--keys", default=",".join(KEYS))
     p.add_argument("--trace-dir", default=None, help="keep the profiler's Chrome traces here")
+    p.add_argument("--hook-rows", choices=("auto", "yes", "no"), default="auto",
+                   help="add the +hook configurations (auto: on CUDA)")
     a = p.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         print("gpu_unit_cost: no CUDA device here; nothing measured (use --device cpu for a smoke run)")
@@ -173,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("nccl" if a.device == "cuda" else "gloo", rank=0, world_size=1)
     b = Bench(a)
     keys = [k for k in a.keys.split(",") if k]
+    if a.hook_rows == "yes" or (a.hook_rows == "auto" and a.device == "cuda"):
+        keys += [k for k in HOOK_KEYS if k not in keys]
     name = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
     print(f"# {name}; torch {torch.__version__}; {b.w.name}: {b.w.params() / 1e6:.0f}M params, "
           f"batch {b.w.batch}x{b.w.seq}; mixed precision {a.mixed_precision}; load "
@@ -211,7 +245,7 @@ def _ratio(times: dict[str, list[float]], k: str, ref: str) -> str:
 def _report(keys: list[str], times: dict[str, list[float]], peaks: dict[str, float | None],
             overlaps: dict[str, dict[str, Any]], a: argparse.Namespace) -> None:
     header = ["configuration", "step ms", "/plain", "/torch", "peak MiB", "/torch",
-              "nccl/step", "nccl streams / compute", "overlap"]
+              "nccl/step", "streams", "off-stream kernels/step (ms)", "overlap"]
     rows = []
     for k in keys:
         torch_key = "torch_fsdp1/" + k.split("/", 1)[1] if k.startswith("fsdp_wrap") else ""
@@ -222,7 +256,8 @@ def _report(keys: list[str], times: dict[str, list[float]], peaks: dict[str, flo
                      "" if pk is None else f"{pk:.0f}",
                      f"{pk / tp:.3f}" if pk is not None and tp else "",
                      "" if not ov else f"{ov['nccl_per_step']:g}",
-                     "" if not ov else f"{ov['nccl_streams']} / {ov['compute_streams']}",
+                     "" if not ov else ov["streams"],
+                     "" if not ov else f"{ov['off_per_step']:g} ({ov['off_ms']:.2f})",
                      "" if ov.get("overlap") is None else f"{ov['overlap']:.0%}"])
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     rule = "  ".join("=" * n for n in widths)

@@ -13,7 +13,7 @@ A test machine has one GPU, so two set-ups:
 The step-by-step sweeps are the CPU suite's own (``tests/test_parity.py``,
 ``tests/test_mixed_precision.py``) with ``device_id`` set to the GPU.  The rest
 are CUDA-only behaviours: stream ordering while the GPU lags far behind the
-CPU, bounded unsharded memory, pinned offload, the scaler's inf check on the
+CPU, reductions on a stream of their own, bounded unsharded memory, pinned offload, the scaler's inf check on the
 device, ``sync_module_states`` and meta-device init onto the GPU, and QLoRA
 with bitsandbytes' CUDA NF4 kernels against torch's FSDP1.
 """
@@ -187,47 +187,102 @@ def _lag_wrap(impl: str, model: nn.Module, **kw: Any) -> nn.Module:
 def _lagged_training_matches_replicated() -> list[str]:
     warnings.simplefilter("ignore")
     fails: list[str] = []
-    rank = dist.get_rank()
     for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
         for uop, bp, fp in ((False, "BACKWARD_PRE", True), (True, "BACKWARD_POST", False)):
             tag = f"{rank_tag()} {strategy} uop={uop} {bp} forward_prefetch={fp}"
             torch.manual_seed(0)
             base = LagNet(64, 6).to(CUDA)
-            ref = Replicated(base)
             ours = _lag_wrap("ours", copy.deepcopy(base), sharding_strategy=strategy,
                              use_orig_params=uop, backward_prefetch=bp, forward_prefetch=fp)
-            opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ref.module, ours)]
-            gen = torch.Generator().manual_seed(10 + rank)
-            names = [n for n, _ in base.named_parameters()]
-            for step in range(3):
-                x = torch.randn(8, 64, generator=gen).to(CUDA)
-                res = []
-                for m, o in zip((ref.module, ours), opts):
-                    loss = loss_of(m(x))
-                    loss.backward()
-                    if m is ref.module:
-                        ref.sync()
-                    o.step()
-                    o.zero_grad()
-                    full = (list(fsdp_params_full(m).values()) if m is ours
-                            else [p.detach().clone() for p in m.parameters()])
-                    res.append((loss.detach(), full))
-                # loss: a mean over the 8 x 64 outputs; matmuls sum 64 terms
-                tol = replicated_tol(step, dist.get_world_size(), 8 * 64)
-                errs = [cmp("loss", res[0][0], res[1][0], tol)]
-                errs += [cmp(f"param {n}", a, b, tol)
-                         for n, a, b in zip(names, res[0][1], res[1][1])]
-                errs = [e for e in errs if e]
-                if errs:
-                    fails.append(f"{tag} step {step}: " + "; ".join(errs[:4]))
-                    break
+            fails += _train_like_replicated(base, ours, tag)
     return fails
+
+
+def _train_like_replicated(base: nn.Module, ours: nn.Module, tag: str) -> list[str]:
+    """Three Adam steps of ``ours`` (wrapping a copy of ``base``) and of a
+    replicated ``base``, each rank on its own batches; the first step where a
+    loss or a parameter departs beyond the derived bound, if any."""
+    ref = Replicated(base)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ref.module, ours)]
+    gen = torch.Generator().manual_seed(10 + dist.get_rank())
+    names = [n for n, _ in base.named_parameters()]
+    for step in range(3):
+        x = torch.randn(8, 64, generator=gen).to(CUDA)
+        res = []
+        for m, o in zip((ref.module, ours), opts):
+            loss = loss_of(m(x))
+            loss.backward()
+            if m is ref.module:
+                ref.sync()
+            o.step()
+            o.zero_grad()
+            full = (list(fsdp_params_full(m).values()) if m is ours
+                    else [p.detach().clone() for p in m.parameters()])
+            res.append((loss.detach(), full))
+        # loss: a mean over the 8 x 64 outputs; matmuls sum 64 terms
+        tol = replicated_tol(step, dist.get_world_size(), 8 * 64)
+        errs = [cmp("loss", res[0][0], res[1][0], tol)]
+        errs += [cmp(f"param {n}", a, b, tol) for n, a, b in zip(names, res[0][1], res[1][1])]
+        errs = [e for e in errs if e]
+        if errs:
+            return [f"{tag} step {step}: " + "; ".join(errs[:4])]
+    return []
 
 
 def test_stream_ordering_with_the_gpu_lagging(pool2: DistPool) -> None:
     """Gathered units are freed, and their memory reused, while the GPU is still
     milliseconds behind; every result must still equal a replicated model's."""
     fails = [f for r in pool2.run(_lagged_training_matches_replicated) for f in r]
+    assert not fails, "\n".join(fails)
+
+
+def _stream_recording_hook(streams: list[int]) -> Any:
+    """torch's default hooks (all-reduce for NO_SHARD, reduce-scatter for the
+    sharded strategies), recording the stream each call is issued on."""
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+
+    def hook(state: Any, grad: torch.Tensor, output: torch.Tensor | None = None) -> None:
+        streams.append(torch.cuda.current_stream().stream_id)
+        if output is None:
+            default_hooks.allreduce_hook(state, grad)
+        else:
+            default_hooks.reduce_scatter_hook(state, grad, output)
+
+    return hook
+
+
+def _reductions_on_their_own_stream() -> list[str]:
+    """Every reduction (a communication hook here, so that NCCL at world size 1
+    reduces too) runs off the compute stream, and the results, with the GPU
+    lagging, still equal a replicated model's (the compute stream waits for
+    the reductions before the optimizer reads them; the gradients they read
+    are not reused early)."""
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+
+    warnings.simplefilter("ignore")
+    fails: list[str] = []
+    compute = torch.cuda.current_stream().stream_id
+    for strategy in ("FULL_SHARD", "NO_SHARD"):
+        for uop in (False, True):
+            tag = f"{rank_tag()} {strategy} uop={uop}"
+            torch.manual_seed(0)
+            base = LagNet(64, 6).to(CUDA)
+            ours = _lag_wrap("ours", copy.deepcopy(base), sharding_strategy=strategy,
+                             use_orig_params=uop)
+            streams: list[int] = []
+            ours.register_comm_hook(default_hooks.DefaultState(dist.group.WORLD),
+                                    _stream_recording_hook(streams))
+            fails += _train_like_replicated(base, ours, tag)
+            if not streams or compute in streams:
+                fails.append(f"{tag}: the hook ran on streams {sorted(set(streams))}, the "
+                             f"compute stream is {compute}: expected a reduction stream")
+    return fails
+
+
+@pytest.mark.parametrize("where", ["gloo2", "nccl1"])
+def test_reductions_on_their_own_stream(request: pytest.FixtureRequest, where: str) -> None:
+    pool = request.getfixturevalue("pool2" if where == "gloo2" else "nccl1")
+    fails = [f for r in pool.run(_reductions_on_their_own_stream) for f in r]
     assert not fails, "\n".join(fails)
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 import fsdp_wrap as fw
+import fsdp_wrap.handle.full_copies as full_copies
 from fsdp_wrap.handle.flat_param import FlatParamHandle
 from fsdp_wrap.handle.grads import FlatGrads
 from fsdp_wrap.wrap import ModuleWrapPolicy
@@ -176,21 +177,21 @@ def _full_save_once(uop: bool, rank0_only: bool, offload: bool) -> dict[str, Any
     handles = [m._handle for m in fw.FullyShardedDataParallel.fsdp_modules(model) if m._handle]
     others_gathered: list[int] = []
     full_gathers = [0]
-    real_copies = FlatParamHandle.full_param_copies
+    real_copies = full_copies.full_param_copies
     real_finish = FlatParamHandle.finish_unshard
 
-    def copies(self: FlatParamHandle, *a: Any, **k: Any) -> Any:
+    def copies(handle: FlatParamHandle, *a: Any, **k: Any) -> Any:
         others_gathered.append(
-            sum(h.is_unsharded or h.holds_unsharded_storage for h in handles if h is not self)
+            sum(h.is_unsharded or h.holds_unsharded_storage for h in handles if h is not handle)
         )
-        return real_copies(self, *a, **k)
+        return real_copies(handle, *a, **k)
 
     def finish(self: FlatParamHandle, *a: Any, **k: Any) -> None:
         full_gathers[0] += 1
         real_finish(self, *a, **k)
 
     cfg = fw.FullStateDictConfig(offload_to_cpu=offload, rank0_only=rank0_only)
-    FlatParamHandle.full_param_copies = copies  # type: ignore[method-assign]
+    full_copies.full_param_copies = copies
     FlatParamHandle.finish_unshard = finish  # type: ignore[method-assign]
     try:
         with fw.FullyShardedDataParallel.state_dict_type(
@@ -198,7 +199,7 @@ def _full_save_once(uop: bool, rank0_only: bool, offload: bool) -> dict[str, Any
         ):
             sd = model.state_dict()
     finally:
-        FlatParamHandle.full_param_copies = real_copies  # type: ignore[method-assign]
+        full_copies.full_param_copies = real_copies
         FlatParamHandle.finish_unshard = real_finish  # type: ignore[method-assign]
     return {
         "others_gathered": others_gathered,

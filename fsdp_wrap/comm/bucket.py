@@ -38,11 +38,39 @@ size 1, and every unit when the cap is 0.  A unit whose gradient alone
 reaches the cap, and a bucket that holds one unit, are reduced as without
 buckets too (synchronously, and in place when no padding is needed: no
 copy into a bucket buffer, so large units cost no extra memory).
+
+[Note: the reduction stream]
+On CUDA every reduction that communicates (bucketed or alone, or through a
+communication hook) runs on a stream of its own, one per device, as torch's
+FSDP1 runs its post-backward work: so the next units' backward kernels,
+issued on the compute stream meanwhile, are not queued behind the
+reduce-scatters, casts and copies of the units before them.  A reduction
+that is only casts and copies (world size 1, no hook) stays on the compute
+stream: measured on an H100, switching streams cost more host time per unit
+than the overlap of a cast gained (docs/performance.rst).  The order of
+events:
+
+* the reduction stream waits for the compute stream when a unit's gradient
+  is handed over (the gradient, and everything the step wrote before, is
+  complete there first);
+* the handed-over gradient was allocated on the compute stream: it is
+  marked used by the reduction stream (``record_stream``), so the caching
+  allocator does not give its memory to a compute kernel until the reduction
+  has read it;
+* the compute stream waits for the reduction stream before anything reads a
+  reduced gradient: in :meth:`GradBuckets.finish` (the end of backward, and
+  wherever buckets are flushed) and right after a unit reduced ``alone``
+  (an optimizer steps in backward on its gradient).
+
+A waiting collective (``work.wait()``) then makes the reduction stream wait,
+not the compute stream, and with NCCL not the host either.  On the CPU there
+is one stream and nothing changes.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -59,9 +87,12 @@ class UnitGrads(Protocol):
     (``handle.grads``, a ``fsdp_wrap.handle.grads.FlatGrads``; the layer above)."""
 
     reduce_spec: R.ReduceSpec
+    flat_param: torch.nn.Parameter
 
     @property
     def can_bucket_reduction(self) -> bool: ...
+    @property
+    def reduction_communicates(self) -> bool: ...
     @property
     def accumulating(self) -> bool: ...
     def reduce_gradient(self, sync: bool) -> None: ...
@@ -148,6 +179,10 @@ class GradBuckets:
         self.cap_bytes = cap_bytes
         self._open = _Bucket()
         self._in_flight: collections.deque[_InFlight] = collections.deque()
+        # CUDA: the reduction stream of each device, and those used since the
+        # compute stream last waited for them (see [Note: the reduction stream]).
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._unjoined: set[torch.device] = set()
 
     def reduce(self, unit: UnitGrads, sync: bool, alone: bool = False) -> None:
         """Reduce ``unit``'s gradient now or put it into the open bucket.
@@ -155,6 +190,31 @@ class GradBuckets:
         ``alone``: reduce it now, on its own (its reduced gradient is on
         ``flat_param.grad`` on return: an optimizer steps in backward).
         """
+        grad = unit.flat_param.grad
+        if (not sync or grad is None or grad.device.type != "cuda"
+                or not unit.reduction_communicates):
+            self._reduce(unit, sync, alone)
+            return
+        device = grad.device
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        compute = torch.cuda.current_stream(device)
+        stream.wait_stream(compute)
+        grad.record_stream(stream)
+        self._unjoined.add(device)
+        with torch.cuda.stream(stream):
+            self._reduce(unit, sync, alone)
+        if alone:
+            self._join()
+
+    def _join(self) -> None:
+        """Make each compute stream wait for its reduction stream's work so far."""
+        for device in self._unjoined:
+            torch.cuda.current_stream(device).wait_stream(self._streams[device])
+        self._unjoined.clear()
+
+    def _reduce(self, unit: UnitGrads, sync: bool, alone: bool) -> None:
         if alone or not sync or self.cap_bytes <= 0 or not unit.can_bucket_reduction:
             # Reduced on its own, after every earlier unit's (same order on all ranks).
             if sync:
@@ -198,11 +258,23 @@ class GradBuckets:
         of theirs reaches ``.grad``) may stay in flight, to be finished by the
         next call.
         """
-        self._issue()
-        while self._in_flight:
-            if not wait_partial and all(u.accumulating for f in self._in_flight for u in f.units):
-                return
-            self._wait()
+        with self._on_reduction_stream():
+            self._issue()
+            while self._in_flight:
+                if not wait_partial and all(u.accumulating for f in self._in_flight
+                                            for u in f.units):
+                    break
+                self._wait()
+        self._join()
+
+    def _on_reduction_stream(self) -> contextlib.AbstractContextManager[object]:
+        """The reduction stream where reductions were issued before (a model
+        lives on one device), else the current stream (CPU)."""
+        if not self._streams or self.idle:
+            return contextlib.nullcontext()
+        device = next(iter(self._streams))
+        self._unjoined.add(device)
+        return torch.cuda.stream(self._streams[device])
 
     @property
     def idle(self) -> bool:

@@ -27,7 +27,6 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-import fsdp_wrap.comm.collectives as C
 import fsdp_wrap.comm.reduce as R
 from fsdp_wrap.api import RESHARD_AFTER_FORWARD, SHARDED_STRATEGIES
 from fsdp_wrap.comm.quant.wire import EXACT, Wire
@@ -408,7 +407,9 @@ class FlatParamHandle:
             else:
                 _ensure_storage(slot.buffer)
             slot.buffer.copy_(self.local_shard, non_blocking=True)
-            slot.valid = True
+            # (checked until its unit uses it, as a gathered slot: a prefetched
+            # unit's finish_unshard does not check again; reshard frees it)
+            slot.valid = slot.checked = True
             return
         coded = not full_precision and self.wire.weights is not None
         src = self._coded_gather_source() if coded else self._gather_source(dtype)
@@ -441,7 +442,8 @@ class FlatParamHandle:
         """What this rank sends in an all-gather of the compute copy (its shard in
         the compute dtype; what a coded wire encodes), after taking up replaced
         original parameters."""
-        self.pre_unshard()
+        if not self._gathered[False].checked:
+            self.pre_unshard()
         if self.wire.weights is not None:
             return self._coded_gather_source()
         return self._gather_source(self.compute_dtype)
@@ -474,6 +476,15 @@ class FlatParamHandle:
                 slot.free()
             return True
         return False
+
+    def pre_unshard_for_forward(self) -> bool:
+        """:meth:`pre_unshard` at the root's pre-forward, which checks every
+        unit before any collective: the compute copy's slot counts as checked
+        until the unit's forward unshards it (one check per unshard, as torch
+        makes, not a second one there)."""
+        replaced = self.pre_unshard()
+        self._slot(self.computes_in_full_precision).checked = True
+        return replaced
 
     def finish_unshard(self, full_precision: bool = True) -> None:
         """Wait for the gather and point ``flat_param`` at the unsharded data."""
@@ -541,63 +552,14 @@ class FlatParamHandle:
         slot.free()
 
     # -------------------------------------------------------------- utilities
-    # (gradients: ``self.grads``, :class:`~fsdp_wrap.handle.grads.FlatGrads`)
+    # (gradients: ``self.grads``, :class:`~fsdp_wrap.handle.grads.FlatGrads`;
+    # whole copies for state dicts and exports: :mod:`fsdp_wrap.handle.full_copies`)
 
     def flat_grad_for_norm(self) -> list[torch.Tensor]:
         """The gradients ``clip_grad_norm_`` must see for this handle."""
         if self.use_orig_params:
             return [info.param.grad for info in self.infos if info.param.grad is not None]
         return [self.flat_param.grad] if self.flat_param.grad is not None else []
-
-    def full_param_copies(self, to_rank0_only: bool, to_cpu: bool) -> list[torch.Tensor] | None:
-        """Full-precision copies of the original parameters, one tensor each (a collective).
-
-        The unit is gathered, copied parameter by parameter and freed again
-        before returning, so a caller walking the units never holds more than
-        one unit unsharded.  With ``to_rank0_only`` the shards are gathered to
-        rank 0 alone (other ranks get ``None`` and never hold the whole).
-        """
-        full: torch.Tensor | None
-        if to_rank0_only:
-            full = self.gather_full_flat(to_rank0_only=True)
-            if full is None:
-                return None
-        else:
-            self.finish_unshard(full_precision=True)
-            full = self.flat_param.detach()
-        # independent tensors, as torch returns (never views of one buffer)
-        copies = [view.to("cpu") if to_cpu and view.device.type != "cpu" else view.clone()
-                  for view in self.param_views(full)]
-        if not to_rank0_only:
-            self.reshard(free=True)
-        return copies
-
-    def gather_full_flat(self, to_rank0_only: bool) -> torch.Tensor | None:
-        """The whole flat parameter in the original dtype, in a buffer of the
-        caller's (a collective over the unit's group; the handle's own state and
-        buffers are left as they are).
-
-        Padded (``padded_numel`` elements) when sharded; ``to_rank0_only``: only
-        group rank 0 receives it (the others send their shard and get ``None``).
-        NO_SHARD returns the shard itself, not a copy.  Use
-        :meth:`param_views` to read the original parameters out of it.
-        """
-        self.pre_unshard()
-        src = self._gather_source(self.orig_dtype)
-        if not self.uses_sharded_strategy:
-            return src if not to_rank0_only or self.rank == 0 else None
-        if to_rank0_only:
-            out = src.new_empty(self.padded_numel) if self.rank == 0 else None
-            C.gather_into(out, src, 0, self.process_group)
-            return out
-        full = src.new_empty(self.padded_numel)
-        C.all_gather_into(full, src, self.process_group)
-        return full
-
-    def param_views(self, full: torch.Tensor) -> list[torch.Tensor]:
-        """The original parameters as views of a whole flat parameter ``full``."""
-        views = full[: self.unpadded_numel].split(self._segments)
-        return [views[seg].view(info.shape) for info, seg in zip(self.infos, self._info_segment)]
 
     def write_back_from(self, unsharded: torch.Tensor) -> None:
         """Write ``unsharded`` (a full flat copy, e.g. on CPU) into the local shard."""

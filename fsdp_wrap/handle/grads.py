@@ -192,6 +192,15 @@ class FlatGrads:
             self.install_reduced_grad(total, release_input=True)
 
     @property
+    def reduction_communicates(self) -> bool:
+        """Whether reducing this unit's gradient issues a collective (or calls a
+        communication hook): not NO_SHARD-like units alone at world size 1,
+        whose reduction is only casts and copies."""
+        spec = self.reduce_spec
+        return (self.comm_hook is not None or spec.world_size > 1
+                or spec.replicate_group is not None)
+
+    @property
     def can_bucket_reduction(self) -> bool:
         """Whether this unit's reduction may share a collective with other units'.
 

@@ -74,6 +74,9 @@ class ParamViews:
         self._open_graphs = 0
         self.on_view_grads_ready: Callable[[], None] | None = None
         self._stale_views: list[torch.Tensor] = []
+        # use_orig_params=True: where use_sharded_views last put each original
+        # parameter (see _registered_as_before).
+        self._registered: tuple[int, torch.dtype, list[tuple[Any, ...]]] | None = None
 
     def install_stale(self, flat: torch.Tensor) -> None:
         """``module.weight`` resolves from construction on, as in torch.
@@ -309,6 +312,8 @@ class ParamViews:
         shard = local_shard
         base, itemsize = shard.data_ptr(), shard.element_size()
         plain = self._plain_modules
+        if plain and self._registered_as_before(base, shard.dtype):
+            return
         for info, sl in zip(self.infos, self._shard_slices):
             param = info.param
             if not self.uses_sharded_strategy:
@@ -329,6 +334,34 @@ class ParamViews:
                 self._set_param(info.module, info.name, param)
         for shared in self.shared:
             self._set_param(shared.module, shared.name, self.infos[shared.index].param)
+        if plain:
+            self._registered = (base, shard.dtype, [
+                (info.module._parameters, info.name, info.param, info.param.data_ptr(),
+                 info.param.shape) for info in self.infos])
+
+    def _registered_as_before(self, base: int, dtype: torch.dtype) -> bool:
+        """Register the original parameters again where each still views the
+        same piece of the same shard as when :meth:`use_sharded_views` last
+        placed them (the common case: the swap back after every forward and
+        backward), with fewer checks per parameter than the full path;
+        ``False`` (nothing written) where anything moved.
+
+        A parameter whose data was replaced since (``param.data = ...``) has
+        another address or shape, and ``info.param`` is another object once
+        the write-back took up a replaced Parameter.
+        """
+        last = self._registered
+        if last is None or last[0] != base or last[1] != dtype or self.shared:
+            return False
+        entries = last[2]
+        for info, (_, _, param, ptr, shape) in zip(self.infos, entries):
+            if (info.param is not param or param.data_ptr() != ptr or param.shape != shape
+                    or param.dtype != dtype or not param.is_contiguous()):
+                self._registered = None
+                return False
+        for params, name, param, _, _ in entries:
+            params[name] = param
+        return True
 
     def register_params(self, tensors: Sequence[torch.Tensor], flat_param: nn.Parameter) -> None:
         """Register the original parameters with ``tensors`` as their data.

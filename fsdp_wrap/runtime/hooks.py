@@ -109,7 +109,7 @@ def root_pre_forward(state: UnitState, args: tuple[Any, ...], kwargs: dict[str, 
             # (A flat gradient whose views were all set to None is dropped
             # first, so the write-back check has no gradient to zero.)
             handle.grads.sync_flat_grad_from_orig()
-            if handle.pre_unshard():  # (a replaced parameter may have left no views)
+            if handle.pre_unshard_for_forward():  # (a replaced parameter may have left no views)
                 handle.grads.sync_flat_grad_from_orig()
     _buffers_for_eval(state)
     if state._forward_pending_backward:

@@ -42,6 +42,7 @@ from torch.distributed._shard.sharded_tensor import (
 
 import fsdp_wrap._compat as _compat
 import fsdp_wrap.comm.collectives as _collectives
+import fsdp_wrap.handle.full_copies as full_copies
 import fsdp_wrap.state_dict.chunks as CH
 from fsdp_wrap.api import (
     FullOptimStateDictConfig,
@@ -250,8 +251,8 @@ def _pre_state_dict_hook(state: UnitState, prefix: str, keep_vars: bool) -> None
             # (with rank0_only the other ranks never hold a whole one).
             cfg = state._state_dict_config
             rank0_only = isinstance(cfg, FullStateDictConfig) and cfg.rank0_only
-            copies = handle.full_param_copies(to_rank0_only=rank0_only,
-                                              to_cpu=cfg.offload_to_cpu)
+            copies = full_copies.full_param_copies(handle, to_rank0_only=rank0_only,
+                                                   to_cpu=cfg.offload_to_cpu)
             if copies is not None:
                 handle.register_params(copies)
             continue

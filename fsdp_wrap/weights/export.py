@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from fsdp_wrap.checkpoint.full import _fsdp_cls, _names, _units, _unmanaged_tensors
 from fsdp_wrap.comm.collectives import global_rank
+from fsdp_wrap.handle.full_copies import gather_full_flat, param_views
 from fsdp_wrap.runtime.state import TrainingState
 
 if TYPE_CHECKING:
@@ -109,8 +110,8 @@ def _stream(
     for unit_name, st in _units(root):
         for h in st._handles:  # one per flat parameter (a split unit has several)
             take_part, only0 = _gather_plan(h, rank0_only)
-            full = h.gather_full_flat(to_rank0_only=only0) if take_part else None
-            views = h.param_views(full) if full is not None and mine else []
+            full = gather_full_flat(h, to_rank0_only=only0) if take_part else None
+            views = param_views(h, full) if full is not None and mine else []
             del full  # (the views hold the gathered unit from here on)
             for i in range(len(views)):
                 value = _out(views[i], dtype, to_cpu)
