@@ -16,8 +16,8 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, Callable
 
 NODES, PER_NODE = 2, 2
 
@@ -150,3 +150,31 @@ def rst_table(header: list[str], rows: list[list[str]]) -> str:
         return "  ".join(c.ljust(n) for c, n in zip(cells, widths)).rstrip()
 
     return "\n".join([rule, fmt(header), rule, *(fmt(r) for r in rows), rule])
+
+
+def nothing_more_to_do(prog: str, job: str | None, job_main: Callable[[str], None]) -> bool:
+    """The start of each cross-node benchmark's ``main``: run ``job_main`` where
+    this process is one of the nodes' ranks (``--job``), or say why network
+    namespaces cannot be made here; ``True`` where ``main`` should return."""
+    if job:
+        job_main(job)
+        return True
+    from fsdp_wrap import testbed
+
+    reason = testbed.unavailable_reason()
+    if reason is not None:
+        print(f"{prog}: network namespaces cannot be made here: {reason}")
+        return True
+    return False
+
+
+def chosen_names(prog: str, only: str, sep: str, configs: Sequence[Config]) -> list[str]:
+    """The configurations ``--only`` names (separated by ``sep``), else all;
+    ``SystemExit`` naming the known ones for a name that is not."""
+    known = [c.name for c in configs]
+    names = [n.strip() for n in only.split(sep) if n.strip()] or known
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise SystemExit(f"{prog}: --only expects names among {known} but got {unknown}")
+    return names
+

@@ -43,11 +43,13 @@ from _cross_node import (  # noqa: E402
     NODES,
     PER_NODE,
     Config,
+    chosen_names,
     gradient_bytes,
     job_finish,
     job_setup,
     launch,
     mesh_2d,
+    nothing_more_to_do,
     rst_table,
 )
 
@@ -213,20 +215,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.job:
-        job_main(args.job)
+    if nothing_more_to_do("bench_cross_node", args.job, job_main):
         return 0
-    from fsdp_wrap import testbed
-
-    reason = testbed.unavailable_reason()
-    if reason is not None:
-        print(f"bench_cross_node: network namespaces cannot be made here: {reason}")
-        return 0
-    names = [n.strip() for n in args.only.split(";") if n.strip()] or [c.name for c in CONFIGS]
-    unknown = sorted(set(names) - {c.name for c in CONFIGS})
-    if unknown:
-        raise SystemExit(f"bench_cross_node: --only expects names among {[c.name for c in CONFIGS]} "
-                         f"but got {unknown}")
+    names = chosen_names("bench_cross_node", args.only, ";", CONFIGS)
     rates = ["1gbit"] if args.quick else [r for r in args.rates.split(",") if r]
     cfg = dict(tiny=args.tiny, rounds=1 if args.quick else args.rounds, names=names)
     print(f"# {NODES} nodes x {PER_NODE} ranks (network namespaces, torchrun c10d rendezvous), "

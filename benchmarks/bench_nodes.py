@@ -31,24 +31,30 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
 import os
 import statistics
 import sys
-import tempfile
 import time
-import warnings
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.append(os.path.dirname(HERE))  # the checkout's fsdp_wrap, unless PYTHONPATH names one
 
+from _cross_node import (  # noqa: E402
+    NODES,
+    PER_NODE,
+    job_finish,
+    job_setup,
+    launch,
+    nothing_more_to_do,
+    rst_table,
+)
+
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2", "NO_SHARD")
 FRAMEWORKS = ("fsdp_wrap", "torch_fsdp1")
 RATES = ("unlimited", "1gbit", "200mbit")
-NODES, PER_NODE = 2, 2
 CALIBRATION_BYTES = 8 * 2**20
 
 
@@ -202,54 +208,16 @@ def job_memory(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def job_main(config_path: str) -> None:
-    warnings.simplefilter("ignore")
     with open(config_path) as f:
         cfg = json.load(f)
-    torch = _torch()
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=900))
+    job_setup()
     result = (job_interleaved if cfg["job"] == "interleaved" else job_memory)(cfg)
-    if torch.distributed.get_rank() == 0:
-        with open(cfg["out"], "w") as f:
-            json.dump(result, f)
-    torch.distributed.barrier()
-    from fsdp_wrap.comm.teardown import exit_now
-
-    exit_now()
+    job_finish(result, cfg["out"])
 
 
 # ---------------------------------------------------------------------------
 # the driver (this machine)
 # ---------------------------------------------------------------------------
-
-
-def launch(cfg: dict[str, Any], rate: str, timeout: float) -> dict[str, Any]:
-    from fsdp_wrap import testbed
-
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = dict(cfg, out=os.path.join(tmp, "result.json"))
-        path = os.path.join(tmp, "config.json")
-        with open(path, "w") as f:
-            json.dump(cfg, f)
-        with testbed.Cluster(NODES, rate=rate) as cluster:
-            res = cluster.run([sys.executable, os.path.abspath(__file__), "--job", path], PER_NODE,
-                              timeout=timeout)
-        if not res.ok:
-            tail = "\n".join(f"--- node {i} ---\n{o[-4000:]}" for i, o in enumerate(res.outputs))
-            raise RuntimeError(f"{cfg['job']} at {rate} failed:\n{res.summary()}\n{tail}")
-        with open(cfg["out"]) as f:
-            result: dict[str, Any] = json.load(f)
-        return result
-
-
-def _rst(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    rule = "  ".join("=" * n for n in widths)
-
-    def fmt(cells: list[str]) -> str:
-        return "  ".join(c.ljust(n) for c, n in zip(cells, widths)).rstrip()
-
-    return "\n".join([rule, fmt(header), rule, *(fmt(r) for r in rows), rule])
 
 
 def report(rate: str, res: dict[str, Any], memory: dict[str, float],
@@ -288,13 +256,13 @@ def report(rate: str, res: dict[str, Any], memory: dict[str, float],
              f"agree to {max(first) - min(first):.1e}")
     header = ["strategy", "framework", "step s", "/fsdp1", "MB/step/node", "x count",
               "peak MiB/rank", "last loss (max over ranks)"]
-    return title + "\n\n" + _rst(header, rows)
+    return title + "\n\n" + rst_table(header, rows)
 
 
 def report_targets(targets: list[tuple[str, float, float]]) -> str:
     rows = [[what, f"{got:.3f}", f"<= {goal:g}", "met" if got <= goal else "MISSED"]
             for what, got, goal in targets]
-    return "targets\n\n" + _rst(["target", "measured", "goal", "status"], rows)
+    return "targets\n\n" + rst_table(["target", "measured", "goal", "status"], rows)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -315,14 +283,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.job:
-        job_main(args.job)
-        return 0
-    from fsdp_wrap import testbed
-
-    reason = testbed.unavailable_reason()
-    if reason is not None:
-        print(f"bench_nodes: network namespaces cannot be made here: {reason}")
+    if nothing_more_to_do("bench_nodes", args.job, job_main):
         return 0
     rates = ["1gbit"] if args.quick else [r for r in args.rates.split(",") if r]
     cfg: dict[str, Any] = dict(
@@ -336,11 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     memory: dict[str, float] = {}
     if not (args.no_memory or args.quick):
         for key in _keys(cfg):
-            memory[key] = launch(dict(cfg, job="memory", key=key), "unlimited", args.timeout)["peak"]
+            memory[key] = launch(__file__, dict(cfg, job="memory", key=key), "unlimited", args.timeout)["peak"]
     raw: dict[str, Any] = {"memory": memory, "rates": {}}
     targets: list[tuple[str, float, float]] = []
     for rate in rates:
-        res = launch(dict(cfg, job="interleaved"), rate, args.timeout)
+        res = launch(__file__, dict(cfg, job="interleaved"), rate, args.timeout)
         raw["rates"][rate] = res
         print("\n" + report(rate, res, memory, targets), flush=True)
     print("\n" + report_targets(targets))

@@ -34,7 +34,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.append(os.path.dirname(HERE))
 
-from _cross_node import Config, job_finish, job_setup, launch, mesh_2d, rst_table  # noqa: E402
+from _cross_node import (  # noqa: E402
+    Config,
+    chosen_names,
+    job_finish,
+    job_setup,
+    launch,
+    mesh_2d,
+    nothing_more_to_do,
+    rst_table,
+)
 
 HYBRID, FULL = "HYBRID_SHARD", "FULL_SHARD"
 MICRO = 8
@@ -192,20 +201,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.job:
-        job_main(args.job)
+    if nothing_more_to_do("convergence_cross_node", args.job, job_main):
         return 0
-    from fsdp_wrap import testbed
-
-    reason = testbed.unavailable_reason()
-    if reason is not None:
-        print(f"convergence_cross_node: network namespaces cannot be made here: {reason}")
-        return 0
-    names = [n.strip() for n in args.only.split(",") if n.strip()] or [c.name for c in CONFIGS]
-    unknown = sorted(set(names) - {c.name for c in CONFIGS})
-    if unknown:
-        raise SystemExit(f"convergence_cross_node: --only expects names among "
-                         f"{[c.name for c in CONFIGS]} but got {unknown}")
+    names = chosen_names("convergence_cross_node", args.only, ",", CONFIGS)
     cfg = dict(tiny=args.tiny, steps=args.steps, lr=args.lr, seed=args.seed, names=names,
                job="convergence")
     print(f"# 2 nodes x 2 ranks, gloo, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; "
