@@ -383,7 +383,11 @@ class DistPool:
         if self.start_method == "forkserver":
             # The fork server imports torch once; workers fork from it in
             # milliseconds instead of each importing torch (~2 s of CPU).
-            preload = ["torch", "torch.distributed"]
+            # fsdp_wrap (DTensor, DCP) and torch's FSDP1 (the oracle) too:
+            # nearly every task imports both, and every restart (each
+            # exception test_sweeps injects is one) paid ~1.8 s of CPU a rank.
+            # Neither does anything at import that depends on the rank.
+            preload = ["torch", "torch.distributed", "fsdp_wrap", "torch.distributed.fsdp"]
             if "pytest" in sys.modules:
                 preload.append("pytest")
             self._ctx.set_forkserver_preload(preload)

@@ -115,15 +115,22 @@ def _ckpt_here(*argv: str) -> tuple[int, str, str]:
 # ---------------------------------------------------------------- tests
 
 
-def test_consolidate_equals_full_state_dict_for_both_writers(pool2: Any, tmp_path: Any) -> None:
-    """DCP from torch's FSDP1 and from fsdp_wrap -> one file equal to the job's FULL dicts."""
-    root = str(tmp_path)
+@pytest.fixture(scope="module")
+def both_written(pool2: Any, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The checkpoints of :func:`_write_both`, written once for the tests that read them."""
+    root = str(tmp_path_factory.mktemp("both"))
     pool2.run(_write_both, root)
+    return root
+
+
+def test_consolidate_equals_full_state_dict_for_both_writers(both_written: str, tmp_path: Any) -> None:
+    """DCP from torch's FSDP1 and from fsdp_wrap -> one file equal to the job's FULL dicts."""
+    root = both_written
     for impl in ("torch", "ours"):
         for uop in (False, True):
             base = os.path.join(root, f"{impl}-{uop}")
             want = torch.load(os.path.join(base + "-full", "full.pt"), weights_only=True)
-            got_file = base + "-consolidated.pt"
+            got_file = str(tmp_path / f"{impl}-{uop}-consolidated.pt")
             offline.consolidate(base + "-dcp", got_file)
             got = torch.load(got_file, weights_only=True)
             # the FULL optimizer dict of use_orig_params=False shares one ``step`` per flat
@@ -134,7 +141,7 @@ def test_consolidate_equals_full_state_dict_for_both_writers(pool2: Any, tmp_pat
                 g["params"] for g in want["optim"]["param_groups"]
             ]
             # the Hugging Face layout holds the same model tensors under clean names
-            hf = base + "-hf"
+            hf = str(tmp_path / f"{impl}-{uop}-hf")
             offline.consolidate(base + "-dcp", hf, fmt="safetensors", max_shard_size=200)
             from safetensors.torch import load_file
 
@@ -150,11 +157,10 @@ def test_consolidate_equals_full_state_dict_for_both_writers(pool2: Any, tmp_pat
             plain.load_state_dict(loaded)
 
 
-def test_inspect_reports_format_world_size_and_optimizer(pool2: Any, tmp_path: Any) -> None:
-    root = str(tmp_path)
-    pool2.run(_write_both, root)
+def test_inspect_reports_format_world_size_and_optimizer(both_written: str) -> None:
+    root = both_written
     dcp_dir = os.path.join(root, "torch-False-dcp")
-    rc, out, err = _ckpt("inspect", dcp_dir)
+    rc, out, err = _ckpt("inspect", dcp_dir)  # the entry point, in a fresh interpreter
     assert rc == 0, err
     assert "DCP" in out and "world size:   2" in out and "optimizer:    yes" in out
     assert "exp_avg" in out and "model.emb.weight" in out and "_fsdp_wrapped_module" not in out
@@ -164,7 +170,7 @@ def test_inspect_reports_format_world_size_and_optimizer(pool2: Any, tmp_path: A
     full = offline.inspect(os.path.join(root, "ours-True-full", "full.pt"))
     assert full["world_size"] is None and full["format"].startswith("torch.save")
     assert full["model_bytes"] == info["model_bytes"]
-    rc, out, _ = _ckpt("inspect", "--json", os.path.join(root, "ours-True-full", "full.pt"))
+    rc, out, _ = _ckpt_here("inspect", "--json", os.path.join(root, "ours-True-full", "full.pt"))
     assert rc == 0 and json.loads(out)["optimizer_state"] is True
 
 
@@ -196,7 +202,7 @@ def test_damaged_and_foreign_inputs_get_one_clear_error(tmp_path: Any) -> None:
     state = {"model": {"w": torch.randn(64, 8), "b": torch.randn(8)}}
     with pytest.warns(UserWarning):
         dcp.save(state, checkpoint_id=good, no_dist=True)
-    rc, out, err = _ckpt("consolidate", good, str(tmp_path / "ok.pt"), "--progress")
+    rc, out, err = _ckpt_here("consolidate", good, str(tmp_path / "ok.pt"), "--progress")
     assert rc == 0 and "100.0%" in err and "2 tensors" in out, (out, err)
     # truncated data file
     trunc = str(tmp_path / "trunc")

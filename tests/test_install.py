@@ -43,7 +43,8 @@ def ours(obj):
 
 
 def test_install_rebinds_every_name_and_uninstall_restores_them() -> None:
-    out = _ok(_python(prelude=SURFACE, code="""
+    """Also: install() logs one line, on stderr, with the rank (it is called twice here)."""
+    proc = _python(prelude=SURFACE, env={"RANK": "3"}, code="""
     import sys, types, torch
     import torch.distributed.checkpoint.state_dict as dcp_sd
     import torch.distributed.fsdp._init_utils as torch_init
@@ -76,16 +77,8 @@ def test_install_rebinds_every_name_and_uninstall_restores_them() -> None:
     assert early.FSDP is before[("torch.distributed.fsdp", "FullyShardedDataParallel")]
     assert dcp_sd.FSDP is early.FSDP
     print("OK")
-    """))
-    assert out.strip().endswith("OK")
-
-
-def test_install_logs_one_line() -> None:
-    proc = _python("""
-    import fsdp_wrap
-    fsdp_wrap.install(); fsdp_wrap.install()
-    """, env={"RANK": "3"})
-    _ok(proc)
+    """)
+    assert _ok(proc).strip().endswith("OK")
     lines = [ln for ln in proc.stderr.splitlines() if "fsdp_wrap.install()" in ln]
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("[rank 3]") and "now point at fsdp_wrap" in lines[0], lines
@@ -194,17 +187,37 @@ def test_install_on_a_torch_without_fsdp1() -> None:
     assert out.strip().endswith("OK")
 
 
-@pytest.mark.slow  # five fresh interpreters importing torch (20 s on 2 cores); CI runs it
+# With the start-up hook, PEFT imported by a script that never calls install():
+# its two state-dict functions are wrapped in every module that binds them.
+PEFT_PROBE = """
+import fsdp_wrap
+from fsdp_wrap.frameworks import _patches
+import peft, peft.utils, peft.utils.save_and_load, peft.peft_model, peft.functional
+mods = [peft.utils.save_and_load, peft.utils, peft, peft.peft_model, peft.functional]
+print("peft wrapped:", fsdp_wrap.installed() and all(
+    hasattr(m.get_peft_model_state_dict, _patches.MARK)
+    and hasattr(m.set_peft_model_state_dict, _patches.MARK) for m in mods))
+"""
+
+
+@pytest.mark.slow  # four fresh interpreters importing torch (20 s on 2 cores); CI runs it
 def test_startup_hook_and_fsdp_wrap_run() -> None:
-    """``FSDP_WRAP_INSTALL=1`` installs before user code; ``fsdp-wrap run`` sets it."""
+    """``FSDP_WRAP_INSTALL=1`` installs before user code (and reaches PEFT, imported
+    later, where PEFT is installed); ``fsdp-wrap run`` sets it."""
+    import importlib.util
+
     from fsdp_wrap import installer
 
     if installer.startup_hook_path() is None:
         pytest.skip(f"{installer.PTH_NAME} is not installed (fsdp_wrap not pip-installed here)")
     probe = ("import torch.distributed.fsdp as f; "
              "print(f.FullyShardedDataParallel.__module__)")
-    on = _python(probe, env={"FSDP_WRAP_INSTALL": "1"})
-    assert _ok(on).strip() == "fsdp_wrap.fully_sharded_data_parallel"
+    has_peft = importlib.util.find_spec("peft") is not None
+    on = _python(probe + (PEFT_PROBE if has_peft else ""), env={"FSDP_WRAP_INSTALL": "1"},
+                 timeout=300)
+    lines = _ok(on).strip().splitlines()
+    assert lines[0] == "fsdp_wrap.fully_sharded_data_parallel", lines
+    assert lines[1:] == (["peft wrapped: True"] if has_peft else []), lines
     assert on.stderr.count("fsdp_wrap.install()") == 1, on.stderr
     off = _python(probe)
     assert _ok(off).strip() == "torch.distributed.fsdp.fully_sharded_data_parallel"

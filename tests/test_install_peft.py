@@ -9,7 +9,8 @@ layer a unit), with a unit per decoder layer, and at the root alone, with
 either ``use_orig_params``.  What PEFT as shipped finds is recorded beside
 (nothing, with nested units).  Then the install step itself, in fresh
 interpreters: every module binding the two functions gets the wrappers,
-``uninstall()`` gives PEFT's back; the start-up hook reaches PEFT too.
+``uninstall()`` gives PEFT's back (the start-up hook reaching PEFT:
+``tests/test_install.py``).
 ``PeftModel.from_pretrained`` on a wrapped base (inference) loads its adapter.
 
 The TRL trainers that run these paths for real: ``tests/test_trl.py``.
@@ -247,44 +248,34 @@ def wrapped(f):
 """
 
 
-@pytest.mark.parametrize("when", ["before", "after"])
-def test_install_wraps_peft_state_dict_functions(when: str) -> None:
+def test_install_wraps_peft_state_dict_functions() -> None:
     """Both functions are wrapped in every module that binds them, PEFT imported
-    before install() or after (by the import finder); uninstall() undoes both."""
-    out = _ok(_python(prelude=PEFT_CHECK, code=f"""
-    if {when == "before"!r}:
-        mods = holders()
-        fsdp_wrap.install(verbose=False)
-    else:
-        fsdp_wrap.install(verbose=False)
-        assert "peft" not in sys.modules
-        mods = holders()
-    for name in ("get_peft_model_state_dict", "set_peft_model_state_dict"):
-        fns = [getattr(m, name) for m in mods]
-        assert all(wrapped(f) and f is fns[0] for f in fns), (name, fns)
-    originals = [getattr(mods[0].get_peft_model_state_dict, _patches.MARK),
-                 getattr(mods[0].set_peft_model_state_dict, _patches.MARK)]
-    fsdp_wrap.uninstall()
-    for m in mods:
-        assert [m.get_peft_model_state_dict, m.set_peft_model_state_dict] == originals, m
-    print("OK")
+    after install() (by the import finder) or before; uninstall() undoes both.
+    One fresh interpreter (each costs seconds of imports): first install() with
+    PEFT not yet imported, uninstall(), then install() again with it imported,
+    uninstall()."""
+    out = _ok(_python(prelude=PEFT_CHECK, code="""
+    for when in ("after", "before"):
+        if when == "before":
+            mods = holders()
+            assert not any(wrapped(m.get_peft_model_state_dict) for m in mods), when
+            fsdp_wrap.install(verbose=False)
+        else:
+            fsdp_wrap.install(verbose=False)
+            assert "peft" not in sys.modules
+            mods = holders()
+        for name in ("get_peft_model_state_dict", "set_peft_model_state_dict"):
+            fns = [getattr(m, name) for m in mods]
+            assert all(wrapped(f) and f is fns[0] for f in fns), (when, name, fns)
+        originals = [getattr(mods[0].get_peft_model_state_dict, _patches.MARK),
+                     getattr(mods[0].set_peft_model_state_dict, _patches.MARK)]
+        fsdp_wrap.uninstall()
+        for m in mods:
+            assert [m.get_peft_model_state_dict, m.set_peft_model_state_dict] == originals, (when, m)
+        print("OK", when)
     """, timeout=300))
-    assert out.strip().endswith("OK")
+    assert [ln for ln in out.splitlines() if ln.startswith("OK")] == ["OK after", "OK before"], out
 
 
-@pytest.mark.slow  # a fresh interpreter importing torch and PEFT with the hook (CI runs it)
-def test_startup_hook_reaches_peft() -> None:
-    """``FSDP_WRAP_INSTALL=1`` (what ``fsdp-wrap run`` sets): PEFT's functions
-    are wrapped in a script that never calls install()."""
-    from fsdp_wrap.frameworks import installer
-
-    if installer.startup_hook_path() is None:
-        pytest.skip(f"{installer.PTH_NAME} is not installed (fsdp_wrap not pip-installed here)")
-    out = _ok(_python(prelude=PEFT_CHECK, env={"FSDP_WRAP_INSTALL": "1"}, timeout=300, code="""
-    assert fsdp_wrap.installed()
-    mods = holders()
-    assert all(wrapped(m.get_peft_model_state_dict) and wrapped(m.set_peft_model_state_dict)
-               for m in mods)
-    print("OK")
-    """))
-    assert out.strip().endswith("OK")
+# The start-up hook (``FSDP_WRAP_INSTALL=1``) reaching PEFT: in the hook's own
+# fresh interpreter, tests/test_install.py::test_startup_hook_and_fsdp_wrap_run.

@@ -59,15 +59,17 @@ MAX_NORM = {2.0: 0.05, math.inf: 0.01}  # small, so that clipping really scales
 CAPS: list[float | None] = [None, 0.0, 0.0005]
 WORLD_SIZES = [2, 3, 4]
 # The default suite runs slim grids (every cap, strategy and model, and the
-# state-dict checks); ``-m slow`` (CI) runs the full ones.  Oversubscribed ranks make each 3- and 4-rank config cost 3-5x a
-# 2-rank one on a 2-core machine.
+# state-dict checks); ``-m slow`` (CI) runs the rest of each full grid, so that
+# the two together run every configuration of the full grids once (they ran the
+# slim grids' configurations twice).  Oversubscribed ranks make each 3- and
+# 4-rank config cost 3-5x a 2-rank one on a 2-core machine.
 SWEEPS = [
-    pytest.param((2, False), id="2"),
-    pytest.param((2, True), id="2-full", marks=pytest.mark.slow),
-    pytest.param((3, False), id="3"),
-    pytest.param((4, False), id="4"),
-    pytest.param((3, True), id="3-full", marks=pytest.mark.slow),
-    pytest.param((4, True), id="4-full", marks=pytest.mark.slow),
+    pytest.param((2, "slim"), id="2"),
+    pytest.param((2, "rest"), id="2-rest", marks=pytest.mark.slow),
+    pytest.param((3, "slim"), id="3"),
+    pytest.param((4, "slim"), id="4"),
+    pytest.param((3, "rest"), id="3-rest", marks=pytest.mark.slow),
+    pytest.param((4, "rest"), id="4-rest", marks=pytest.mark.slow),
 ]
 
 
@@ -82,17 +84,20 @@ def _cycle(k: int) -> int:
     return (k + k // 3) % 3
 
 
-def _configs(ws: int = 2, full: bool = True) -> list[dict[str, Any]]:
+def _configs(ws: int = 2, part: str = "full") -> list[dict[str, Any]]:
     """The sweep; on 3+ ranks the transformer grid cycles backward_prefetch and
     the frozen grid the clip mode instead of crossing them (3x fewer configs,
     every other axis still crossed);
     on 4 ranks every third configuration and the state-dict ones run (the grid
     is for 2 and 3; 4 ranks adds a longer ring).
 
-    ``full=False`` (the default suite): the state-dict checks (at 3 and 4
+    ``part="slim"`` (the default suite): the state-dict checks (at 3 and 4
     ranks the transformer's) and every 2nd (2 ranks), 5th (3 ranks) or 4th (4
     ranks) of the others (every cap, strategy and group still runs: the
-    not-vacuous test checks)."""
+    not-vacuous test checks); ``part="rest"`` (``-m slow``): the full grid's
+    other configurations; ``"full"``: both."""
+    if part not in ("full", "slim", "rest"):
+        raise ValueError(f"part must be 'full', 'slim' or 'rest', got {part!r}")
     out: list[dict[str, Any]] = []
 
     def add(**cfg: Any) -> None:
@@ -164,11 +169,12 @@ def _configs(ws: int = 2, full: bool = True) -> list[dict[str, Any]]:
                 cfg["cap"] = 0.0
     if ws >= 4:
         out = [c for c in out if c["idx"] % 3 == 0 or c["sd"]]
-    if not full:
+    if part != "full":
         kept = [c for c in out if c["sd"] and (ws == 2 or c["model"] == "transformer")]
         rest = [c for c in out if c not in kept]
         kept += rest[0::2] if ws == 2 else rest[0::5] if ws == 3 else rest[2::4]
-        out = sorted(kept, key=lambda c: c["idx"])
+        slim = {c["idx"] for c in kept}
+        out = [c for c in out if (c["idx"] in slim) == (part == "slim")]
     return out
 
 
@@ -639,20 +645,20 @@ def _sweep(
 # tests: one pool.run per world size, checked per group of configs
 # ---------------------------------------------------------------------------
 
-_RESULTS: dict[tuple[int, bool], list[tuple[list[tuple[str, str]], dict[str, float]]]] = {}
+_RESULTS: dict[tuple[int, str], list[tuple[list[tuple[str, str]], dict[str, float]]]] = {}
 GROUPS = ["transformer", "frozen", "frozen_mixed", "deep", "accumulation"]
 
 
 def _results(
-    request: pytest.FixtureRequest, sweep: tuple[int, bool]
+    request: pytest.FixtureRequest, sweep: tuple[int, str]
 ) -> list[tuple[list[tuple[str, str]], dict[str, float]]]:
-    ws, full = sweep
+    ws, part = sweep
     if sweep not in _RESULTS:
         pool = request.getfixturevalue(f"pool{ws}")
-        _RESULTS[sweep] = pool.run(_sweep, _configs(ws, full))
+        _RESULTS[sweep] = pool.run(_sweep, _configs(ws, part))
         for rank, (_, stats) in enumerate(_RESULTS[sweep]):
             print(
-                f"[ws {ws}{' full' if full else ''} rank {rank}] "
+                f"[ws {ws} {part} rank {rank}] "
                 + ", ".join(
                     f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()
                 )
@@ -660,7 +666,7 @@ def _results(
     return _RESULTS[sweep]
 
 
-def _check(request: pytest.FixtureRequest, sweep: tuple[int, bool], group: str) -> None:
+def _check(request: pytest.FixtureRequest, sweep: tuple[int, str], group: str) -> None:
     ws = sweep[0]
     configs = [c for c in _configs(*sweep) if _group(c) == group]
     results = _results(request, sweep)
@@ -673,7 +679,7 @@ def _check(request: pytest.FixtureRequest, sweep: tuple[int, bool], group: str) 
 
 
 @pytest.mark.parametrize("sweep", SWEEPS)
-def test_sweep_is_not_vacuous(request: pytest.FixtureRequest, sweep: tuple[int, bool]) -> None:
+def test_sweep_is_not_vacuous(request: pytest.FixtureRequest, sweep: tuple[int, str]) -> None:
     configs = _configs(*sweep)
     assert {c["cap"] for c in configs} == set(CAPS), sweep
     assert {c["strategy"] for c in configs} == set(STRATEGIES), sweep
@@ -703,6 +709,12 @@ def test_configs_cover_the_grid() -> None:
         ("deep", True),
     }
     assert any(c["accum"] and c["nosync"] for c in configs)
+    # the default suite's slim grid and -m slow's rest: every configuration of
+    # the full grid exactly once between them
+    for ws in WORLD_SIZES:
+        full = [c["idx"] for c in _configs(ws)]
+        slim, rest = ([c["idx"] for c in _configs(ws, part)] for part in ("slim", "rest"))
+        assert sorted(slim + rest) == full and slim and rest, ws
 
 
 # Groups with a known library bug (xfail, strict) until the fix lands.
@@ -719,7 +731,7 @@ BROKEN_GROUPS: dict[str, str] = {}
         for g in GROUPS
     ],
 )
-def test_parity(request: pytest.FixtureRequest, sweep: tuple[int, bool], group: str) -> None:
+def test_parity(request: pytest.FixtureRequest, sweep: tuple[int, str], group: str) -> None:
     _check(request, sweep, group)
 
 
