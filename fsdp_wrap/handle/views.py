@@ -16,6 +16,7 @@ each call.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -253,7 +254,17 @@ class ParamViews:
         if split_node is None or self.on_view_grads_ready is None:
             return
         self._open_graphs += 1
-        split_node.register_prehook(self._view_grads_ready)
+        # Weakly: the node is held from C++ (by the views' own grad_fns, which
+        # this object keeps in compute_views), where the garbage collector
+        # cannot see a cycle back to this object, its handle and its unit.
+        this = weakref.ref(self)
+
+        def ready(grad_outputs: Any) -> None:
+            views = this()
+            if views is not None:
+                views._view_grads_ready(grad_outputs)
+
+        split_node.register_prehook(ready)
 
     def _view_grads_ready(self, grad_outputs: Any) -> None:
         self._open_graphs -= 1

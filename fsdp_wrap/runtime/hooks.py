@@ -214,10 +214,14 @@ def _register_frozen_free(state: UnitState, inputs: Any) -> None:
         return
     state._frozen_open_graphs += 1
     registered: list[Any] = []
+    state_ref = weakref.ref(state)  # (held from C++ by the inputs' graph: weakly)
 
     def free_frozen(grads: Any) -> None:
         for r in registered:
             r.remove()
+        state = state_ref()
+        if state is None:
+            return
         state._frozen_open_graphs -= 1
         if state._frozen_open_graphs > 0:
             return
