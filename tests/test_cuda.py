@@ -86,6 +86,12 @@ def nccl1() -> DistPool:
     return get_pool(1, "nccl")
 
 
+def _pool_at(request: pytest.FixtureRequest, where: str) -> DistPool:
+    """The pool a ``where``-parametrised test runs in: ``gloo2`` (two ranks on
+    the GPU over gloo) or ``nccl1`` (NCCL at world size 1)."""
+    return request.getfixturevalue("pool2" if where == "gloo2" else "nccl1")
+
+
 def _on_cuda(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [dict(c, device=CUDA) for c in configs]
 
@@ -124,7 +130,7 @@ def test_parity_with_torch_nccl_world_size_1(nccl1: DistPool) -> None:
 def test_mixed_precision_with_torch_on_cuda(request: pytest.FixtureRequest, where: str) -> None:
     """bf16 and fp16 params, reduce and buffer dtypes, keep_low_precision_grads, cast
     inputs, ignored classes: losses, grads, params, buffers and collective dtypes."""
-    pool = request.getfixturevalue("pool2" if where == "gloo2" else "nccl1")
+    pool = _pool_at(request, where)
     configs = _on_cuda(mixed_precision._configs())
     results = pool.run(mixed_precision._sweep, configs)
     fails = [f for fails, _ in results for f in fails]
@@ -281,7 +287,7 @@ def _reductions_on_their_own_stream() -> list[str]:
 
 @pytest.mark.parametrize("where", ["gloo2", "nccl1"])
 def test_reductions_on_their_own_stream(request: pytest.FixtureRequest, where: str) -> None:
-    pool = request.getfixturevalue("pool2" if where == "gloo2" else "nccl1")
+    pool = _pool_at(request, where)
     fails = [f for r in pool.run(_reductions_on_their_own_stream) for f in r]
     assert not fails, "\n".join(fails)
 
@@ -517,7 +523,7 @@ def _scaler_matches_torch() -> list[str]:
 
 @pytest.mark.parametrize("where", ["gloo2", "nccl1"])
 def test_sharded_grad_scaler_finds_infs_on_cuda(request: pytest.FixtureRequest, where: str) -> None:
-    pool = request.getfixturevalue("pool2" if where == "gloo2" else "nccl1")
+    pool = _pool_at(request, where)
     fails = [f for r in pool.run(_scaler_matches_torch) for f in r]
     assert not fails, "\n".join(fails)
 
@@ -600,7 +606,7 @@ def test_qlora_nf4_on_cuda(request: pytest.FixtureRequest, where: str) -> None:
     holds gradients for the adapters' shard only."""
     pytest.importorskip("peft")
     pytest.importorskip("bitsandbytes")
-    pool = request.getfixturevalue("pool2" if where == "gloo2" else "nccl1")
+    pool = _pool_at(request, where)
     for (ref, torch_ratio), *ours in pool.run(_qlora_on_cuda):
         for losses, ratio in ours:
             # the same bf16 kernels on the same packed weights; the loss is
