@@ -267,6 +267,15 @@ def test_a_signal_removes_the_cluster_and_what_runs_in_it(sig: signal.Signals) -
     # in this process: SIGINT is KeyboardInterrupt, SIGTERM the cluster's Interrupted
     inside = None
     handler = signal.getsignal(signal.SIGTERM)
+    # (a shell's background job starts with SIGINT ignored: Python's own handler then)
+    int_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _signal_round(sig, inside, handler)
+    finally:
+        signal.signal(signal.SIGINT, int_handler)
+
+
+def _signal_round(sig: signal.Signals, inside: Any, handler: Any) -> None:
     with pytest.raises(KeyboardInterrupt) as caught:
         with testbed.Cluster(NODES, rate="100mbit") as cluster:
             name = cluster.run_name
