@@ -1,52 +1,25 @@
 """Real frameworks on fsdp_wrap, switched on with ``fsdp_wrap.install()`` only.
 
-Each test launches one script of ``tests/frameworks/`` with ``torchrun`` on 2
-CPU ranks (gloo); the script sweeps its configurations in those two processes,
-on torch's FSDP1 first where torch runs, then on fsdp_wrap, and writes what it
-saw (losses, resumed losses, checkpoint checks) per rank.  The assertions are
-here.  Losses are compared with torch's FSDP1 at 1e-5 (relative), resumed runs
-with the uninterrupted ones exactly (same ops, same order).
+Each test checks one scenario of ``tests/frameworks/`` (``accelerate_run.py`` ...),
+run under ``torchrun`` on 2 CPU ranks (gloo) by ``tests/_framework_runs.py``: the
+session's scenarios share one launch (one set of imports), each with its own
+results and its own failure.  A scenario sweeps its configurations in those
+two processes, on torch's FSDP1 first where torch runs, then on fsdp_wrap, and
+records what it saw (losses, resumed losses, checkpoint checks) per rank.  The
+assertions are here.  Losses are compared with torch's FSDP1 at 1e-5
+(relative), resumed runs with the uninterrupted ones exactly (same ops, same
+order).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import sys
-from typing import Any
 
 import pytest
 
-from tests._proc import run_bounded
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = os.path.join(ROOT, "tests", "frameworks")
+from tests._framework_runs import results
 
 pytestmark = pytest.mark.slow
-
-
-def _launch(script: str, tmp_path: Any) -> list[dict[str, Any]]:
-    # CPU ranks: on a machine with one GPU, Accelerate would otherwise give
-    # rank 1 a CUDA device that does not exist.
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
-    env.pop("FSDP_WRAP_INSTALL", None)
-    # This checkout's fsdp_wrap, installed or not.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH", "")) if p)
-    # --standalone: torchrun picks a free port itself.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(SCRIPTS, script), str(tmp_path)]
-    proc = run_bounded(cmd, cwd=SCRIPTS, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
-    out = []
-    for rank in range(2):
-        with open(tmp_path / f"rank{rank}.json") as f:
-            out.append(json.load(f))
-    # torch's legacy optimizer-state functions raised NotImplementedError in the
-    # run (tests/frameworks/_common.py; tests/test_legacy_optim_removed.py)
-    assert all(r.get("torch_legacy_optim_apis_removed") is True for r in out), out
-    return out
 
 
 def _close(a: list[float], b: list[float], rtol: float = 1e-5) -> bool:
@@ -54,10 +27,9 @@ def _close(a: list[float], b: list[float], rtol: float = 1e-5) -> bool:
                                     for x, y in zip(a, b))
 
 
-def test_accelerate(tmp_path: Any) -> None:
-    pytest.importorskip("accelerate")
-    pytest.importorskip("transformers")
-    for r in _launch("accelerate_run.py", tmp_path):
+@pytest.mark.framework_scenario("accelerate")
+def test_accelerate(request: pytest.FixtureRequest) -> None:
+    for r in results(request):
         for name in ("sharded", "full_bf16_loaded"):
             ours, theirs = f"ours/{name}", f"torch/{name}"
             assert r[ours + "/class"] == "fsdp_wrap.fully_sharded_data_parallel", r
@@ -75,10 +47,9 @@ def test_accelerate(tmp_path: Any) -> None:
         assert r["ours/full_bf16_loaded/plain_vs_trained"] == 0.0
 
 
-def test_transformers_trainer(tmp_path: Any) -> None:
-    pytest.importorskip("accelerate")
-    pytest.importorskip("transformers")
-    for r in _launch("trainer_run.py", tmp_path):
+@pytest.mark.framework_scenario("trainer")
+def test_transformers_trainer(request: pytest.FixtureRequest) -> None:
+    for r in results(request):
         torch_run = "torch/SHARDED_STATE_DICT/True"
         assert r[torch_run + "/class"].startswith("torch.distributed.fsdp")
         ours = ("ours/SHARDED_STATE_DICT/True", "ours/SHARDED_STATE_DICT/False",
@@ -95,9 +66,9 @@ def test_transformers_trainer(tmp_path: Any) -> None:
         assert r["ours/FULL_STATE_DICT/False/plain_vs_trained"] == 0.0
 
 
-def test_lightning_fabric_and_trainer(tmp_path: Any) -> None:
-    pytest.importorskip("lightning")
-    for r in _launch("lightning_run.py", tmp_path):
+@pytest.mark.framework_scenario("lightning")
+def test_lightning_fabric_and_trainer(request: pytest.FixtureRequest) -> None:
+    for r in results(request):
         fabric = [k.rsplit("/", 1)[0] for k in r if k.startswith("fabric/") and k.endswith("/train")]
         assert len(fabric) == 4, fabric
         for run in fabric:
@@ -122,8 +93,9 @@ def test_lightning_fabric_and_trainer(tmp_path: Any) -> None:
             assert r[run + "/first"] + r[run + "/resumed"] == r[run + "/replay"], (run, r)
 
 
-def test_dcp_state_dict_helpers_and_torch_compile(tmp_path: Any) -> None:
-    for r in _launch("dcp_compile_run.py", tmp_path):
+@pytest.mark.framework_scenario("dcp_compile")
+def test_dcp_state_dict_helpers_and_torch_compile(request: pytest.FixtureRequest) -> None:
+    for r in results(request):
         rows = [k.rsplit("/", 1)[0] for k in r if k.startswith("dcp/ours/") and k.endswith("/train")]
         assert len(rows) == 5, rows
         for row in rows:
@@ -141,12 +113,11 @@ def test_dcp_state_dict_helpers_and_torch_compile(tmp_path: Any) -> None:
             assert r[ours + "/graphs"] == r[theirs + "/graphs"] > 0, (mode, r)
 
 
-def test_lora_under_accelerate_and_trainer(tmp_path: Any) -> None:
+@pytest.mark.framework_scenario("lora")
+def test_lora_under_accelerate_and_trainer(request: pytest.FixtureRequest) -> None:
     """PEFT LoRA through both frameworks unchanged (issue 20 item 3), and the adapter
     streamed out with ``save_full_checkpoint(trainable_only=True)`` (item 4)."""
-    pytest.importorskip("accelerate")
-    pytest.importorskip("peft")
-    for rank, r in enumerate(_launch("lora_run.py", tmp_path)):
+    for rank, r in enumerate(results(request)):
         for fw in ("accelerate", "trainer"):
             theirs = f"{fw}/torch/True"
             assert r[theirs + "/class"].startswith("torch.distributed.fsdp"), r

@@ -441,14 +441,14 @@ def test_refusals_are_agreed_and_named_before_touching_the_model(
 
 
 @pytest.mark.slow
-def test_accelerate_and_trainer_train_the_same_from_a_meta_load(tmp_path: Any) -> None:
+@pytest.mark.framework_scenario("pretrained")
+def test_accelerate_and_trainer_train_the_same_from_a_meta_load(request: pytest.FixtureRequest) -> None:
     """tests/frameworks/pretrained_run.py under torchrun: Accelerate (pretrained_init as the
     plugin's param_init_fn, load_pretrained after prepare) and the Trainer (a model wrapped
     and loaded before it is built) train exactly as from from_pretrained."""
-    pytest.importorskip("accelerate")
-    from tests.test_frameworks import _launch
+    from tests._framework_runs import results
 
-    for r in _launch("pretrained_run.py", tmp_path):
+    for r in results(request):
         assert r["accelerate/class"] == r["trainer/class"] == "fsdp_wrap.fully_sharded_data_parallel"
         assert r["accelerate/load"] == r["trainer/load"] == [[], []]
         assert r["trainer/same_object"] is True  # Accelerate left the wrapped model as it was

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_frameworks import _launch
+from tests._framework_runs import launch_script as _launch
 
 pytestmark = pytest.mark.slow
 

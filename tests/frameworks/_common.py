@@ -2,8 +2,10 @@
 frameworks' GPU-only gates on CPU (test harness only, never the library;
 Accelerate's is shared with the TRL benchmark, ``benchmarks/_trl_models.py``).
 
-Each script runs under ``torchrun --nproc-per-node 2`` (gloo) and writes one
-JSON file per rank into the output directory given as its first argument.
+The scenario scripts (``accelerate_run.py`` ...) run inside ``scenarios_run.py``
+under ``torchrun --nproc-per-node 2`` (gloo), which gives each its results and
+output folder; TRL's scripts run on their own and write one JSON file per rank
+into the output directory given as their first argument.
 """
 
 from __future__ import annotations
@@ -91,9 +93,9 @@ def full_params_match(fsdp_model: torch.nn.Module, plain_sd: dict[str, torch.Ten
     return max((own[k].float() - plain_sd[k].float()).abs().max().item() for k in own)
 
 
-def exit_now() -> None:
+def exit_now(code: int = 0) -> None:
     """End this rank without interpreter shutdown (see fsdp_wrap/_teardown.py); imported
     late so that a run on torch's own FSDP1 never imports fsdp_wrap."""
     from fsdp_wrap.comm.teardown import exit_now as leave
 
-    leave(0)
+    leave(code)

@@ -17,13 +17,10 @@ import torch.distributed as dist
 from _common import (
     OUT,
     accelerate_on_cpu,
-    exit_now,
     full_params_match,
     record,
     tiny_gpt2,
     tokens,
-    use_fsdp_wrap,
-    write_results,
 )
 
 CONFIGS = [
@@ -104,16 +101,11 @@ def run(impl: str, name: str, sdt: str, uop: bool, bf16: bool) -> None:
     dist.barrier()
 
 
-def main() -> None:
-    for impl in ("torch", "ours"):
-        if impl == "ours":
-            use_fsdp_wrap()
-        for cfg in CONFIGS:
-            run(impl, *cfg)
-    write_results()
-    dist.barrier()
+def torch_part() -> None:
+    for cfg in CONFIGS:
+        run("torch", *cfg)
 
 
-if __name__ == "__main__":
-    main()
-    exit_now()  # see fsdp_wrap/_teardown.py: gloo's threads vs interpreter shutdown
+def ours_part() -> None:
+    for cfg in CONFIGS:
+        run("ours", *cfg)

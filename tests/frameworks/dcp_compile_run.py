@@ -19,7 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from _common import OUT, RANK, Block, exit_now, mlp, record, use_fsdp_wrap, write_results
+from _common import OUT, RANK, Block, mlp, record
 
 
 def build(uop: bool, compile_blocks: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -114,22 +114,18 @@ def compile_run(impl: str, mode: str) -> None:
     dist.barrier()
 
 
-def main() -> None:
-    dist.init_process_group("gloo")
-    for impl in ("torch", "ours"):
-        if impl == "ours":
-            use_fsdp_wrap()
-        for full, uop in ((False, False), (False, True), (True, False), (True, True)):
-            dcp_run(impl, full, uop)
-        if impl == "ours":  # torch's FSDP1 crashes here on CPU (FULL with offload_to_cpu)
-            dcp_run(impl, True, True, offload=True)
-        for mode in ("whole", "blocks"):
-            compile_run(impl, mode)
-    write_results()
-    dist.barrier()
-    dist.destroy_process_group()
+def _runs(impl: str) -> None:
+    for full, uop in ((False, False), (False, True), (True, False), (True, True)):
+        dcp_run(impl, full, uop)
+    if impl == "ours":  # torch's FSDP1 crashes here on CPU (FULL with offload_to_cpu)
+        dcp_run(impl, True, True, offload=True)
+    for mode in ("whole", "blocks"):
+        compile_run(impl, mode)
 
 
-if __name__ == "__main__":
-    main()
-    exit_now()  # see fsdp_wrap/_teardown.py: gloo's threads vs interpreter shutdown
+def torch_part() -> None:
+    _runs("torch")
+
+
+def ours_part() -> None:
+    _runs("ours")

@@ -21,18 +21,14 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from _common import (
     OUT,
     RANK,
     Block,
-    exit_now,
     full_params_match,
     record,
     tiny_gpt2,
-    use_fsdp_wrap,
-    write_results,
 )
 from _common import mlp as net
 
@@ -272,8 +268,8 @@ def trainer_gpt2_run(sdt: str, wrap_root: bool) -> None:
     record(key + "/replay", gpt2_replay(first.seen + second.seen, wrap_root))
 
 
-def main() -> None:
-    use_fsdp_wrap()
+def ours_part() -> None:
+    """fsdp_wrap under Lightning, then (uninstalled) torch's FSDP1 replays: runs last."""
     for uop, sdt in ((False, "full"), (True, "sharded"), (False, "sharded"), (True, "full")):
         fabric_run(uop, sdt)
     for uop, sdt in ((True, "full"), (True, "sharded"), (False, "sharded")):
@@ -286,10 +282,3 @@ def main() -> None:
     fsdp_wrap.uninstall()  # torch's FSDP1 class nests whatever its module's names say
     for key, steps, uop, clip in REPLAYS:
         record(key, torch_replay(steps, uop, clip))
-    write_results()
-    dist.barrier()
-
-
-if __name__ == "__main__":
-    main()
-    exit_now()  # see fsdp_wrap/_teardown.py: gloo's threads vs interpreter shutdown

@@ -24,11 +24,8 @@ from _common import (
     OUT,
     RANK,
     accelerate_on_cpu,
-    exit_now,
     record,
     tokens,
-    use_fsdp_wrap,
-    write_results,
 )
 
 
@@ -174,17 +171,12 @@ def trainer_run(impl: str, uop: bool) -> None:
     dist.barrier()
 
 
-def main() -> None:
+def torch_part() -> None:
     accelerate_run("torch", True)
     trainer_run("torch", True)
-    use_fsdp_wrap()
+
+
+def ours_part() -> None:
     for uop in (True, False):
         accelerate_run("ours", uop)
         trainer_run("ours", uop)
-    write_results()
-    dist.barrier()
-
-
-if __name__ == "__main__":
-    main()
-    exit_now()  # see fsdp_wrap/_teardown.py: gloo's threads vs interpreter shutdown

@@ -22,11 +22,8 @@ from _common import (
     OUT,
     RANK,
     accelerate_on_cpu,
-    exit_now,
     record,
     tokens,
-    use_fsdp_wrap,
-    write_results,
 )
 
 
@@ -120,19 +117,11 @@ def train_trainer(path: str, meta: bool) -> list[float]:
     return [h["loss"] for h in tr.state.log_history if "loss" in h]
 
 
-def main() -> None:
-    use_fsdp_wrap()
-    accelerate_on_cpu()  # (starts the gloo process group)
+def ours_part() -> None:
+    accelerate_on_cpu()
     path = os.path.join(OUT, "gpt2-bf16")
     save(path)
     for name, fn in (("accelerate", train_accelerate), ("trainer", train_trainer)):
         record(f"{name}/meta", fn(path, meta=True))
         record(f"{name}/from_pretrained", fn(path, meta=False))
         dist.barrier()
-    write_results()
-    dist.barrier()
-
-
-if __name__ == "__main__":
-    main()
-    exit_now()  # see fsdp_wrap/_teardown.py: gloo's threads vs interpreter shutdown

@@ -18,13 +18,10 @@ import torch.distributed as dist
 from _common import (
     OUT,
     accelerate_on_cpu,
-    exit_now,
     full_params_match,
     record,
     tiny_gpt2,
     tokens,
-    use_fsdp_wrap,
-    write_results,
 )
 
 
@@ -81,16 +78,11 @@ def run(impl: str, sdt: str, uop: bool) -> None:
     dist.barrier()
 
 
-def main() -> None:
+def torch_part() -> None:
     run("torch", "SHARDED_STATE_DICT", True)
-    use_fsdp_wrap()
+
+
+def ours_part() -> None:
     run("ours", "SHARDED_STATE_DICT", True)
     run("ours", "SHARDED_STATE_DICT", False)
     run("ours", "FULL_STATE_DICT", False)
-    write_results()
-    dist.barrier()
-
-
-if __name__ == "__main__":
-    main()
-    exit_now()  # see fsdp_wrap/_teardown.py: gloo's threads vs interpreter shutdown
