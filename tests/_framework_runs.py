@@ -33,6 +33,8 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "trainer": ("accelerate", "transformers"),
     "lora": ("accelerate", "peft"),
     "pretrained": ("accelerate",),
+    "trl_sft": ("trl", "peft", "accelerate", "bitsandbytes", "datasets"),
+    "trl_rl": ("trl", "peft", "accelerate", "bitsandbytes", "datasets"),
     "lightning": ("lightning",),
 }
 RANKS = 2
@@ -55,15 +57,6 @@ def _torchrun(script: str, *args: str) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(RANKS), os.path.join(SCRIPTS, script), *args]
     return run_bounded(cmd, cwd=SCRIPTS, env=env, timeout=TIMEOUT)
-
-
-def launch_script(script: str, tmp_path: Path) -> list[dict[str, Any]]:
-    """A script of its own (the TRL runs): its ranks' ``rank<r>.json``, one dict per rank."""
-    proc = _torchrun(script, str(tmp_path))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
-    out = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]
-    _check_no_legacy(out)
-    return out
 
 
 def _check_no_legacy(out: list[dict[str, Any]]) -> None:

@@ -1,8 +1,9 @@
 """TRL's trainers on fsdp_wrap under ``install()`` (issue 32), with PEFT as shipped.
 
-Two ``torchrun`` launches on 2 CPU ranks (``tests/frameworks/trl_sft_run.py``,
-``trl_rl_run.py``), each sweeping its configurations in the same two
-processes: torch's FSDP1 first, then fsdp_wrap.  Asserted here:
+Two scenarios (``tests/frameworks/trl_sft_run.py``, ``trl_rl_run.py``) of the
+session's framework launch on 2 CPU ranks (``tests/_framework_runs.py``), each
+sweeping its configurations in those two processes: torch's FSDP1 first, then
+fsdp_wrap.  Asserted here:
 
 * losses equal torch's FSDP1 exactly (same operations, same order) for the
   same ``use_orig_params``; LoRA and QLoRA with either (the LoRA units make
@@ -25,14 +26,9 @@ from typing import Any
 
 import pytest
 
-from tests._framework_runs import launch_script as _launch
+from tests._framework_runs import results
 
 pytestmark = pytest.mark.slow
-
-
-def _need() -> None:
-    for mod in ("trl", "peft", "accelerate", "bitsandbytes", "datasets"):
-        pytest.importorskip(mod)
 
 
 def _rows(r: dict[str, Any], prefix: str) -> list[str]:
@@ -61,9 +57,9 @@ def _torch_twin(r: dict[str, Any], run: str) -> str:
     return f"{algo}/torch/{kind}/SHARDED_STATE_DICT/{uop if kind == 'full' else True}"
 
 
-def test_sft_trainer(tmp_path: Any) -> None:
-    _need()
-    for rank, r in enumerate(_launch("trl_sft_run.py", tmp_path)):
+@pytest.mark.framework_scenario("trl_sft")
+def test_sft_trainer(request: pytest.FixtureRequest) -> None:
+    for rank, r in enumerate(results(request)):
         ours = _rows(r, "sft/ours/")
         assert len(ours) == 8, ours
         for run in ours:
@@ -79,9 +75,9 @@ def test_sft_trainer(tmp_path: Any) -> None:
         assert r[theirs + "/resumed_vs_whole"] > 0, r
 
 
-def test_dpo_and_grpo_trainers(tmp_path: Any) -> None:
-    _need()
-    for rank, r in enumerate(_launch("trl_rl_run.py", tmp_path)):
+@pytest.mark.framework_scenario("trl_rl")
+def test_dpo_and_grpo_trainers(request: pytest.FixtureRequest) -> None:
+    for rank, r in enumerate(results(request)):
         for algo in ("dpo", "grpo"):
             ours = _rows(r, f"{algo}/ours/")
             assert len(ours) == 3, ours

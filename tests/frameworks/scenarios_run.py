@@ -24,6 +24,7 @@ import importlib
 import json
 import os
 import sys
+import time
 import traceback
 from typing import Any, Callable
 
@@ -31,12 +32,16 @@ import _common
 import torch.distributed as dist
 
 BASE = _common.OUT
-ORDER = ("dcp_compile", "accelerate", "trainer", "lora", "pretrained", "lightning")
+ORDER = ("dcp_compile", "accelerate", "trainer", "lora", "pretrained", "trl_sft", "trl_rl",
+         "lightning")
 
 
-def _guarded(name: str, part: Callable[[], Any]) -> Any:
+def _guarded(name: str, part: Callable[[], Any], results: dict[str, Any] | None = None) -> Any:
+    """``part()``, recording into ``results`` (and its CPU seconds); a failure ends the rank."""
+    _common.RESULTS = {} if results is None else results  # what record() writes to
     with open(os.path.join(BASE, f"progress.rank{_common.RANK}"), "a") as f:
         f.write(f"{name} {getattr(part, '__name__', '')}\n")  # which scenario a hang is in
+    c0 = time.process_time()
     try:
         return part()
     except BaseException:
@@ -44,6 +49,8 @@ def _guarded(name: str, part: Callable[[], Any]) -> Any:
             f.write(traceback.format_exc())
         traceback.print_exc()
         _common.exit_now(1)
+    finally:  # this rank's CPU seconds in the scenario's parts
+        _common.RESULTS["cpu_seconds"] = _common.RESULTS.get("cpu_seconds", 0) + time.process_time() - c0
 
 
 def _load(name: str) -> Any:
@@ -63,12 +70,10 @@ def main() -> None:
     # torch's FSDP1 parts, then fsdp_wrap's (installed)
     for name in names:
         if hasattr(modules[name], "torch_part"):
-            _common.RESULTS = results[name]  # what record() writes to
-            _guarded(name, modules[name].torch_part)
+            _guarded(name, modules[name].torch_part, results[name])
     _guarded("install", _common.use_fsdp_wrap)
     for name in names:
-        _common.RESULTS = results[name]
-        _guarded(name, modules[name].ours_part)
+        _guarded(name, modules[name].ours_part, results[name])
         dist.barrier()
         with open(os.path.join(BASE, f"{name}.rank{_common.RANK}.json"), "w") as f:
             json.dump(results[name], f)

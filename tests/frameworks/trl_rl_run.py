@@ -17,7 +17,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from _common import OUT, exit_now, record, use_fsdp_wrap, write_results
+from _common import OUT, record
 from _trl import (
     SAVE_EVERY,
     Snapshot,
@@ -126,20 +126,14 @@ def generation_cost(key: str, tr: object) -> None:
                                         sum(counter.bytes[n] for n in names) / new])
 
 
-def main() -> None:
+def torch_part() -> None:
     for algo in ("dpo", "grpo"):
         for kind in ("lora", "full"):
             run(algo, "torch", kind, "SHARDED_STATE_DICT", True)
-    use_fsdp_wrap()
+
+
+def ours_part() -> None:
     for algo in ("dpo", "grpo"):
         for kind, sdt, uop in (("lora", "FULL_STATE_DICT", False), ("qlora", "SHARDED_STATE_DICT", True),
                                ("full", "SHARDED_STATE_DICT", True)):
             run(algo, "ours", kind, sdt, uop)
-    record("cpu_seconds", time.process_time())
-    write_results()
-    dist.barrier()
-
-
-if __name__ == "__main__":
-    main()
-    exit_now()  # see fsdp_wrap/comm/teardown.py: gloo's threads vs interpreter shutdown

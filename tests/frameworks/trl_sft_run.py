@@ -18,7 +18,7 @@ import os
 import time
 
 import torch.distributed as dist
-from _common import OUT, exit_now, record, use_fsdp_wrap, write_results
+from _common import OUT, record
 from _trl import (
     SAVE_EVERY,
     Snapshot,
@@ -85,20 +85,14 @@ def run(impl: str, kind: str, sdt: str, uop: bool) -> None:
     record(key + "/seconds", [t1 - t0, t2 - t1, time.perf_counter() - t2])
 
 
-def main() -> None:
+def torch_part() -> None:
     for kind, uop in (("lora", True), ("qlora", True), ("full", True), ("full", False)):
         run("torch", kind, "SHARDED_STATE_DICT", uop)
-    use_fsdp_wrap()
+
+
+def ours_part() -> None:
     for kind, sdt, uop in (("lora", "FULL_STATE_DICT", True), ("lora", "SHARDED_STATE_DICT", False),
                            ("lora", "FULL_STATE_DICT", False), ("lora", "SHARDED_STATE_DICT", True),
                            ("qlora", "FULL_STATE_DICT", False), ("qlora", "SHARDED_STATE_DICT", True),
                            ("full", "FULL_STATE_DICT", True), ("full", "SHARDED_STATE_DICT", False)):
         run("ours", kind, sdt, uop)
-    record("cpu_seconds", time.process_time())
-    write_results()
-    dist.barrier()
-
-
-if __name__ == "__main__":
-    main()
-    exit_now()  # see fsdp_wrap/comm/teardown.py: gloo's threads vs interpreter shutdown
