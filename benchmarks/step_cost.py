@@ -94,8 +94,8 @@ class _Done:
 def _local_collectives() -> Any:
     """Stand-ins for the collectives an FSDP step issues from Python, each doing
     only its local part: a gather writes this rank's row and zeros the others
-    (finite values: the step's arithmetic stays the same), an all-reduce or a
-    received broadcast leaves its buffer as it is.  Patched over
+    (finite values: the step's arithmetic stays the same), a received
+    broadcast or message zeros its buffer, an all-reduce leaves it as it is.  Patched over
     ``torch.distributed``'s functions for the ``/nocomm`` rows only (DDP's
     reducer calls its process group from C++ and is not affected)."""
     import contextlib
@@ -125,12 +125,22 @@ def _local_collectives() -> Any:
         out.view(-1).copy_(inp.view(-1).chunk(dist.get_world_size(group))[dist.get_rank(group)])
         return _ret(async_op)
 
+    def isend(tensor: Any, dst: Any = None, group: Any = None, tag: int = 0, **kw: Any) -> Any:
+        return _Done()
+
+    def irecv(tensor: Any, src: Any = None, group: Any = None, tag: int = 0, **kw: Any) -> Any:
+        tensor.zero_()
+        return _Done()
+
     stack = contextlib.ExitStack()
     for name, fn in [("broadcast", broadcast), ("all_reduce", all_reduce),
                      ("all_gather_into_tensor", all_gather_into_tensor),
                      ("_all_gather_base", all_gather_into_tensor),
+                     ("all_gather_single", all_gather_into_tensor),  # (torch >= 2.13's names)
                      ("reduce_scatter_tensor", reduce_scatter_tensor),
-                     ("_reduce_scatter_base", reduce_scatter_tensor)]:
+                     ("_reduce_scatter_base", reduce_scatter_tensor),
+                     ("reduce_scatter_single", reduce_scatter_tensor),
+                     ("isend", isend), ("irecv", irecv)]:
         if hasattr(dist, name):
             stack.enter_context(mock.patch.object(dist, name, fn))
     return stack
