@@ -211,7 +211,8 @@ def reduce_scatter_sum(
     backends (NCCL) get the reduce-scatter, which sends half the bytes of an
     all-reduce.
     """
-    if _is_gloo_cpu(group, padded_input) and dist.get_world_size(group) == 2:
+    if (_is_gloo_cpu(group, padded_input) and dist.get_world_size(group) == 2
+            and padded_input.numel() == 2 * output.numel()):  # (else torch's error below)
         pending = _reduce_scatter_by_exchange(output, padded_input, group, input_is_scratch)
         if async_op:
             return pending
