@@ -580,7 +580,8 @@ def main(argv: list[str] | None = None) -> int:
             targets.append(("meta1b construction vs torch FSDP1",
                             ours["seconds"] / theirs["seconds"], 1.0, "x"))
 
-    print("\n" + report_targets(targets))
+    if targets:  # (none without torch_fsdp1 and ddp rows to compare with)
+        print("\n" + report_targets(targets))
     print(f"\n# total {time.perf_counter() - t_start:.0f} s")
     if args.json:
         with open(args.json, "w") as f:

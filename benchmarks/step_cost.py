@@ -81,6 +81,84 @@ def _parse_variant(text: str) -> dict[str, Any]:
     return {"framework": fw, "strategy": strategy, "orig": orig.upper().startswith("T")}
 
 
+class _Done:
+    """A finished collective's handle for :func:`_local_collectives`."""
+
+    def wait(self, *args: Any) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _local_collectives() -> Any:
+    """Stand-ins for the collectives an FSDP step issues from Python, each doing
+    only its local part: a gather writes this rank's row and zeros the others
+    (finite values: the step's arithmetic stays the same), a received
+    broadcast or message zeros its buffer, an all-reduce leaves it as it is.  Patched over
+    ``torch.distributed``'s functions for the ``/nocomm`` rows only (DDP's
+    reducer calls its process group from C++ and is not affected)."""
+    import contextlib
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    def _ret(async_op: bool) -> Any:
+        return _Done() if async_op else None
+
+    def broadcast(tensor: Any, src: int, group: Any = None, async_op: bool = False) -> Any:
+        if dist.get_rank() != src:
+            tensor.zero_()
+        return _ret(async_op)
+
+    def all_reduce(tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> Any:
+        return _ret(async_op)
+
+    def all_gather_into_tensor(out: Any, inp: Any, group: Any = None, async_op: bool = False) -> Any:
+        rows = out.view(dist.get_world_size(group), -1)
+        rows.zero_()
+        rows[dist.get_rank(group)].copy_(inp.reshape(-1))
+        return _ret(async_op)
+
+    def reduce_scatter_tensor(out: Any, inp: Any, op: Any = None, group: Any = None,
+                              async_op: bool = False) -> Any:
+        out.view(-1).copy_(inp.view(-1).chunk(dist.get_world_size(group))[dist.get_rank(group)])
+        return _ret(async_op)
+
+    def isend(tensor: Any, dst: Any = None, group: Any = None, tag: int = 0, **kw: Any) -> Any:
+        return _Done()
+
+    def irecv(tensor: Any, src: Any = None, group: Any = None, tag: int = 0, **kw: Any) -> Any:
+        tensor.zero_()
+        return _Done()
+
+    stack = contextlib.ExitStack()
+    for name, fn in [("broadcast", broadcast), ("all_reduce", all_reduce),
+                     ("all_gather_into_tensor", all_gather_into_tensor),
+                     ("_all_gather_base", all_gather_into_tensor),
+                     ("all_gather_single", all_gather_into_tensor),  # (torch >= 2.13's names)
+                     ("reduce_scatter_tensor", reduce_scatter_tensor),
+                     ("_reduce_scatter_base", reduce_scatter_tensor),
+                     ("reduce_scatter_single", reduce_scatter_tensor),
+                     ("isend", isend), ("irecv", irecv)]:
+        if hasattr(dist, name):
+            stack.enter_context(mock.patch.object(dist, name, fn))
+    return stack
+
+
+def _without_comm(framework: str, model: Any, step: Callable[[int], None]) -> Callable[[int], None]:
+    """The same step with no collective: DDP under ``no_sync()``, an FSDP with
+    :func:`_local_collectives`.  Its parameters drift from the other rank's
+    (each steps on its own gradients); its time is the step's cost less the
+    collectives'."""
+
+    def run(i: int) -> None:
+        with model.no_sync() if framework == "ddp" else _local_collectives():
+            step(i)
+
+    return run
+
+
 def _rank_main(cfg: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
@@ -119,6 +197,8 @@ def _rank_main(cfg: dict[str, Any]) -> None:
             opt.step()
 
         models[v.key] = step
+        if cfg.get("no_comm"):
+            models[v.key + "/nocomm"] = _without_comm(v.framework, model, step)
     keys = list(models)
     for i in range(cfg["warmup"]):
         for k in keys:
@@ -145,6 +225,8 @@ def _rank_main(cfg: dict[str, Any]) -> None:
         models[k](0)
         prof.disable()
         calls[k] = pstats.Stats(prof).total_calls  # type: ignore[attr-defined]
+        if cfg.get("pstats_dir") and rank == 0:
+            prof.dump_stats(os.path.join(cfg["pstats_dir"], k.replace("/", "_") + ".pstats"))
     if cfg["callgrind_lib"]:  # (both ranks run the steps; rank 0 counts them)
         for k in keys:
             dist.barrier()
@@ -191,7 +273,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--callgrind", action="store_true", help="instructions per step (valgrind)")
     p.add_argument("--cg-steps", type=int, default=3, help="steps counted under callgrind")
     p.add_argument("--keep", default=None, help="copy callgrind's output files here")
+    p.add_argument("--no-comm", action="store_true",
+                   help="add a KEY/nocomm row per configuration: the step without its "
+                        "collectives (DDP under no_sync(); FSDPs with local stand-ins)")
+    p.add_argument("--pstats", default=None,
+                   help="write each configuration's profiled step (cProfile) to DIR/KEY.pstats")
     args = p.parse_args(argv)
+    if args.pstats:
+        os.makedirs(args.pstats, exist_ok=True)
     variants = [_parse_variant(v) for v in args.variants.split(",") if v]
     with tempfile.TemporaryDirectory() as tmp, socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -202,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
             "steps": args.steps, "warmup": args.warmup, "cg_steps": args.cg_steps,
             "out": os.path.join(tmp, "out.json"),
             "callgrind_lib": _callgrind_lib(tmp) if args.callgrind else None,
+            "pstats_dir": os.path.abspath(args.pstats) if args.pstats else None,
+            "no_comm": args.no_comm,
         }
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    WORLD_SIZE="2", STEP_COST_CFG=json.dumps(cfg))
@@ -221,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         from _bench_models import Variant
 
         keys = [Variant(**v).key for v in variants]
+        if args.no_comm:
+            keys = [k2 for k in keys for k2 in (k, k + "/nocomm")]
         instr = _instructions(tmp, keys) if args.callgrind else {}
         if args.keep:
             import shutil

@@ -2,7 +2,8 @@
 
 On gloo with CPU tensors a large all-gather runs as one broadcast per rank
 (where the group lies within one node) and
-a reduce-scatter of a scratch input as an in-place all-reduce.  Checked here:
+a reduce-scatter over two ranks as one exchange of halves, over more (of a
+scratch input) as an in-place all-reduce.  Checked here:
 both give exactly what torch's collectives give (2 and 3 ranks, a subgroup,
 synchronous and asynchronous, below and above the size where broadcasts take
 over, one node or one rank per node as ``LOCAL_WORLD_SIZE`` says), they issue
@@ -95,24 +96,39 @@ def _gather_and_reduce(cfg: dict[str, Any], group: Any) -> list[str]:
             _expect(f"{tag} c10d ops", dict(seen.ops) == want, f"{dict(seen.ops)}, expected {want}")]
 
     gen = torch.Generator().manual_seed(7 + rank)
-    grad = torch.randn(n * shard_numel, generator=gen)
-    expected_rs = torch.empty(shard_numel)
-    dist.reduce_scatter_tensor(expected_rs, grad.clone(), group=group)
-    for scratch in (False, True):
-        out_rs = torch.full((shard_numel,), float("nan"))
+    for dtype in (torch.float32, torch.bfloat16):
+        grad = torch.randn(n * shard_numel, generator=gen).to(dtype)
+        errs += _reduce_scatter_forms(grad, n, group, async_op,
+                                      f"{rank_tag()} reduce-scatter n={n} numel={numel} {dtype}")
+    return [e for e in errs if e]
+
+
+def _reduce_scatter_forms(grad: torch.Tensor, n: int, group: Any, async_op: bool,
+                          tag: str) -> list[str | None]:
+    """``reduce_scatter_sum`` against torch's reduce-scatter, bit for bit: into a
+    fresh output and, of a scratch input, into this rank's own chunk of it
+    (the output aliases what is being sent and summed)."""
+    expected = torch.empty(grad.numel() // n, dtype=grad.dtype)
+    dist.reduce_scatter_tensor(expected, grad.clone(), group=group)
+    errs: list[str | None] = []
+    for scratch, aliased in ((False, False), (True, False), (True, True)):
+        inp = grad.clone()
+        out = (inp.chunk(n)[dist.get_rank(group)] if aliased
+               else torch.full(expected.shape, float("nan"), dtype=grad.dtype))
         with _C10dOps() as seen:
-            work = C.reduce_scatter_sum(out_rs, grad.clone(), group, async_op=async_op,
-                                        input_is_scratch=scratch)
+            work = C.reduce_scatter_sum(out, inp, group, async_op=async_op, input_is_scratch=scratch)
             if work is not None:
                 work.wait()
-        tag_rs = f"{rank_tag()} reduce-scatter n={n} numel={numel} scratch={scratch} async={async_op}"
-        want = {"allreduce_": 1} if scratch else {"_reduce_scatter_base_": 1}
+        # two ranks: one exchange of halves; more: gloo's own, or an all-reduce of scratch
+        want = ({"send": 1, "recv_": 1} if n == 2 else
+                {"allreduce_": 1} if scratch else {"_reduce_scatter_base_": 1})
+        what = f"{tag} scratch={scratch} aliased={aliased} async={async_op}"
         errs += [
-            _expect(f"{tag_rs} values", torch.equal(out_rs, expected_rs),
-                    f"max |diff| {(out_rs - expected_rs).abs().max():.3g}"),
-            _expect(f"{tag_rs} c10d ops", dict(seen.ops) == want, f"{dict(seen.ops)}, expected {want}"),
+            _expect(f"{what} values", torch.equal(out, expected),
+                    f"max |diff| {(out.float() - expected.float()).abs().max():.3g}"),
+            _expect(f"{what} c10d ops", dict(seen.ops) == want, f"{dict(seen.ops)}, expected {want}"),
         ]
-    return [e for e in errs if e]
+    return errs
 
 
 def _gathers_and_reductions(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:

@@ -14,7 +14,10 @@ collectives (measured on torch 2.13, 2 ranks, ``docs/performance.rst``):
   (two collectives' latency).  Only where the group lies within one node
   (:func:`gather_by_broadcasts`): across nodes the broadcasts' trees send
   more over the link than gloo's ring;
-* a reduce-scatter of a scratch input by an in-place all-reduce
+* a reduce-scatter over two ranks by one exchange of halves, each rank adding
+  the half it receives to its own (half the bytes of gloo's, which all-reduces;
+  bit-identical: a sum of two does not depend on the order), and over more
+  ranks, of a scratch input, by an in-place all-reduce
   (:func:`reduce_scatter_sum`).
 
 [Note: what crosses the link]
@@ -203,9 +206,18 @@ def reduce_scatter_sum(
     the clone and copies this rank's chunk out; with a scratch input the same
     all-reduce then runs on the input itself: the same algorithm, bytes and
     sums (bit-identical), without the input-sized copy, i.e. one unsharded
-    gradient less at the peak of every reduction.  Other backends (NCCL) get
-    the reduce-scatter, which sends half the bytes of an all-reduce.
+    gradient less at the peak of every reduction.  Over two gloo ranks neither:
+    one exchange of halves (:func:`_reduce_scatter_by_exchange`).  Other
+    backends (NCCL) get the reduce-scatter, which sends half the bytes of an
+    all-reduce.
     """
+    if (_is_gloo_cpu(group, padded_input) and dist.get_world_size(group) == 2
+            and padded_input.numel() == 2 * output.numel()):  # (else torch's error below)
+        pending = _reduce_scatter_by_exchange(output, padded_input, group, input_is_scratch)
+        if async_op:
+            return pending
+        pending.wait()
+        return None
     if input_is_scratch and _is_gloo_cpu(group, padded_input):
         # gloo's worker thread lets go of its input a moment *after* the
         # collective completes, so dropping our references does not free it
@@ -230,6 +242,41 @@ def reduce_scatter_sum(
     return getattr(dist, REDUCE_SCATTER_SINGLE)(
         output, padded_input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
     )
+
+
+def _reduce_scatter_by_exchange(
+    output: torch.Tensor, padded_input: torch.Tensor, group: ProcessGroup, input_is_scratch: bool
+) -> PendingWork:
+    """A gloo reduce-scatter over two ranks as one exchange of halves.
+
+    Each rank sends the half the other keeps and adds the half it receives to
+    its own: half the bytes and one step, where gloo's reduce-scatter (and the
+    all-reduce of :func:`reduce_scatter_sum`) also sends the summed halves
+    back.  The sum of two numbers does not depend on their order, so the
+    result is bit-identical to gloo's (in the input's dtype, rounded once).
+    ``padded_input`` is only read (freed at the end where it is scratch and no
+    other tensor shares it).
+    """
+    me = dist.get_rank(group)
+    peer = dist.get_global_rank(group, 1 - me)
+    halves = padded_input.view(-1).chunk(2)
+    mine, theirs = halves[me], halves[1 - me]
+    out = output.view(-1)
+    # received straight into the output unless that would overwrite our half first
+    direct = (out.dtype == mine.dtype and out.is_contiguous()
+              and out.untyped_storage().data_ptr() != padded_input.untyped_storage().data_ptr())
+    received = out if direct else torch.empty_like(mine)
+    free_input = input_is_scratch and sole_tensor_of_storage(padded_input)
+    works = [dist.isend(theirs, dst=peer, group=group), dist.irecv(received, src=peer, group=group)]
+
+    def finish() -> None:
+        received.add_(mine)
+        if not direct:
+            out.copy_(received)
+        if free_input:
+            free_storage(padded_input)
+
+    return PendingWork(works, finish)
 
 
 def free_storage(tensor: torch.Tensor) -> None:

@@ -207,7 +207,8 @@ def gloo(limit_all_gathers: bool) -> Backend:
 
     fsdp_wrap's gloo forms (``fsdp_wrap/comm/collectives.py``): a reduce-scatter is
     an in-place all-reduce of the gradient, which stages nothing in fp32 and
-    0.5x in 16-bit types; an all-gather of ``GLOO_BROADCAST_MIN_BYTES`` (256 KiB)
+    0.5x in 16-bit types (not modelled), over two ranks an exchange of halves
+    (nothing); an all-gather of ``GLOO_BROADCAST_MIN_BYTES`` (256 KiB)
     or more is broadcasts into the output (no staging); a smaller asynchronous all-gather
     (``limit_all_gathers=False``) keeps 1x its output until it is waited for.
     """
