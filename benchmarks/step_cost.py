@@ -29,6 +29,14 @@ the configurations interleaved round by round:
   machine runs.  Slow (minutes); the per-function profiles are kept with
   ``--keep DIR`` for ``callgrind_annotate``.
 
+With ``--no-comm`` each configuration also runs as ``KEY/nocomm``: the same
+step with its collectives replaced by local stand-ins (DDP under
+``no_sync()``), interleaved with the others, so a step's time splits into the
+framework's own work and its collectives.  Checked for DDP and fsdp_wrap
+(their ``nocomm`` rows leave gloo's threads idle: ``proc ms`` equals ``cpu
+ms``); torch's FSDP1 still keeps other threads busy there, so its split is
+not complete.
+
 The difference between a configuration and ``ddp`` (the same compute, two
 all-reduces, no Python per layer) is the framework's own per-step cost.
 To measure a given commit rather than the working tree, put a snapshot first
