@@ -4,13 +4,11 @@ Accelerate's is shared with the TRL benchmark, ``benchmarks/_trl_models.py``).
 
 The scenario scripts (``accelerate_run.py`` ...) run inside ``scenarios_run.py``
 under ``torchrun --nproc-per-node 2`` (gloo), which gives each its results and
-output folder; TRL's scripts run on their own and write one JSON file per rank
-into the output directory given as their first argument.
+output folder.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import warnings
@@ -31,19 +29,40 @@ RESULTS: dict[str, Any] = {}
 # Every framework run is made with torch's legacy optimizer-state functions
 # raising NotImplementedError, as PyTorch PR #191712 proposes
 # (tests/_torch_future.py): the frameworks under install() must not need them.
+from tests._torch_future import LEGACY_OPTIM_APIS, REMOVED_HELPERS, torch_fsdp1_class  # noqa: E402
 from tests._torch_future import apply as _remove_torch_legacy_optim_apis  # noqa: E402
 
 _remove_torch_legacy_optim_apis()
-RESULTS["torch_legacy_optim_apis_removed"] = True
+
+
+def _raise_not_implemented(cls: Any) -> bool:
+    for name in LEGACY_OPTIM_APIS:
+        try:
+            getattr(cls, name)()
+        except NotImplementedError:
+            continue
+        except Exception:
+            return False
+        return False
+    return True
+
+
+# Observed here, before install() (which points the class's names at fsdp_wrap's
+# working functions, the point of the exercise): torch's own raise.
+_LEGACY_RAISED_BEFORE_INSTALL = _raise_not_implemented(torch_fsdp1_class())
+
+
+def legacy_optim_apis_removed() -> bool:
+    """Whether torch's legacy optimizer-state functions raised
+    ``NotImplementedError`` before ``install()`` and the private helpers PR
+    #191712 deletes are still gone (the simulated removal in force)."""
+    import torch.distributed.fsdp._optim_utils as optim_utils
+
+    return _LEGACY_RAISED_BEFORE_INSTALL and not any(hasattr(optim_utils, n) for n in REMOVED_HELPERS)
 
 
 def record(key: str, value: Any) -> None:
     RESULTS[key] = value
-
-
-def write_results() -> None:
-    with open(os.path.join(OUT, f"rank{RANK}.json"), "w") as f:
-        json.dump(RESULTS, f)
 
 
 def use_fsdp_wrap() -> None:
