@@ -85,6 +85,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--bucket-cap-mb", type=float, default=None,
                    help="gradient bucket cap in MiB, 0 for none "
                    "(default: $FSDP_WRAP_BUCKET_CAP_MB, else 1)")
+    p.add_argument("--all-gather-batch-mb", type=float, default=None,
+                   help="batched all-gather cap in MiB, 0 for none; counted with --device cpu "
+                   "(default: $FSDP_WRAP_ALL_GATHER_BATCH_MB, else 1)")
     p.add_argument("--compare", action="store_true",
                    help="every strategy x offload x precision side by side")
     p.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
@@ -188,6 +191,7 @@ def _kwargs(args: argparse.Namespace, policy: Any, strategy: str, offload: bool,
         optimizer=args.optimizer,
         device=args.device,
         bucket_cap_mb=args.bucket_cap_mb,
+        all_gather_batch_mb=args.all_gather_batch_mb,
     )
 
 

@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from fsdp_wrap.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_wrap.comm.bucket import resolve_bucket_cap_mb
+from fsdp_wrap.comm.gather_batch import resolve_all_gather_batch_mb
 from fsdp_wrap.planning._memory import OPTIMIZERS, RankMemory, estimate
 from fsdp_wrap.planning._options import (
     checked_backend,
@@ -59,6 +60,7 @@ def plan(
     shard_group_size: int | None = None,
     optimizer: str = "adam",
     bucket_cap_mb: float | None = None,
+    all_gather_batch_mb: float | None = None,
     verbose: bool = False,
 ) -> Plan:
     """Plan ``FullyShardedDataParallel(module, ...)`` on ``world_size`` ranks.
@@ -79,6 +81,10 @@ def plan(
             does): gradients waiting in a bucket and a bucket's buffers in
             flight add to the backward peak (the planner replays the runtime's
             bucket decisions: see "What is counted" in the plan docs).
+        all_gather_batch_mb: the constructor's batched all-gather cap (default
+            ``$FSDP_WRAP_ALL_GATHER_BATCH_MB``, else the library's default):
+            on ``"cpu"`` with ``limit_all_gathers=True`` (synchronous gathers)
+            the units a batch gathers ahead of their turn add to the peaks.
         device: what the ranks compute on: ``"cuda"`` (NCCL: no staging
             buffers) or ``"cpu"`` (gloo: its measured staging buffers, and
             ``limit_all_gathers`` decides whether gathers overlap compute).
@@ -101,6 +107,9 @@ def plan(
     backend = checked_backend(device, limit_all_gathers, optimizer, world_size)
     cap_mb = resolve_bucket_cap_mb(bucket_cap_mb)
     cap_bytes = int(cap_mb * 1024 * 1024)
+    batch_mb = resolve_all_gather_batch_mb(all_gather_batch_mb)
+    # (the runtime batches only synchronous gathers: gloo with limit_all_gathers)
+    batch_bytes = 0 if backend.async_gathers else int(batch_mb * 1024 * 1024)
     shard = shard_group(strategy, world_size, shard_group_size)
     units, ignored = discover_units(
         module,
@@ -116,7 +125,8 @@ def plan(
     ranks = range(shard) if any(u.use_orig_params for u in units) else range(1)
     per_rank = estimate(units, ranks, optimizer=optimizer, backward_prefetch=backward_prefetch,
                         forward_prefetch=forward_prefetch, ignored=ignored, backend=backend,
-                        bucket_cap_bytes=cap_bytes, replicate_size=world_size // shard)
+                        bucket_cap_bytes=cap_bytes, replicate_size=world_size // shard,
+                        gather_batch_bytes=batch_bytes)
     result = Plan(
         units=tuple(units),
         world_size=world_size,
@@ -124,7 +134,7 @@ def plan(
         replicate_size=world_size // shard,
         optimizer=optimizer,
         settings=settings_row(strategy, use_orig_params, offload, mp, backward_prefetch,
-                              forward_prefetch, limit_all_gathers, device, cap_mb),
+                              forward_prefetch, limit_all_gathers, device, cap_mb, batch_mb),
         memory=max(per_rank, key=lambda m: (m.peak_device, m.persistent_cpu)),
         per_rank=per_rank,
         warnings=tuple(find_warnings(units, shard)),

@@ -36,6 +36,7 @@ import torch
 
 from fsdp_wrap.api import BackwardPrefetch
 from fsdp_wrap.comm.collectives import GLOO_BROADCAST_MIN_BYTES
+from fsdp_wrap.planning._batches import BatchedAhead, batched_ahead
 from fsdp_wrap.planning._buckets import BucketModel
 from fsdp_wrap.planning._units import FlatPlan, UnitPlan
 
@@ -227,11 +228,14 @@ def estimate(
     backend: Backend = NCCL,
     bucket_cap_bytes: int = 0,
     replicate_size: int = 1,
+    gather_batch_bytes: int = 0,
 ) -> tuple[RankMemory, ...]:
     """The memory of each of ``ranks``; only the optimizer state differs between them.
 
     ``bucket_cap_bytes``: the gradient buckets' cap (0: every unit reduced on
-    its own); ``replicate_size``: the hybrid strategies' replicas.
+    its own); ``replicate_size``: the hybrid strategies' replicas;
+    ``gather_batch_bytes``: the batched all-gathers' cap where gathers are
+    synchronous (0: none, as with asynchronous gathers).
     """
     states, counters, state_dtype = OPTIMIZERS[optimizer]
     ignored_bytes = sum(
@@ -249,7 +253,7 @@ def estimate(
                           staging=lambda u, nbytes: _staging_of(u, nbytes, backend),
                           alone=lambda u: _alone_bytes(u, backend), done_bytes=_done_bytes)
     fwd, bwd, step = _unsharded_peaks(units, backward_prefetch, forward_prefetch, backend,
-                                      buckets)
+                                      buckets, gather_batch_bytes)
     out = []
     for rank in ranks:
         optim = {"optimizer_device": 0, "optimizer_cpu": 0}
@@ -271,6 +275,7 @@ def _unsharded_peaks(
     forward_prefetch: bool,
     backend: Backend,
     buckets: BucketModel,
+    gather_batch_bytes: int = 0,
 ) -> tuple[int, int, int]:
     """Walk one step's schedule; return three device peaks in bytes.
 
@@ -293,18 +298,29 @@ def _unsharded_peaks(
     ahead_of = [gathering[i] if backend.async_gathers else g[i] for i in range(len(units))]
     kept = [u.sharded and (i == 0 or not u.reshard_after_forward) for i, u in enumerate(units)]
     dq = [dequantized_bytes(u) for u in units]
+    keys = [u.flats[0].compute_dtype if u.flats else None for u in units]
+    order = list(range(len(units)))
+    fwd_batches = batched_ahead(order, g, [u.sharded and g[i] > 0 for i, u in enumerate(units)],
+                                keys, gather_batch_bytes, forward_prefetch)
     fwd = held = 0
     for i in range(len(units)):
         ahead = ahead_of[i + 1] if forward_prefetch and i + 1 < len(units) else 0
         # While the prefetch gathers, its source (a cast shard) lives too.
         prefetching = gathering[i + 1] if ahead else 0
-        here = max(held + gathering[i], held + g[i] + prefetching, held + g[i] + ahead + dq[i])
+        # Batched gathers: the next units of a batch wait gathered for their turn.
+        ahead = max(ahead, fwd_batches.after_prefetch[i])
+        here = max(held + gathering[i], held + g[i] + prefetching, held + g[i] + ahead + dq[i],
+                   held + fwd_batches.batch_copy[i])
         buckets.timeline.append((f"forward {units[i].fqn or '(root)'}", here))
         fwd = max(fwd, here)
         if kept[i]:
             held += g[i]
+    bwd_order = order[::-1]
+    bwd_batches = batched_ahead(
+        bwd_order, g, [u.sharded and g[i] > 0 and not kept[i] for i, u in enumerate(units)],
+        keys, gather_batch_bytes, backward_prefetch is not None)
     walk = _BackwardWalk(units, g, gathering, ahead_of, kept, dq, held, backward_prefetch,
-                         backend, buckets)
+                         backend, buckets, bwd_batches)
     bwd, step, done = walk.run()
     buckets.timeline.append(("optimizer step", done))
     return fwd, bwd, max(step, fwd, done)
@@ -324,6 +340,7 @@ class _BackwardWalk:
     backward_prefetch: BackwardPrefetch | None
     backend: Backend
     buckets: BucketModel
+    batches: BatchedAhead  # batched gathers, by position in backward order
 
     def run(self) -> tuple[int, int, int]:
         """``(backward peak, step peak, sharded gradients held at the end)``."""
@@ -354,6 +371,13 @@ class _BackwardWalk:
             # While the prefetch gathers, its source (a cast shard) lives too.
             prefetching = (self.gathering[nxt] if pre and nxt is not None else 0)
             post = ahead if self.backward_prefetch is not None else 0
+            # Batched gathers: the units a batch (or the prefetch's batch) gathered
+            # wait for their turn; BACKWARD_PRE prefetches before this unit computes.
+            pre = max(pre, self.batches.after_prefetch[k]
+                      if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE
+                      else self.batches.before_prefetch[k])
+            post = max(post, self.batches.after_prefetch[k])
+            regather = max(regather, self.batches.batch_copy[k])
             compute, concat, _ = gradient_stages(u)
             # Sharded units free their parameters once all their gradients exist;
             # NO_SHARD copies go at the reshard before the reduction.

@@ -93,6 +93,7 @@ def settings_row(
     limit_all_gathers: bool,
     device: str,
     bucket_cap_mb: float,
+    all_gather_batch_mb: float = 0.0,
 ) -> dict[str, Any]:
     """The settings a plan reports, by name (enums and dtypes as plain strings)."""
     return {
@@ -106,6 +107,7 @@ def settings_row(
         "limit_all_gathers": limit_all_gathers,
         "device": device,
         "bucket_cap_mb": bucket_cap_mb,
+        "all_gather_batch_mb": all_gather_batch_mb,
     }
 
 

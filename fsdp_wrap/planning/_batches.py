@@ -1,0 +1,93 @@
+"""What batched all-gathers hold ahead of their turn, unit by unit.
+
+The runtime (``fsdp_wrap/comm/gather_batch.py``) lets a unit whose gather is
+needed and smaller than ``all_gather_batch_mb`` gather the units that come next
+in the same collective, as long as each still needs a gather and the batch
+stays within the cap.  Those followers then hold their unsharded copy until
+their own turn, and at the moment the batch is copied out its receive buffer
+lives beside every member's copy.  This replays those decisions over one
+order of units (forward: the units in order; backward: reversed, without the
+units kept gathered since forward), as the runtime makes them:
+
+* a batch starts at a unit that needs a gather and is not already gathered;
+  followers join while each needs a gather, shares the first one's compute
+  dtype and keeps the batch's bytes within the cap (the first unit alone may
+  be larger: then nothing joins);
+* a prefetch (``forward_prefetch``; ``BACKWARD_PRE`` / ``BACKWARD_POST``) of
+  the next unit starts a batch there in the same way.
+
+Only where gathers are synchronous (gloo with ``limit_all_gathers=True``, the
+runtime's CPU path); elsewhere every unit gathers on its own and nothing is
+held ahead beyond the prefetch the schedule already counts.  Units are
+batched whole here, where the runtime chains their flat parameters one by
+one (a unit of several flat parameters may be split between two batches).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchedAhead:
+    """Per position of the order: bytes gathered ahead of the unit running there
+    (before and after that position's prefetch was issued), and the batch copy's
+    peak when a batch starts there (its receive buffer and every member's copy)."""
+
+    before_prefetch: tuple[int, ...]
+    after_prefetch: tuple[int, ...]
+    batch_copy: tuple[int, ...]
+
+
+def batched_ahead(
+    order: Sequence[int],
+    gathered: Sequence[int],
+    needs: Sequence[bool],
+    keys: Sequence[Hashable],
+    cap_bytes: int,
+    prefetch: bool,
+) -> BatchedAhead:
+    """Replay the batching over ``order`` (unit indices).
+
+    ``gathered[i]``: unit ``i``'s unsharded bytes in the compute dtype;
+    ``needs[i]``: whether it gathers at its turn (sharded, not kept);
+    ``keys[i]``: what units of one batch must share (the compute dtype).
+    """
+    n = len(order)
+    pending: dict[int, int] = {}  # unit -> bytes gathered ahead of its turn
+    before, after, copy = [0] * n, [0] * n, [0] * n
+
+    def start_batch(k: int) -> int:
+        """Gather from position ``k`` on; the batch's bytes if it has followers."""
+        first = order[k]
+        total, members = gathered[first], [first]
+        for j in range(k + 1, n):
+            nxt = order[j]
+            if (not needs[nxt] or nxt in pending or keys[nxt] != keys[first]
+                    or total + gathered[nxt] > cap_bytes):
+                break
+            members.append(nxt)
+            total += gathered[nxt]
+        if len(members) == 1:
+            return 0
+        for m in members:
+            pending[m] = gathered[m]
+        return total
+
+    if cap_bytes <= 0:
+        return BatchedAhead((0,) * n, (0,) * n, (0,) * n)
+    for k in range(n):
+        unit = order[k]
+        if needs[unit] and unit not in pending:
+            copy[k] = 2 * start_batch(k)
+        pending.pop(unit, None)
+        before[k] = sum(pending.values())
+        nxt = order[k + 1] if prefetch and k + 1 < n else None
+        if nxt is not None and needs[nxt] and nxt not in pending:
+            total = start_batch(k + 1)
+            if total:  # (the prefetch's batch is copied out while this unit is gathered too)
+                copy[k] = max(copy[k], gathered[unit] + 2 * total)
+            pending.setdefault(nxt, gathered[nxt])  # (alone: gathered all the same)
+        after[k] = sum(pending.values())
+    return BatchedAhead(tuple(before), tuple(after), tuple(copy))

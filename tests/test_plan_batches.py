@@ -1,0 +1,108 @@
+"""The planner's replay of batched all-gathers (``fsdp_wrap/planning/_batches.py``).
+
+The replay must make the runtime's decisions (``fsdp_wrap/comm/gather_batch.py``):
+a batch starts where a unit needs a gather it does not already have, followers
+join while each needs a gather, shares the first one's dtype and fits the cap,
+and a prefetch starts a batch at the next unit.  Then ``fsdp_wrap.plan`` counts
+what those batches hold ahead only where the runtime batches (CPU, synchronous
+gathers).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fsdp_wrap as fw
+from fsdp_wrap.comm.gather_batch import ALL_GATHER_BATCH_ENV
+from fsdp_wrap.planning._batches import batched_ahead
+from fsdp_wrap.wrap import ModuleWrapPolicy
+from tests.models import Block
+
+ORDER = list(range(6))
+SIZES = [1, 1, 1, 1, 3, 1]
+
+
+def test_batches_without_prefetch() -> None:
+    b = batched_ahead(ORDER, SIZES, [True] * 6, [0] * 6, cap_bytes=2, prefetch=False)
+    # Batches [0, 1] and [2, 3]; unit 4 is larger than what is left of a cap of 2
+    # (alone), and so is unit 5 after it (nothing follows).
+    assert b.before_prefetch == b.after_prefetch == (1, 0, 1, 0, 0, 0)
+    # The copy out of a batch: its receive buffer and every member's copy.
+    assert b.batch_copy == (4, 0, 4, 0, 0, 0)
+
+
+def test_batches_with_prefetch() -> None:
+    b = batched_ahead(ORDER, SIZES, [True] * 6, [0] * 6, cap_bytes=2, prefetch=True)
+    # 0 gathers [0, 1]; 1's prefetch gathers [2, 3]; 2 and 3 were gathered
+    # already; 3's prefetch gathers 4 alone, 4's gathers 5 alone.
+    assert b.before_prefetch == (1, 0, 1, 0, 0, 0)
+    assert b.after_prefetch == (1, 2, 1, 3, 1, 0)
+    assert b.batch_copy == (4, 1 + 4, 0, 0, 0, 0)  # (1: its own copy and the batch's)
+
+
+def test_batches_stop_where_the_runtime_stops() -> None:
+    # A unit that needs no gather (kept since forward, NO_SHARD) ends the chain.
+    b = batched_ahead(ORDER, SIZES, [True, False, True, True, True, True], [0] * 6,
+                      cap_bytes=2, prefetch=False)
+    assert b.before_prefetch == (0, 0, 1, 0, 0, 0)
+    # So does another compute dtype.
+    b = batched_ahead(ORDER, SIZES, [True] * 6, [0, 1, 0, 0, 0, 0], cap_bytes=2,
+                      prefetch=False)
+    assert b.before_prefetch == (0, 0, 1, 0, 0, 0)
+    # Cap 0: no batches at all.
+    b = batched_ahead(ORDER, SIZES, [True] * 6, [0] * 6, cap_bytes=0, prefetch=True)
+    assert b.before_prefetch == b.after_prefetch == b.batch_copy == (0,) * 6
+
+
+class _Stack(nn.Module):
+    def __init__(self, n: int, d: int) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[Block(d) for _ in range(n)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
+def test_plan_counts_batches_only_where_the_runtime_batches(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ALL_GATHER_BATCH_ENV, raising=False)
+    with torch.device("meta"):
+        model = _Stack(n=6, d=64)  # 6 units of about 66 KB (fp32)
+    kw = dict(auto_wrap_policy=ModuleWrapPolicy({Block}), bucket_cap_mb=0, device="cpu")
+    off = fw.plan(model, 2, **kw, all_gather_batch_mb=0)
+    on = fw.plan(model, 2, **kw, all_gather_batch_mb=1)
+    default = fw.plan(model, 2, **kw)
+    assert default.settings["all_gather_batch_mb"] == 1.0 and default.memory == on.memory
+    unit = max(u.flats[0].layout.padded_numel for u in on.units[1:]) * 4
+    # Forward: the first unit's batch takes the other five, held until their turn.
+    assert on.memory.unsharded_forward >= off.memory.unsharded_forward + 4 * unit
+    assert on.memory.unsharded_backward > off.memory.unsharded_backward
+    # Asynchronous gathers (accelerators, limit_all_gathers=False) never batch.
+    for extra in (dict(device="cuda"), dict(limit_all_gathers=False)):
+        kw2 = dict(kw, **extra)
+        assert (fw.plan(model, 2, **kw2, all_gather_batch_mb=1).memory
+                == fw.plan(model, 2, **kw2, all_gather_batch_mb=0).memory)
+    monkeypatch.setenv(ALL_GATHER_BATCH_ENV, "0")
+    env_off = fw.plan(model, 2, **kw)
+    assert env_off.settings["all_gather_batch_mb"] == 0.0 and env_off.memory == off.memory
+
+
+def test_cli_takes_the_batch_cap(capsys: pytest.CaptureFixture[str],
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from fsdp_wrap.cli import main
+
+    monkeypatch.delenv(ALL_GATHER_BATCH_ENV, raising=False)
+    forward = {}
+    for cap in ("0", "1"):
+        assert main(["plan", "tests.test_plan:make_stack", "--world-size", "2", "--device",
+                     "cpu", "--policy", "transformer:Block", "--all-gather-batch-mb", cap,
+                     "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        assert data["settings"]["all_gather_batch_mb"] == float(cap)
+        forward[cap] = data["memory"]["unsharded_forward"]
+    # 4 blocks of ~66 KB: at 1 MiB the first gathers the other three with it.
+    assert forward["1"] > forward["0"]
