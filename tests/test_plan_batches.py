@@ -29,8 +29,12 @@ def test_batches_without_prefetch() -> None:
     # Batches [0, 1] and [2, 3]; unit 4 is larger than what is left of a cap of 2
     # (alone), and so is unit 5 after it (nothing follows).
     assert b.before_prefetch == b.after_prefetch == (1, 0, 1, 0, 0, 0)
-    # The copy out of a batch: its receive buffer and every member's copy.
+    # The copy out of a batch: its receive buffer and every member's copy,
     assert b.batch_copy == (4, 0, 4, 0, 0, 0)
+    # and the cast shards the members sent, where a gather sends a copy.
+    cast = batched_ahead(ORDER, SIZES, [True] * 6, [0] * 6, cap_bytes=2, prefetch=False,
+                         sources=[1] * 6)
+    assert cast.batch_copy == (6, 0, 6, 0, 0, 0) and cast.before_prefetch == b.before_prefetch
 
 
 def test_batches_with_prefetch() -> None:

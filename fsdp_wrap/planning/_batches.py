@@ -5,7 +5,8 @@ needed and smaller than ``all_gather_batch_mb`` gather the units that come next
 in the same collective, as long as each still needs a gather and the batch
 stays within the cap.  Those followers then hold their unsharded copy until
 their own turn, and at the moment the batch is copied out its receive buffer
-lives beside every member's copy.  This replays those decisions over one
+lives beside every member's copy and the shards each member sends (cast
+copies in a low compute dtype).  This replays those decisions over one
 order of units (forward: the units in order; backward: reversed, without the
 units kept gathered since forward), as the runtime makes them:
 
@@ -33,7 +34,8 @@ from collections.abc import Hashable, Sequence
 class BatchedAhead:
     """Per position of the order: bytes gathered ahead of the unit running there
     (before and after that position's prefetch was issued), and the batch copy's
-    peak when a batch starts there (its receive buffer and every member's copy)."""
+    peak when a batch starts there (its receive buffer, every member's copy and
+    the cast shards they sent)."""
 
     before_prefetch: tuple[int, ...]
     after_prefetch: tuple[int, ...]
@@ -47,19 +49,25 @@ def batched_ahead(
     keys: Sequence[Hashable],
     cap_bytes: int,
     prefetch: bool,
+    sources: Sequence[int] | None = None,
 ) -> BatchedAhead:
     """Replay the batching over ``order`` (unit indices).
 
     ``gathered[i]``: unit ``i``'s unsharded bytes in the compute dtype;
     ``needs[i]``: whether it gathers at its turn (sharded, not kept);
-    ``keys[i]``: what units of one batch must share (the compute dtype).
+    ``keys[i]``: what units of one batch must share (the compute dtype);
+    ``sources[i]``: the copy of its shard a gather sends, where one is made
+    (cast to the compute dtype or moved; 0 where the shard itself is sent).
     """
     n = len(order)
     pending: dict[int, int] = {}  # unit -> bytes gathered ahead of its turn
     before, after, copy = [0] * n, [0] * n, [0] * n
 
+    src = sources if sources is not None else [0] * len(gathered)
+
     def start_batch(k: int) -> int:
-        """Gather from position ``k`` on; the batch's bytes if it has followers."""
+        """Gather from position ``k`` on; the peak of copying the batch out (receive
+        buffer, members' copies, sent shards) if it has followers, else 0."""
         first = order[k]
         total, members = gathered[first], [first]
         for j in range(k + 1, n):
@@ -73,21 +81,21 @@ def batched_ahead(
             return 0
         for m in members:
             pending[m] = gathered[m]
-        return total
+        return 2 * total + sum(src[m] for m in members)
 
     if cap_bytes <= 0:
         return BatchedAhead((0,) * n, (0,) * n, (0,) * n)
     for k in range(n):
         unit = order[k]
         if needs[unit] and unit not in pending:
-            copy[k] = 2 * start_batch(k)
+            copy[k] = start_batch(k)
         pending.pop(unit, None)
         before[k] = sum(pending.values())
         nxt = order[k + 1] if prefetch and k + 1 < n else None
         if nxt is not None and needs[nxt] and nxt not in pending:
-            total = start_batch(k + 1)
-            if total:  # (the prefetch's batch is copied out while this unit is gathered too)
-                copy[k] = max(copy[k], gathered[unit] + 2 * total)
+            peak = start_batch(k + 1)
+            if peak:  # (the prefetch's batch is copied out while this unit is gathered too)
+                copy[k] = max(copy[k], gathered[unit] + peak)
             pending.setdefault(nxt, gathered[nxt])  # (alone: gathered all the same)
         after[k] = sum(pending.values())
     return BatchedAhead(tuple(before), tuple(after), tuple(copy))

@@ -301,7 +301,7 @@ def _unsharded_peaks(
     keys = [u.flats[0].compute_dtype if u.flats else None for u in units]
     order = list(range(len(units)))
     fwd_batches = batched_ahead(order, g, [u.sharded and g[i] > 0 for i, u in enumerate(units)],
-                                keys, gather_batch_bytes, forward_prefetch)
+                                keys, gather_batch_bytes, forward_prefetch, src)
     fwd = held = 0
     for i in range(len(units)):
         ahead = ahead_of[i + 1] if forward_prefetch and i + 1 < len(units) else 0
@@ -318,7 +318,7 @@ def _unsharded_peaks(
     bwd_order = order[::-1]
     bwd_batches = batched_ahead(
         bwd_order, g, [u.sharded and g[i] > 0 and not kept[i] for i, u in enumerate(units)],
-        keys, gather_batch_bytes, backward_prefetch is not None)
+        keys, gather_batch_bytes, backward_prefetch is not None, src)
     walk = _BackwardWalk(units, g, gathering, ahead_of, kept, dq, held, backward_prefetch,
                          backend, buckets, bwd_batches)
     bwd, step, done = walk.run()
