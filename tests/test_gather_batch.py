@@ -184,6 +184,39 @@ def test_gather_counts(pool2: Any) -> None:
     assert pool2.run(_count_forward_gathers, 3 * UNIT_MB)[0] == [7 + 3, 4 + 3]
 
 
+def _in_flight_during_forward(batch_mb: float) -> list[list[int]]:
+    """Per block, the blocks whose batched gather is still in flight (issued, not
+    yet waited for) while it computes, in the second iteration."""
+    torch.manual_seed(0)
+    model = _wrap(Net(), batch_mb)
+    blocks = list(model.blocks)  # type: ignore[union-attr, arg-type]
+    seen: list[list[int]] = []
+
+    def record(*_: Any) -> None:
+        slots = [b._handles[0]._gathered[False] for b in blocks]
+        # (in flight: issued, not yet copied out; the first member's wait copies
+        # every member's part out)
+        seen.append([j for j, slot in enumerate(slots)
+                     if slot.pending is not None and not slot.valid])
+
+    for b in blocks:
+        b.module.register_forward_pre_hook(record)
+    for _ in range(2):
+        seen.clear()
+        model(_batch(0)).sum().backward()
+    return seen
+
+
+def test_forward_gathers_the_next_batch_while_the_last_unit_computes(pool2: Any) -> None:
+    """Batches as in test_gather_counts (root+0+1, 2, 3, 4+5): the 4+5 batch is
+    issued when 3, the unit before it, starts its forward, and is in flight while
+    3 computes; units that gather alone (2, 3) wait for their turn, as without
+    ``forward_prefetch``, and so does everything with batching off."""
+    seen = pool2.run(_in_flight_during_forward, 3 * UNIT_MB)[0]
+    assert seen == [[], [], [], [4, 5], [], []], seen
+    assert pool2.run(_in_flight_during_forward, 0.0)[0] == [[]] * 6
+
+
 def test_resolution_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ALL_GATHER_BATCH_ENV, raising=False)
     assert resolve_all_gather_batch_mb(None) == DEFAULT_ALL_GATHER_BATCH_MB == 1.0

@@ -43,7 +43,14 @@ def test_batches_with_prefetch() -> None:
     # already; 3's prefetch gathers 4 alone, 4's gathers 5 alone.
     assert b.before_prefetch == (1, 0, 1, 0, 0, 0)
     assert b.after_prefetch == (1, 2, 1, 3, 1, 0)
-    assert b.batch_copy == (4, 1 + 4, 0, 0, 0, 0)  # (1: its own copy and the batch's)
+    # 1's prefetch issues [2, 3] beside 1's own copy (its receive buffer); 2 copies
+    # it out when it waits for it (receive buffer and both members' copies).
+    assert b.batch_copy == (4, 1 + 2, 4, 0, 0, 0)
+    # The forward without forward_prefetch starts only batches ahead, never a
+    # unit alone: 4 and 5 wait for their turn.
+    fwd = batched_ahead(ORDER, SIZES, [True] * 6, [0] * 6, cap_bytes=2, prefetch=True,
+                        prefetch_alone=False)
+    assert fwd.after_prefetch == (1, 2, 1, 0, 0, 0) and fwd.batch_copy == b.batch_copy
 
 
 def test_batches_stop_where_the_runtime_stops() -> None:

@@ -18,9 +18,15 @@ The followers are gathered early, like a prefetch: until their own forward
 (or backward) they hold their unsharded copy, at most ``cap`` bytes beyond
 the unit being computed, plus the batch's receive buffer for the moment of
 the copy.  That bound is what ``limit_all_gathers`` keeps meaning: a batch
-counts as one gather in flight.  Batches are synchronous (the CPU path of
-``limit_all_gathers=True``); units that gather asynchronously (accelerators,
-``limit_all_gathers=False``) keep their per-unit, overlapped gathers.  A
+counts as one gather in flight.  Batching is the CPU path of
+``limit_all_gathers=True``; units that gather asynchronously (accelerators,
+``limit_all_gathers=False``) keep their per-unit, overlapped gathers.  A batch
+gathered at its first unit's turn is waited for at once; one that a prefetch
+starts (backward prefetch, ``forward_prefetch``, and in forward the next batch
+once the last unit of the current one runs) stays in flight while the current
+unit computes, in its receive buffer, and the first member that waits for it
+copies every member's part out: the same bytes ahead, at most one batch, with
+the collective's latency behind compute.  A
 follower that then does not run (control flow) is freed with every other
 unit at the end of backward, or, with no backward, at the next root forward
 (a forward without grad does not batch, since neither of those would follow).
@@ -28,6 +34,7 @@ unit at the end of backward, or, with no backward, at the next root forward
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Protocol, TypeVar
 
 import torch
@@ -58,6 +65,7 @@ class GatherUnit(Protocol):
     def needs_gather(self) -> bool: ...
     def gather_input(self) -> torch.Tensor: ...
     def take_gathered(self, rows: torch.Tensor) -> None: ...
+    def expect_gathered(self, pending: C.PendingWork) -> None: ...
 
 __all__ = ["ALL_GATHER_BATCH_ENV", "DEFAULT_ALL_GATHER_BATCH_MB", "gather_ahead",
            "resolve_all_gather_batch_mb"]
@@ -78,17 +86,20 @@ def gather_ahead(
     handle: H,
     cap_bytes: int,
     next_of: Callable[[H], H | None],
+    async_op: bool = False,
 ) -> None:
     """If ``handle`` needs a gather and is small, gather it now together with
     the units ``next_of`` chains to, within ``cap_bytes``.
 
     Called just before the handle's own ``start_unshard`` / ``finish_unshard``
     (which then find the data there).  Postcondition: each unit of a batch
-    holds a valid unsharded copy; with nothing to batch, nothing happened.
+    holds a valid unsharded copy, or with ``async_op`` (a prefetch) one that is
+    coming: the first unit to wait for it copies every member's part out;
+    with nothing to batch, nothing happened.
     """
     batch = _plan(handle, cap_bytes, next_of)
     if len(batch) > 1:
-        _gather(batch)
+        _gather(batch, async_op)
 
 
 def _plan(
@@ -122,7 +133,7 @@ def _plan(
     return batch
 
 
-def _gather(batch: list[H]) -> None:
+def _gather(batch: list[H], async_op: bool = False) -> None:
     """One all-gather for every unit in ``batch`` (compute copies)."""
     inputs = [h.gather_input() for h in batch]
     widths = [t.numel() for t in inputs]
@@ -134,9 +145,26 @@ def _gather(batch: list[H]) -> None:
     else:
         send = torch.cat(inputs)
     # (a coded wire's blocks start at each unit's shard: ``widths``)
-    wire.all_gather(rows.view(-1), send, group, segments=widths)
+    work = wire.all_gather(rows.view(-1), send, group, segments=widths, async_op=async_op)
+
+    def copy_out() -> None:
+        col = 0
+        for h, width in zip(batch, widths):
+            h.take_gathered(rows[:, col : col + width])
+            col += width
+
+    if work is None:
+        copy_out()
+        return
+    pending = C.PendingWork([], then=functools.partial(_finish, work, send, copy_out))
+    for h in batch:
+        h.expect_gathered(pending)
+
+
+def _finish(work: C.Work | C.PendingWork, send: torch.Tensor,
+            copy_out: Callable[[], None]) -> None:
+    """Wait for a batch in flight and copy every member's part out; ``send``
+    (the collective's input) is an argument to stay alive until then."""
+    work.wait()
     del send
-    col = 0
-    for h, width in zip(batch, widths):
-        h.take_gathered(rows[:, col : col + width])
-        col += width
+    copy_out()

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
+import fsdp_wrap.comm.collectives as C
 import fsdp_wrap.comm.reduce as R
 from fsdp_wrap.api import RESHARD_AFTER_FORWARD, SHARDED_STRATEGIES
 from fsdp_wrap.comm.quant.wire import EXACT, Wire
@@ -463,6 +464,12 @@ class FlatParamHandle:
             _ensure_storage(slot.buffer)
         slot.buffer.view(self.world_size, self.shard_numel).copy_(rows)
         slot.valid = slot.checked = True  # (gather_input checked)
+
+    def expect_gathered(self, pending: C.PendingWork) -> None:
+        """The compute copy comes with a batch still in flight (a prefetch):
+        waiting for ``pending`` (shared by the batch) copies it in."""
+        slot = self._gathered[False]
+        slot.pending, slot.checked = pending, True  # (gather_input checked)
 
     def pre_unshard(self) -> bool:
         """Take up original parameters or gradients replaced since the last

@@ -15,7 +15,9 @@ units kept gathered since forward), as the runtime makes them:
   dtype and keeps the batch's bytes within the cap (the first unit alone may
   be larger: then nothing joins);
 * a prefetch (``forward_prefetch``; ``BACKWARD_PRE`` / ``BACKWARD_POST``) of
-  the next unit starts a batch there in the same way.
+  the next unit starts a batch there in the same way, in flight while the
+  current unit computes; without ``forward_prefetch`` the forward still starts
+  the next *batch* (not a unit alone) once the current one's last unit runs.
 
 Only where gathers are synchronous (gloo with ``limit_all_gathers=True``, the
 runtime's CPU path); elsewhere every unit gathers on its own and nothing is
@@ -33,9 +35,9 @@ from collections.abc import Hashable, Sequence
 @dataclasses.dataclass(frozen=True)
 class BatchedAhead:
     """Per position of the order: bytes gathered ahead of the unit running there
-    (before and after that position's prefetch was issued), and the batch copy's
-    peak when a batch starts there (its receive buffer, every member's copy and
-    the cast shards they sent)."""
+    (before and after that position's prefetch was issued), and the peak a
+    batch's gather or copy-out adds there (receive buffer, members' copies, the
+    cast shards they sent)."""
 
     before_prefetch: tuple[int, ...]
     after_prefetch: tuple[int, ...]
@@ -50,6 +52,7 @@ def batched_ahead(
     cap_bytes: int,
     prefetch: bool,
     sources: Sequence[int] | None = None,
+    prefetch_alone: bool = True,
 ) -> BatchedAhead:
     """Replay the batching over ``order`` (unit indices).
 
@@ -57,7 +60,10 @@ def batched_ahead(
     ``needs[i]``: whether it gathers at its turn (sharded, not kept);
     ``keys[i]``: what units of one batch must share (the compute dtype);
     ``sources[i]``: the copy of its shard a gather sends, where one is made
-    (cast to the compute dtype or moved; 0 where the shard itself is sent).
+    (cast to the compute dtype or moved; 0 where the shard itself is sent);
+    ``prefetch_alone``: whether a prefetch gathers the next unit also where it
+    makes no batch (a real prefetch) or only starts batches (the forward's
+    batch look-ahead without ``forward_prefetch``).
     """
     n = len(order)
     pending: dict[int, int] = {}  # unit -> bytes gathered ahead of its turn
@@ -65,9 +71,9 @@ def batched_ahead(
 
     src = sources if sources is not None else [0] * len(gathered)
 
-    def start_batch(k: int) -> int:
-        """Gather from position ``k`` on; the peak of copying the batch out (receive
-        buffer, members' copies, sent shards) if it has followers, else 0."""
+    def start_batch(k: int) -> tuple[int, int]:
+        """Gather from position ``k`` on: the batch's bytes and its members' sent
+        shards if it has followers, else ``(0, 0)``."""
         first = order[k]
         total, members = gathered[first], [first]
         for j in range(k + 1, n):
@@ -78,24 +84,30 @@ def batched_ahead(
             members.append(nxt)
             total += gathered[nxt]
         if len(members) == 1:
-            return 0
+            return 0, 0
         for m in members:
             pending[m] = gathered[m]
-        return 2 * total + sum(src[m] for m in members)
+        return total, sum(src[m] for m in members)
 
     if cap_bytes <= 0:
         return BatchedAhead((0,) * n, (0,) * n, (0,) * n)
     for k in range(n):
         unit = order[k]
         if needs[unit] and unit not in pending:
-            copy[k] = start_batch(k)
+            # (gathered and copied out at once: receive buffer, copies, sent shards)
+            total, sent = start_batch(k)
+            copy[k] = max(copy[k], 2 * total + sent if total else 0)
         pending.pop(unit, None)
         before[k] = sum(pending.values())
         nxt = order[k + 1] if prefetch and k + 1 < n else None
         if nxt is not None and needs[nxt] and nxt not in pending:
-            peak = start_batch(k + 1)
-            if peak:  # (the prefetch's batch is copied out while this unit is gathered too)
-                copy[k] = max(copy[k], gathered[unit] + peak)
-            pending.setdefault(nxt, gathered[nxt])  # (alone: gathered all the same)
+            total, sent = start_batch(k + 1)
+            if total:
+                # In flight while this unit computes (issued beside its copy and
+                # the sent shards), copied out when the next unit waits for it.
+                copy[k] = max(copy[k], gathered[unit] + total + sent)
+                copy[k + 1] = 2 * total
+            if prefetch_alone:
+                pending.setdefault(nxt, gathered[nxt])  # (alone: gathered all the same)
         after[k] = sum(pending.values())
     return BatchedAhead(tuple(before), tuple(after), tuple(copy))

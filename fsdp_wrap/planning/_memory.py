@@ -301,7 +301,8 @@ def _unsharded_peaks(
     keys = [u.flats[0].compute_dtype if u.flats else None for u in units]
     order = list(range(len(units)))
     fwd_batches = batched_ahead(order, g, [u.sharded and g[i] > 0 for i, u in enumerate(units)],
-                                keys, gather_batch_bytes, forward_prefetch, src)
+                                keys, gather_batch_bytes, True, src,
+                                prefetch_alone=forward_prefetch)
     fwd = held = 0
     for i in range(len(units)):
         ahead = ahead_of[i + 1] if forward_prefetch and i + 1 < len(units) else 0

@@ -167,10 +167,15 @@ def pre_forward(state: UnitState, inputs: Any = None) -> None:
     gather_ahead(handles[0], batch_bytes, chain)
     for handle in handles:
         handle.finish_unshard(full_precision=handle.computes_in_full_precision)
+    nxt = order.next_in_forward(handles[-1])
     if state.forward_prefetch:
-        nxt = order.next_in_forward(handles[-1])
         if nxt is not None:
             _start_unit_gathers(root._state_of[nxt], batch_bytes, chain)
+    elif nxt is not None and batch_bytes:
+        # The last unit of a batch computes: the next batch is gathered meanwhile
+        # (only a batch: a unit alone still waits for its turn, as without
+        # forward_prefetch), which holds no more than the batch cap ahead.
+        gather_ahead(nxt, batch_bytes, chain, async_op=True)
     for handle in handles:
         handle.use_unsharded_views(track_graph=True)
     _register_frozen_free(state, inputs)
@@ -188,8 +193,9 @@ def _next_in_forward(root: UnitState, handle: FlatParamHandle) -> FlatParamHandl
 
 def _start_unit_gathers(state: UnitState, batch_bytes: int,
                         chain: Callable[[FlatParamHandle], FlatParamHandle | None]) -> None:
-    """Start gathering every flat parameter of ``state`` (a prefetch)."""
-    gather_ahead(state._handles[0], batch_bytes, chain)
+    """Start gathering every flat parameter of ``state`` (a prefetch: a batch
+    stays in flight while the current unit computes)."""
+    gather_ahead(state._handles[0], batch_bytes, chain, async_op=True)
     for h in state._handles:
         h.start_unshard(full_precision=h.computes_in_full_precision)
 
@@ -405,8 +411,9 @@ def _prefetch_backward(state: UnitState) -> None:
     nxt = _next_backward_pending(root, state._handles[0])
     if nxt is not None:
         unit = root._state_of[nxt]
+        # (a batch stays in flight while this unit's backward computes)
         gather_ahead(unit._handles[-1], root._all_gather_batch_bytes,
-                     functools.partial(_next_backward_pending, root))
+                     functools.partial(_next_backward_pending, root), async_op=True)
         for h in unit._handles:
             h.start_unshard(full_precision=h.computes_in_full_precision)
 
