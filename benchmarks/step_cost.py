@@ -37,6 +37,13 @@ framework's own work and its collectives.  Checked for DDP and fsdp_wrap
 ms``); torch's FSDP1 still keeps other threads busy there, so its split is
 not complete.
 
+With ``--waiting`` each fsdp_wrap configuration also runs as ``KEY/waiting``:
+a batched gather that a prefetch starts is waited for as soon as it is issued
+(``fsdp_wrap.runtime.hooks.gather_ahead`` patched to ``async_op=False`` while
+the step runs), as before such batches stayed in flight behind compute; the
+table is followed by the median of the per-round wall-time ratios of each
+configuration to its waiting form.
+
 The difference between a configuration and ``ddp`` (the same compute, two
 all-reduces, no Python per layer) is the framework's own per-step cost.
 To measure a given commit rather than the working tree, put a snapshot first
@@ -167,6 +174,24 @@ def _without_comm(framework: str, model: Any, step: Callable[[int], None]) -> Ca
     return run
 
 
+def _waiting(step: Callable[[int], None]) -> Callable[[int], None]:
+    """The same step with a prefetch's batched gather waited for at once."""
+    from unittest import mock
+
+    import fsdp_wrap.runtime.hooks as hooks
+
+    real = hooks.gather_ahead
+
+    def gather_ahead(handle: Any, cap: int, chain: Any, async_op: bool = False) -> None:
+        real(handle, cap, chain)
+
+    def run(i: int) -> None:
+        with mock.patch.object(hooks, "gather_ahead", gather_ahead):
+            step(i)
+
+    return run
+
+
 def _rank_main(cfg: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
@@ -207,6 +232,8 @@ def _rank_main(cfg: dict[str, Any]) -> None:
         models[v.key] = step
         if cfg.get("no_comm"):
             models[v.key + "/nocomm"] = _without_comm(v.framework, model, step)
+        if cfg.get("waiting") and v.framework == "fsdp_wrap":
+            models[v.key + "/waiting"] = _waiting(step)
     keys = list(models)
     for i in range(cfg["warmup"]):
         for k in keys:
@@ -286,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
                         "collectives (DDP under no_sync(); FSDPs with local stand-ins)")
     p.add_argument("--pstats", default=None,
                    help="write each configuration's profiled step (cProfile) to DIR/KEY.pstats")
+    p.add_argument("--waiting", action="store_true",
+                   help="add a KEY/waiting row per fsdp_wrap configuration: a prefetch's batched "
+                        "gather waited for at once instead of in flight behind compute")
     args = p.parse_args(argv)
     if args.pstats:
         os.makedirs(args.pstats, exist_ok=True)
@@ -300,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             "out": os.path.join(tmp, "out.json"),
             "callgrind_lib": _callgrind_lib(tmp) if args.callgrind else None,
             "pstats_dir": os.path.abspath(args.pstats) if args.pstats else None,
-            "no_comm": args.no_comm,
+            "no_comm": args.no_comm, "waiting": args.waiting,
         }
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    WORLD_SIZE="2", STEP_COST_CFG=json.dumps(cfg))
@@ -317,11 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         with open(cfg["out"]) as f:
             res = json.load(f)
-        from _bench_models import Variant
-
-        keys = [Variant(**v).key for v in variants]
-        if args.no_comm:
-            keys = [k2 for k in keys for k2 in (k, k + "/nocomm")]
+        keys = list(res["cpu"])  # (every configuration the ranks ran, in their order)
         instr = _instructions(tmp, keys) if args.callgrind else {}
         if args.keep:
             import shutil
@@ -349,6 +375,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print("  ".join(c.ljust(n) for c, n in zip(r, widths)))
     print(rule)
+    for k in keys if not instr else []:
+        if k + "/waiting" in res["wall"]:
+            ratios = [a / b for a, b in zip(res["wall"][k], res["wall"][k + "/waiting"])]
+            print(f"{k}: in flight / waiting {statistics.median(ratios):.3f} "
+                  "(median of per-round wall ratios)")
     return 0
 
 

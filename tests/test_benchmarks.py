@@ -57,13 +57,14 @@ def test_benchmark_runs_and_prints_tables(tmp_path):
 
 
 @pytest.mark.slow  # a smoke run of a by-hand tool (benchmarks/), in CI with -m slow
-def test_prefetch_ab_runs_and_prints_its_table():
-    script = os.path.join(ROOT, "benchmarks", "prefetch_ab.py")
-    proc = run_bounded([sys.executable, script, "--tiny", "--rounds", "2"], timeout=240,
-                       env=dict(os.environ, PYTHONWARNINGS="ignore"), cwd=ROOT)
+def test_step_cost_runs_with_its_extra_rows():
+    script = os.path.join(ROOT, "benchmarks", "step_cost.py")
+    proc = run_bounded([sys.executable, script, "--variants", "ddp,fsdp_wrap/FULL_SHARD/F",
+                        "--rounds", "2", "--warmup", "1", "--no-comm", "--waiting"],
+                       timeout=240, env=dict(os.environ, PYTHONWARNINGS="ignore"), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for row in ("ddp", "F/in flight", "F/waiting", "T/in flight", "T/waiting",
-                "F: in flight / waiting", "T: in flight / waiting"):
+    for row in ("ddp/-/-", "ddp/-/-/nocomm", "fsdp_wrap/FULL_SHARD/F/nocomm",
+                "fsdp_wrap/FULL_SHARD/F/waiting", "fsdp_wrap/FULL_SHARD/F: in flight / waiting"):
         assert row in proc.stdout, row
 
 

@@ -167,11 +167,11 @@ def pre_forward(state: UnitState, inputs: Any = None) -> None:
     gather_ahead(handles[0], batch_bytes, chain)
     for handle in handles:
         handle.finish_unshard(full_precision=handle.computes_in_full_precision)
-    nxt = order.next_in_forward(handles[-1])
-    if state.forward_prefetch:
-        if nxt is not None:
-            _start_unit_gathers(root._state_of[nxt], batch_bytes, chain)
-    elif nxt is not None and batch_bytes:
+    nxt = (order.next_in_forward(handles[-1])
+           if state.forward_prefetch or batch_bytes else None)
+    if nxt is not None and state.forward_prefetch:
+        _start_unit_gathers(root._state_of[nxt], batch_bytes, chain)
+    elif nxt is not None:
         # The last unit of a batch computes: the next batch is gathered meanwhile
         # (only a batch: a unit alone still waits for its turn, as without
         # forward_prefetch), which holds no more than the batch cap ahead.
