@@ -210,3 +210,79 @@ def _refusals() -> list[str]:
 def test_writeback_refusals_match_torch(pool2: Any) -> None:
     fails = [f for r in pool2.run(_refusals) for f in r]
     assert not fails, "\n".join(fails)
+
+
+
+# ---------------------------------------------------------------------------
+# the original parameters' gradients: views of the flat gradient
+# ---------------------------------------------------------------------------
+
+
+class _Odd(nn.Module):
+    """Parameters of odd sizes (42 elements): on 2 ranks some lie wholly in one
+    rank's shard and one spans both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 1)   # 3 + 1
+        self.b = nn.Linear(1, 9)   # 9 + 9
+        self.c = nn.Linear(9, 2)   # 18 + 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(self.a(x))))
+
+
+def _flat_grad_views(model: nn.Module, names: list[str]) -> list[str]:
+    """fsdp_wrap's sharded ``.grad`` of each original parameter is the view of
+    the flat gradient at the parameter's piece of the shard, ``None`` where the
+    shard holds none of it."""
+    handle = model._all_handles[0]  # type: ignore[index]
+    flat = handle.flat_param.grad
+    fails = []
+    for i, info in enumerate(handle.infos):
+        sl, g, name = handle.param_shard_slice(i), info.param.grad, names[i]
+        if sl is None or g is None:
+            if (sl is None) != (g is None):
+                fails.append(f"{name}: shard slice {sl} but grad {g}")
+        elif (g.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+              or g.storage_offset() != flat.storage_offset() + sl[0]
+              or g.numel() != sl[1] - sl[0] or not torch.equal(g, flat[sl[0]:sl[1]])):
+            fails.append(f"{name}: not the view flat.grad[{sl[0]}:{sl[1]}]")
+    return fails
+
+
+def _grad_views(cfg: dict[str, Any]) -> list[str]:
+    """After a second backward (a fresh flat gradient after ``zero_grad``), per
+    original parameter and rank: ``.grad`` equal to torch's FSDP1's (``None``
+    or not, shape, dtype, values), and a view of the flat gradient."""
+    import copy
+
+    torch.manual_seed(0)
+    base = _Odd()
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(7 + dist.get_rank()))
+    got: dict[str, list[tuple[str, Any]]] = {}
+    fails: list[str] = []
+    for impl in ("torch", "ours"):
+        kw: dict[str, Any] = {"sharding_strategy": cfg["strategy"], "use_orig_params": True}
+        if cfg["low_grads"]:  # (bf16 gradients on fp32 parameters: set through .grad.data)
+            kw["mixed_precision"] = fsdp_api(impl).MixedPrecision(
+                param_dtype=torch.bfloat16, keep_low_precision_grads=True)
+        model = fsdp_api(impl).FullyShardedDataParallel(copy.deepcopy(base), **fsdp_kwargs(impl, **kw))
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            model(x).sum().backward()
+        got[impl] = [(n.replace("_fsdp_wrapped_module.", ""), p.grad) for n, p in model.named_parameters()]
+        if impl == "ours":
+            fails += _flat_grad_views(model, [n for n, _ in got[impl]])
+    for (name, a), (_, b) in zip(got["torch"], got["ours"]):
+        if (a is None) != (b is None) or (a is not None and (
+                a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b))):
+            fails.append(f"{name}: torch {a} vs ours {b}")
+    return [f"{rank_tag()} {cfg}: {f}" for f in fails]
+
+
+def test_sharded_grads_are_views_of_the_flat_gradient(pool2: Any) -> None:
+    configs = [{"strategy": s, "low_grads": False} for s in ("FULL_SHARD", "SHARD_GRAD_OP")]
+    configs.append({"strategy": "FULL_SHARD", "low_grads": True})
+    fails = [f for r in pool2.run(run_configs, configs, _grad_views) for f in r]
+    assert not fails, "\n".join(fails)

@@ -63,6 +63,8 @@ class FlatGrads:
         # all-reduce waits until it is required again.
         self.requires_all_reduce = True
         self._partial: torch.Tensor | None = None
+        # (set_grad_views: the split of a sharded gradient, for its numel)
+        self._shard_split_cache: tuple[int, list[int], list[int]] | None = None
 
     def retype(self, dtypes: tuple[torch.dtype, torch.dtype, torch.dtype],
                reduce_spec: R.ReduceSpec) -> None:
@@ -306,11 +308,47 @@ class FlatGrads:
         if grad is not None and not self.uses_sharded_strategy:
             self.set_unsharded_grad_views(grad)
             return
-        for info, sl in zip(self.infos, self._shard_slices):
-            if grad is None or sl is None or not info.param.requires_grad:
+        if grad is None:
+            for info in self.infos:
                 info.param.grad = None
-            else:
-                _assign_grad(info.param, grad[sl[0] : sl[1]])
+            return
+        sizes, piece_of = self._shard_split(grad.numel())
+        pieces = grad.split(sizes)  # (one split, not a slice per parameter)
+        for info, j in zip(self.infos, piece_of):
+            param = info.param
+            if j < 0 or not param.requires_grad:
+                param.grad = None
+                continue
+            try:
+                param.grad = pieces[j]  # (the common case: shape, dtype and device match)
+            except RuntimeError:
+                _assign_grad(param, pieces[j])  # (they differ: see _assign_grad)
+
+    def _shard_split(self, numel: int) -> tuple[list[int], list[int]]:
+        """Split sizes that tile a sharded gradient of ``numel`` elements, and
+        per parameter the piece that is its part (``-1``: none in this shard).
+
+        The pieces between parameters (padding) are split off too and unused.
+        """
+        cached = self._shard_split_cache
+        if cached is not None and cached[0] == numel:
+            return cached[1], cached[2]
+        sizes: list[int] = []
+        piece_of: list[int] = []
+        end = 0
+        for sl in self._shard_slices:
+            if sl is None:
+                piece_of.append(-1)
+                continue
+            if sl[0] > end:
+                sizes.append(sl[0] - end)
+            piece_of.append(len(sizes))
+            sizes.append(sl[1] - sl[0])
+            end = sl[1]
+        if numel > end:
+            sizes.append(numel - end)
+        self._shard_split_cache = (numel, sizes, piece_of)
+        return sizes, piece_of
 
 
 def _assign_grad(param: torch.Tensor, grad: torch.Tensor) -> None:

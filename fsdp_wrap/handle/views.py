@@ -359,18 +359,18 @@ class ParamViews:
 
         A parameter whose data was replaced since (``param.data = ...``) has
         another address or shape, and ``info.param`` is another object once
-        the write-back took up a replaced Parameter.
+        the write-back took up a replaced Parameter.  Checks and writes go
+        together: where a later parameter moved, the caller's full path
+        registers every one of them again, those already written included.
         """
         last = self._registered
         if last is None or last[0] != base or last[1] != dtype or self.shared:
             return False
-        entries = last[2]
-        for info, (_, _, param, ptr, shape) in zip(self.infos, entries):
+        for info, (params, name, param, ptr, shape) in zip(self.infos, last[2]):
             if (info.param is not param or param.data_ptr() != ptr or param.shape != shape
                     or param.dtype != dtype or not param.is_contiguous()):
                 self._registered = None
-                return False
-        for params, name, param, _, _ in entries:
+                return False  # (the full path then registers every parameter again)
             params[name] = param
         return True
 

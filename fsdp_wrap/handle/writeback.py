@@ -193,6 +193,7 @@ def _nothing_replaced(handle: OwningHandle) -> bool:
     flat_grad = handle.flat_param.grad
     grad_lo, grad_hi = _span(flat_grad) if flat_grad is not None else (0, 0)
     full = not handle.uses_sharded_strategy or handle.grads.has_unreduced_grad
+    shard_storage = 0  # (the shard's storage address, read once if an empty view needs it)
     for i, info in enumerate(handle.infos):
         current = info.module._parameters.get(info.name)
         if current is None:
@@ -200,8 +201,12 @@ def _nothing_replaced(handle: OwningHandle) -> bool:
         if current is not info.param:
             return False
         ptr = current.data_ptr()  # (0 for an empty view: nothing of it in this shard)
-        if not (shard_lo <= ptr < shard_hi or (ptr == 0 and same_storage(current, shard))):
-            return False
+        if not shard_lo <= ptr < shard_hi:
+            if ptr != 0:
+                return False
+            shard_storage = shard_storage or shard.untyped_storage().data_ptr()
+            if current.untyped_storage().data_ptr() != shard_storage:
+                return False  # (as same_storage(current, shard))
         grad = current.grad
         if grad is None:
             # No gradient where the flat one has one: the full path zeroes this
