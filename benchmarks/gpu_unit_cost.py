@@ -20,7 +20,13 @@ NO_SHARD), both ``use_orig_params`` values:
    their steps interleaved round by round (the order rotated each round), the
    device synchronised around each timed block; median per configuration and
    the median of the per-round ratios to the plain module and to torch's FSDP1
-   with the same ``use_orig_params``.
+   with the same ``use_orig_params``.  "host ms" is the part of it until the
+   host has issued the block's last step (before the closing synchronise):
+   close to the step time where the host is the limit, well below it where
+   the device is (or where a step waits for the device midway).  "cudaMalloc"
+   counts the device memory segments the caching allocator took during the
+   configuration's timed steps (all rounds): after warm-up a configuration
+   that runs alone takes none, and one taken mid-step costs the host time.
 3. **Overlap**: two steps of each FSDP configuration under ``torch.profiler``;
    from the exported Chrome trace, the streams kernels ran on, the kernels
    whose name contains ``nccl``, the kernels off the compute stream (the one
@@ -91,6 +97,13 @@ class Bench:
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+
+    def segments(self) -> int:
+        """Device memory segments the caching allocator has taken so far (each
+        a ``cudaMalloc``; a step that needs one waits for it)."""
+        if self.device.type != "cuda":
+            return 0
+        return int(torch.cuda.memory_stats().get("segment.all.allocated", 0))
 
     def allocated(self) -> int:
         return torch.cuda.memory_allocated() if self.device.type == "cuda" else 0
@@ -217,20 +230,26 @@ def main(argv: list[str] | None = None) -> int:
         for k in keys:
             steps[k](i)
     times: dict[str, list[float]] = {k: [] for k in keys}
+    host: dict[str, list[float]] = {k: [] for k in keys}
+    mallocs: dict[str, int] = {k: 0 for k in keys}
     for r in range(a.rounds):
         shift = r % len(keys)
         for k in keys[shift:] + keys[:shift]:
             b.sync()
+            before = b.segments()
             t0 = time.perf_counter()
             for i in range(a.steps):
                 steps[k](i)
+            t1 = time.perf_counter()  # (the host is done issuing; the device may still run)
             b.sync()
             times[k].append((time.perf_counter() - t0) / a.steps * 1e3)
+            host[k].append((t1 - t0) / a.steps * 1e3)
+            mallocs[k] += b.segments() - before
     with tempfile.TemporaryDirectory() as tmp:
         trace_dir = a.trace_dir or tmp
         os.makedirs(trace_dir, exist_ok=True)
         overlaps = {k: b.overlap(k, steps[k], trace_dir) for k in keys if not k.startswith("plain")}
-    _report(keys, times, peaks, overlaps, a)
+    _report(keys, times, host, mallocs, peaks, overlaps, a)
     print(f"# total {time.perf_counter() - t_start:.0f} s")
     dist.destroy_process_group()
     return 0
@@ -242,16 +261,19 @@ def _ratio(times: dict[str, list[float]], k: str, ref: str) -> str:
     return f"{statistics.median(x / y for x, y in zip(times[k], times[ref])):.3f}"
 
 
-def _report(keys: list[str], times: dict[str, list[float]], peaks: dict[str, float | None],
+def _report(keys: list[str], times: dict[str, list[float]], host: dict[str, list[float]],
+            mallocs: dict[str, int], peaks: dict[str, float | None],
             overlaps: dict[str, dict[str, Any]], a: argparse.Namespace) -> None:
-    header = ["configuration", "step ms", "/plain", "/torch", "peak MiB", "/torch",
+    header = ["configuration", "step ms", "host ms", "cudaMalloc", "/plain", "/torch", "peak MiB", "/torch",
               "nccl/step", "streams", "off-stream kernels/step (ms)", "overlap"]
     rows = []
     for k in keys:
         torch_key = "torch_fsdp1/" + k.split("/", 1)[1] if k.startswith("fsdp_wrap") else ""
         pk, tp = peaks.get(k), peaks.get(torch_key)
         ov = overlaps.get(k, {})
-        rows.append([k, f"{statistics.median(times[k]):.2f}", _ratio(times, k, "plain/-/-"),
+        rows.append([k, f"{statistics.median(times[k]):.2f}", f"{statistics.median(host[k]):.2f}",
+                     str(mallocs[k]),
+                     _ratio(times, k, "plain/-/-"),
                      _ratio(times, k, torch_key),
                      "" if pk is None else f"{pk:.0f}",
                      f"{pk / tp:.3f}" if pk is not None and tp else "",

@@ -1,4 +1,6 @@
-"""Smoke tests of ``benchmarks/bench_fsdp.py`` and ``bench_nodes.py``: they run and print their tables.
+"""Smoke tests of the by-hand tools in ``benchmarks/`` (``bench_fsdp.py``, ``step_cost.py``,
+the GPU part's ``gpu_unit_cost.py`` and ``profile_cuda.py`` in their CPU forms, ``bench_nodes.py``):
+they run and print their tables.
 
 Toy sizes, few steps, a subset of the configurations.  Nothing here looks at a
 timing: the benchmark's numbers are for ``docs/performance.rst``, not for CI.
@@ -66,6 +68,28 @@ def test_step_cost_runs_with_its_extra_rows():
     for row in ("ddp/-/-", "ddp/-/-/nocomm", "fsdp_wrap/FULL_SHARD/F/nocomm",
                 "fsdp_wrap/FULL_SHARD/F/waiting", "fsdp_wrap/FULL_SHARD/F: in flight / waiting"):
         assert row in proc.stdout, row
+
+
+@pytest.mark.slow  # a smoke run of a by-hand tool (benchmarks/), in CI with -m slow
+def test_gpu_tools_run_on_the_cpu():
+    """``gpu_unit_cost.py`` and ``profile_cuda.py --host`` (the GPU part's tools)
+    in their CPU smoke forms: their tables and columns are there."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    unit = run_bounded([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_unit_cost.py"),
+                        "--device", "cpu", "--tiny", "--rounds", "2", "--hook-rows", "no",
+                        "--keys", "plain/-/-,fsdp_wrap/FULL_SHARD/T"],
+                       timeout=240, env=env, cwd=ROOT)
+    assert unit.returncode == 0, unit.stdout[-3000:] + unit.stderr[-3000:]
+    for text in ("step ms", "host ms", "cudaMalloc", "/plain", "fsdp_wrap/FULL_SHARD/T", "targets"):
+        assert text in unit.stdout, text
+    host = run_bounded([sys.executable, os.path.join(ROOT, "benchmarks", "profile_cuda.py"),
+                        "--device", "cpu", "--host", "--workload", "tiny-gpu", "--steps", "2",
+                        "--variants", "plain/-/-,fsdp_wrap/FULL_SHARD/F"],
+                       timeout=240, env=env, cwd=ROOT)
+    assert host.returncode == 0, host.stdout[-3000:] + host.stderr[-3000:]
+    for row in ("## plain/-/-: host ms/step", "## fsdp_wrap/FULL_SHARD/F: host ms/step"):
+        assert row in host.stdout, row
+    assert "back to back" in host.stdout and "Python calls/step" in host.stdout
 
 
 @pytest.mark.slow  # a smoke run of a by-hand tool (benchmarks/), in CI with -m slow
