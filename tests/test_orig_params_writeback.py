@@ -11,6 +11,9 @@ an ``AssertionError``.  Each configuration below applies the same change to
 torch's FSDP1 and to fsdp_wrap (2 ranks, different data per rank), then
 compares the full parameters (``summon_full_params`` and FULL state dict,
 both of which write back first) and two training steps.
+
+Last, what the write-back reads: the sharded ``.grad`` of each original
+parameter, a view of the flat gradient and equal to torch's FSDP1's.
 """
 
 from __future__ import annotations
