@@ -20,10 +20,17 @@ NO_SHARD), both ``use_orig_params`` values:
    their steps interleaved round by round (the order rotated each round), the
    device synchronised around each timed block; median per configuration and
    the median of the per-round ratios to the plain module and to torch's FSDP1
-   with the same ``use_orig_params``.  "host ms" is the part of it until the
+   with the same ``use_orig_params``.  ``--schedule alone`` instead builds one
+   configuration at a time (the others dropped), runs its rounds back to back
+   and reports ratios of medians: where the two schedules disagree, what
+   differs is the other models kept alive and the switching between them
+   (``--no-peaks`` also skips the peak-memory runs before the timing).  "host ms" is the part of it until the
    host has issued the block's last step (before the closing synchronise):
    close to the step time where the host is the limit, well below it where
-   the device is (or where a step waits for the device midway).  "cudaMalloc"
+   the device is (or where a step waits for the device midway); "cpu ms" is
+   the main thread's CPU time in the same span (``time.thread_time``: less
+   than "host ms" where the thread slept, e.g. waiting in a collective; on a
+   CPU-only machine the measure that load moves least).  "cudaMalloc"
    counts the device memory segments the caching allocator took during the
    configuration's timed steps (all rounds): after warm-up a configuration
    that runs alone takes none, and one taken mid-step costs the host time.
@@ -97,6 +104,12 @@ class Bench:
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+
+    def drop(self) -> None:
+        """Free what a dropped configuration left (its cycles, the allocator's cache)."""
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def segments(self) -> int:
         """Device memory segments the caching allocator has taken so far (each
@@ -184,6 +197,31 @@ class Bench:
                 "overlap": covered / total if total else None}
 
 
+class Timings:
+    """Per configuration: each timed block's step time, host time and new
+    device memory segments."""
+
+    def __init__(self, keys: list[str]) -> None:
+        self.times: dict[str, list[float]] = {k: [] for k in keys}
+        self.host: dict[str, list[float]] = {k: [] for k in keys}
+        self.cpu: dict[str, list[float]] = {k: [] for k in keys}
+        self.mallocs: dict[str, int] = {k: 0 for k in keys}
+
+    def block(self, b: Bench, key: str, step: Callable[[int], None], n: int) -> None:
+        """``n`` steps, the device synchronised before and after."""
+        b.sync()
+        before = b.segments()
+        c0, t0 = time.thread_time(), time.perf_counter()
+        for i in range(n):
+            step(i)
+        t1 = time.perf_counter()  # (the host is done issuing; the device may still run)
+        self.cpu[key].append((time.thread_time() - c0) / n * 1e3)
+        b.sync()
+        self.times[key].append((time.perf_counter() - t0) / n * 1e3)
+        self.host[key].append((t1 - t0) / n * 1e3)
+        self.mallocs[key] += b.segments() - before
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -197,6 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--keys", default=",".join(KEYS))
     p.add_argument("--trace-dir", default=None, help="keep the profiler's Chrome traces here")
+    p.add_argument("--schedule", choices=("interleaved", "alone"), default="interleaved",
+                   help="interleaved: every model kept, blocks alternated round by round; "
+                        "alone: one model at a time, its rounds back to back")
+    p.add_argument("--no-peaks", dest="peaks", action="store_false",
+                   help="skip the peak-memory runs (each a fresh model) before the timing")
     p.add_argument("--hook-rows", choices=("auto", "yes", "no"), default="auto",
                    help="add the +hook configurations (auto: on CUDA)")
     a = p.parse_args(argv)
@@ -224,57 +267,64 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {name}; torch {torch.__version__}; {b.w.name}: {b.w.params() / 1e6:.0f}M params, "
           f"batch {b.w.batch}x{b.w.seq}; mixed precision {a.mixed_precision}; load "
           f"{os.getloadavg()[0]:.1f}; python {' '.join(sys.argv)}")
-    peaks = {k: b.peak_mib(k) for k in keys}
-    steps = {k: b.make_step(k) for k in keys}
-    for i in range(a.warmup):
-        for k in keys:
-            steps[k](i)
-    times: dict[str, list[float]] = {k: [] for k in keys}
-    host: dict[str, list[float]] = {k: [] for k in keys}
-    mallocs: dict[str, int] = {k: 0 for k in keys}
-    for r in range(a.rounds):
-        shift = r % len(keys)
-        for k in keys[shift:] + keys[:shift]:
-            b.sync()
-            before = b.segments()
-            t0 = time.perf_counter()
-            for i in range(a.steps):
-                steps[k](i)
-            t1 = time.perf_counter()  # (the host is done issuing; the device may still run)
-            b.sync()
-            times[k].append((time.perf_counter() - t0) / a.steps * 1e3)
-            host[k].append((t1 - t0) / a.steps * 1e3)
-            mallocs[k] += b.segments() - before
+    peaks = {k: b.peak_mib(k) if a.peaks else None for k in keys}
+    timed = Timings(keys)
+    overlaps: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         trace_dir = a.trace_dir or tmp
         os.makedirs(trace_dir, exist_ok=True)
-        overlaps = {k: b.overlap(k, steps[k], trace_dir) for k in keys if not k.startswith("plain")}
-    _report(keys, times, host, mallocs, peaks, overlaps, a)
+        if a.schedule == "interleaved":
+            steps = {k: b.make_step(k) for k in keys}
+            for i in range(a.warmup):
+                for k in keys:
+                    steps[k](i)
+            for r in range(a.rounds):
+                shift = r % len(keys)
+                for k in keys[shift:] + keys[:shift]:
+                    timed.block(b, k, steps[k], a.steps)
+            overlaps = {k: b.overlap(k, steps[k], trace_dir) for k in keys if not k.startswith("plain")}
+        else:  # alone: one model at a time, its rounds back to back, then dropped
+            for k in keys:
+                step = b.make_step(k)
+                for i in range(a.warmup):
+                    step(i)
+                for _ in range(a.rounds):
+                    timed.block(b, k, step, a.steps)
+                if not k.startswith("plain"):
+                    overlaps[k] = b.overlap(k, step, trace_dir)
+                del step
+                b.drop()
+    _report(keys, timed, peaks, overlaps, a)
     print(f"# total {time.perf_counter() - t_start:.0f} s")
     dist.destroy_process_group()
     return 0
 
 
-def _ratio(times: dict[str, list[float]], k: str, ref: str) -> str:
+def _ratio(times: dict[str, list[float]], k: str, ref: str, paired: bool = True) -> str:
+    """The median of per-round ratios where rounds were interleaved (paired in
+    time), else the ratio of the medians."""
     if ref not in times or ref == k:
         return ""
+    if not paired:
+        return f"{statistics.median(times[k]) / statistics.median(times[ref]):.3f}"
     return f"{statistics.median(x / y for x, y in zip(times[k], times[ref])):.3f}"
 
 
-def _report(keys: list[str], times: dict[str, list[float]], host: dict[str, list[float]],
-            mallocs: dict[str, int], peaks: dict[str, float | None],
+def _report(keys: list[str], timed: Timings, peaks: dict[str, float | None],
             overlaps: dict[str, dict[str, Any]], a: argparse.Namespace) -> None:
-    header = ["configuration", "step ms", "host ms", "cudaMalloc", "/plain", "/torch", "peak MiB", "/torch",
+    paired = a.schedule == "interleaved"
+    times = timed.times
+    header = ["configuration", "step ms", "host ms", "cpu ms", "cudaMalloc", "/plain", "/torch", "peak MiB", "/torch",
               "nccl/step", "streams", "off-stream kernels/step (ms)", "overlap"]
     rows = []
     for k in keys:
         torch_key = "torch_fsdp1/" + k.split("/", 1)[1] if k.startswith("fsdp_wrap") else ""
         pk, tp = peaks.get(k), peaks.get(torch_key)
         ov = overlaps.get(k, {})
-        rows.append([k, f"{statistics.median(times[k]):.2f}", f"{statistics.median(host[k]):.2f}",
-                     str(mallocs[k]),
-                     _ratio(times, k, "plain/-/-"),
-                     _ratio(times, k, torch_key),
+        rows.append([k, f"{statistics.median(times[k]):.2f}", f"{statistics.median(timed.host[k]):.2f}",
+                     f"{statistics.median(timed.cpu[k]):.2f}", str(timed.mallocs[k]),
+                     _ratio(times, k, "plain/-/-", paired),
+                     _ratio(times, k, torch_key, paired),
                      "" if pk is None else f"{pk:.0f}",
                      f"{pk / tp:.3f}" if pk is not None and tp else "",
                      "" if not ov else f"{ov['nccl_per_step']:g}",
@@ -283,14 +333,16 @@ def _report(keys: list[str], times: dict[str, list[float]], host: dict[str, list
                      "" if ov.get("overlap") is None else f"{ov['overlap']:.0%}"])
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     rule = "  ".join("=" * n for n in widths)
-    print(f"\n{a.rounds} interleaved rounds x {a.steps} steps (ratios: median of per-round ratios)\n")
+    how = ("interleaved rounds", "median of per-round ratios") if paired else (
+        "rounds, one model at a time", "ratio of medians")
+    print(f"\n{a.rounds} {how[0]} x {a.steps} steps (ratios: {how[1]})\n")
     for line in (rule, header, rule, *rows, rule):
         print(line if isinstance(line, str) else "  ".join(c.ljust(n) for c, n in zip(line, widths)))
     print("\ntargets (issue 34): fsdp_wrap step <= 1.05x plain; peak <= torch FSDP1's")
     for k in keys:
         if not k.startswith("fsdp_wrap"):
             continue
-        r = _ratio(times, k, "plain/-/-")
+        r = _ratio(times, k, "plain/-/-", paired)
         torch_key = "torch_fsdp1/" + k.split("/", 1)[1]
         pk, tp = peaks.get(k), peaks.get(torch_key)
         if r:

@@ -80,8 +80,17 @@ def test_gpu_tools_run_on_the_cpu():
                         "--keys", "plain/-/-,fsdp_wrap/FULL_SHARD/T"],
                        timeout=240, env=env, cwd=ROOT)
     assert unit.returncode == 0, unit.stdout[-3000:] + unit.stderr[-3000:]
-    for text in ("step ms", "host ms", "cudaMalloc", "/plain", "fsdp_wrap/FULL_SHARD/T", "targets"):
+    for text in ("step ms", "host ms", "cpu ms", "cudaMalloc", "/plain", "fsdp_wrap/FULL_SHARD/T",
+                 "interleaved rounds", "targets"):
         assert text in unit.stdout, text
+    alone = run_bounded([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_unit_cost.py"),
+                         "--device", "cpu", "--tiny", "--rounds", "2", "--hook-rows", "no",
+                         "--schedule", "alone", "--no-peaks",
+                         "--keys", "plain/-/-,fsdp_wrap/FULL_SHARD/F"],
+                        timeout=240, env=env, cwd=ROOT)
+    assert alone.returncode == 0, alone.stdout[-3000:] + alone.stderr[-3000:]
+    assert "one model at a time" in alone.stdout and "ratio of medians" in alone.stdout
+    assert "fsdp_wrap/FULL_SHARD/F: step" in alone.stdout
     host = run_bounded([sys.executable, os.path.join(ROOT, "benchmarks", "profile_cuda.py"),
                         "--device", "cpu", "--host", "--workload", "tiny-gpu", "--steps", "2",
                         "--variants", "plain/-/-,fsdp_wrap/FULL_SHARD/F"],
