@@ -486,33 +486,39 @@ def map_tensors(
     that whatever else the object carries stays.
     """
 
-    def apply(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return fn(x)
-        if isinstance(x, PackedSequence):
-            apply(x.data)
-            return x
-        if dataclasses.is_dataclass(x) and not isinstance(x, type):
-            changes = {f.name: apply(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init}
-            return dataclasses.replace(x, **changes)
-        if isinstance(x, dict):
-            if type(x) is dict:
-                return {k: apply(v) for k, v in x.items()}
-            if in_place_mappings:
-                for k in list(x.keys()):
-                    x[k] = apply(x[k])
-                return x
-            rebuilt = x.__class__()
-            for k, v in x.items():
-                rebuilt[k] = apply(v)
-            return rebuilt
-        if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
-            return type(x)(*(apply(v) for v in x))
-        if isinstance(x, (list, tuple, set)):
-            return type(x)(apply(v) for v in x)
-        return x
+    # (a module-level recursion, not a nested function calling itself: such a
+    # function is a reference cycle, garbage only the cyclic collector frees,
+    # made again at every unit's forward)
+    return _map(fn, obj, in_place_mappings)
 
-    return apply(obj)
+
+def _map(fn: Callable[[torch.Tensor], torch.Tensor], x: Any, in_place: bool) -> Any:
+    """:func:`map_tensors`'s recursion."""
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, PackedSequence):
+        _map(fn, x.data, in_place)
+        return x
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        changes = {f.name: _map(fn, getattr(x, f.name), in_place)
+                   for f in dataclasses.fields(x) if f.init}
+        return dataclasses.replace(x, **changes)
+    if isinstance(x, dict):
+        if type(x) is dict:
+            return {k: _map(fn, v, in_place) for k, v in x.items()}
+        if in_place:
+            for k in list(x.keys()):
+                x[k] = _map(fn, x[k], in_place)
+            return x
+        rebuilt = x.__class__()
+        for k, v in x.items():
+            rebuilt[k] = _map(fn, v, in_place)
+        return rebuilt
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
+        return type(x)(*(_map(fn, v, in_place) for v in x))
+    if isinstance(x, (list, tuple, set)):
+        return type(x)(_map(fn, v, in_place) for v in x)
+    return x
 
 
 def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
