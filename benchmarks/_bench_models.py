@@ -228,6 +228,24 @@ def build(v: Variant, model: nn.Module, device: torch.device, device_mesh: Any =
     raise ValueError(f"unknown framework {v.framework!r}")
 
 
+def variant_of(key: str) -> Variant:
+    """``framework/STRATEGY/F|T`` (``-`` where a choice does not apply, as in
+    ``plain/-/-``) as a :class:`Variant`."""
+    fw, strategy, orig = key.split("/")
+    return Variant(fw, strategy, None if orig == "-" else orig == "T")
+
+
+def trainer(key: str, w: Workload, device: torch.device,
+            dtype: torch.dtype | None) -> tuple[nn.Module, torch.optim.Optimizer, bool]:
+    """The wrapped model for ``key``, its AdamW (foreach) and whether its step
+    runs under ``torch.autocast(dtype)``: the plain module and DDP with a low
+    precision (the FSDPs get it from ``build``'s ``MixedPrecision``)."""
+    v = variant_of(key)
+    model = build(v, make_model(w, device=device), device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    return model, opt, v.framework in ("plain", "ddp") and dtype is not None
+
+
 def build_meta(framework: str, w: Workload, device: torch.device) -> nn.Module:
     """Build ``w`` on the meta device and let ``framework`` materialise it."""
     with torch.device("meta"):

@@ -71,18 +71,13 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _bench_models import TINY, WORKLOADS, Variant, build, loss_fn, make_batches, make_model  # noqa: E402
+from _bench_models import TINY, WORKLOADS, loss_fn, make_batches, trainer  # noqa: E402
 
 KEYS = ("plain/-/-", "fsdp_wrap/FULL_SHARD/F", "fsdp_wrap/FULL_SHARD/T",
         "torch_fsdp1/FULL_SHARD/F", "torch_fsdp1/FULL_SHARD/T")
 # (``+hook``: torch's ``allreduce_hook`` registered as the communication hook,
 # so that fsdp_wrap issues a reduction at world size 1 too: the overlap rows)
 HOOK_KEYS = ("fsdp_wrap/FULL_SHARD/F+hook", "torch_fsdp1/FULL_SHARD/F+hook")
-
-
-def _variant(key: str) -> Variant:
-    fw, strategy, orig = key.removesuffix("+hook").split("/")
-    return Variant(fw, strategy, None if orig == "-" else orig == "T")
 
 
 def _register_allreduce_hook(model: torch.nn.Module) -> None:
@@ -122,12 +117,9 @@ class Bench:
         return torch.cuda.memory_allocated() if self.device.type == "cuda" else 0
 
     def make_step(self, key: str) -> Callable[[int], None]:
-        v = _variant(key)
-        model = build(v, make_model(self.w, device=self.device), self.device)
+        model, opt, autocast = trainer(key.removesuffix("+hook"), self.w, self.device, self.dtype)
         if key.endswith("+hook"):
             _register_allreduce_hook(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-        autocast = v.framework == "plain" and self.dtype is not None
 
         def step(i: int) -> None:
             opt.zero_grad(set_to_none=True)

@@ -39,22 +39,18 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _bench_models import TINY, WORKLOADS, Variant, build, loss_fn, make_batches, make_model  # noqa: E402
+from _bench_models import TINY, WORKLOADS, loss_fn, make_batches, trainer  # noqa: E402
 
 
 def profile_one(key: str, w: Any, batches: list[torch.Tensor], dtype: torch.dtype | None,
                 steps: int, rows: int, device: torch.device) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    fw, strategy, orig = key.split("/")
-    v = Variant(fw, strategy, None if orig == "-" else orig == "T")
-    model = build(v, make_model(w, device=device), device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    plain = fw in ("plain", "ddp")
+    model, opt, autocast = trainer(key, w, device, dtype)
 
     def step(i: int) -> None:
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=dtype or torch.bfloat16, enabled=plain and bool(dtype)):
+        with torch.autocast("cuda", dtype=dtype or torch.bfloat16, enabled=autocast):
             loss = loss_fn(model(batches[i % 2]))
         loss.backward()
         opt.step()
@@ -84,20 +80,10 @@ def profile_one(key: str, w: Any, batches: list[torch.Tensor], dtype: torch.dtyp
     torch.cuda.reset_peak_memory_stats()
 
 
-def _build_step(key: str, w: Any, batches: list[torch.Tensor], dtype: torch.dtype | None,
-                device: torch.device) -> tuple[Any, Any, Any]:
-    fw, strategy, orig = key.split("/")
-    v = Variant(fw, strategy, None if orig == "-" else orig == "T")
-    model = build(v, make_model(w, device=device), device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    autocast = fw in ("plain", "ddp") and dtype is not None
-    return model, opt, autocast
-
-
 def host_one(key: str, w: Any, batches: list[torch.Tensor], dtype: torch.dtype | None,
              steps: int, rows: int, device: torch.device) -> None:
     """Host time per phase of a step, then the step under ``cProfile``."""
-    model, opt, autocast = _build_step(key, w, batches, dtype, device)
+    model, opt, autocast = trainer(key, w, device, dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     phases: dict[str, list[float]] = {"zero_grad": [], "forward": [], "backward": [], "step": []}
 
@@ -131,6 +117,7 @@ def host_one(key: str, w: Any, batches: list[torch.Tensor], dtype: torch.dtype |
     t1 = time.perf_counter()
     sync()
     t2 = time.perf_counter()
+
     def two_steps() -> None:
         step(0, False)
         step(1, False)

@@ -164,7 +164,7 @@ def _gather(batch: list[H], async_op: bool = False) -> None:
 def _finish(work: C.Work | C.PendingWork, send: torch.Tensor,
             copy_out: Callable[[], None]) -> None:
     """Wait for a batch in flight and copy every member's part out; ``send``
-    (the collective's input) is an argument to stay alive until then."""
+    (the collective's input) is an argument only to stay alive until then (the
+    partial holding it goes when the batch's ``PendingWork`` has run it)."""
     work.wait()
-    del send
     copy_out()
