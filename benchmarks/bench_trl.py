@@ -192,7 +192,7 @@ def _save_and_reload(tr: Any, cfg: dict[str, Any], base: str, out: str) -> dict[
 
 
 def _gathers_per_token(tr: Any) -> list[float]:
-    """Collectives (all-gathers and broadcasts) and their bytes per token in one
+    """Collectives (all-gathers, broadcasts, exchanges) and their bytes per token in one
     8-token greedy generation, as GRPO's generation runs it under FSDP1."""
     import torch
     from _bench_measure import CollectiveCounter
@@ -207,7 +207,7 @@ def _gathers_per_token(tr: Any) -> list[float]:
         with counter:
             new = unwrapped.generate(input_ids=ids, max_new_tokens=8, min_new_tokens=8,
                                      do_sample=False).shape[1] - ids.shape[1]
-    names = [n for n in counter.calls if "allgather" in n or "broadcast" in n]
+    names = [n for n in counter.calls if any(k in n for k in ("allgather", "broadcast", "alltoall"))]
     return [sum(counter.calls[n] for n in names) / new, sum(counter.bytes[n] for n in names) / new]
 
 

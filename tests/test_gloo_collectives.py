@@ -1,7 +1,8 @@
 """The gloo forms of fsdp_wrap's collectives (``fsdp_wrap/comm/collectives.py``).
 
-On gloo with CPU tensors a large all-gather runs as one broadcast per rank
-(where the group lies within one node) and
+On gloo with CPU tensors an all-gather over two ranks runs as one exchange of
+rows (an ``all_to_all_single``), over more a large one as one broadcast per
+rank (where the group lies within one node), and
 a reduce-scatter over two ranks as one exchange of halves, over more (of a
 scratch input) as an in-place all-reduce.  Checked here:
 both give exactly what torch's collectives give (2 and 3 ranks, a subgroup,
@@ -89,9 +90,11 @@ def _gather_and_reduce(cfg: dict[str, Any], group: Any) -> list[str]:
         if old is not None:
             os.environ["LOCAL_WORLD_SIZE"] = old
     tag = f"{rank_tag()} all-gather n={n} numel={numel} async={async_op} per_node={cfg['per_node']}"
-    # across nodes (per_node=1) gloo's own ring, within one node broadcasts from the threshold up
+    # two ranks: one exchange at any size, wherever they are; more: across nodes
+    # (per_node=1) gloo's own ring, within one node broadcasts from the threshold up
     by_broadcast = n * shard_numel * 4 >= C.GLOO_BROADCAST_MIN_BYTES and cfg["per_node"] is None
-    want = {"broadcast_": n} if by_broadcast else {"_allgather_base_": 1}
+    want = ({"alltoall_base_": 1} if n == 2 else
+            {"broadcast_": n} if by_broadcast else {"_allgather_base_": 1})
     errs = [_expect(f"{tag} values", torch.equal(out, expected), "wrong values"),
             _expect(f"{tag} c10d ops", dict(seen.ops) == want, f"{dict(seen.ops)}, expected {want}")]
 
@@ -120,7 +123,7 @@ def _reduce_scatter_forms(grad: torch.Tensor, n: int, group: Any, async_op: bool
             if work is not None:
                 work.wait()
         # two ranks: one exchange of halves; more: gloo's own, or an all-reduce of scratch
-        want = ({"send": 1, "recv_": 1} if n == 2 else
+        want = ({"alltoall_base_": 1} if n == 2 else
                 {"allreduce_": 1} if scratch else {"_reduce_scatter_base_": 1})
         what = f"{tag} scratch={scratch} aliased={aliased} async={async_op}"
         errs += [
@@ -169,7 +172,8 @@ def test_gloo_forms_equal_torch_collectives(pool2: Any, pool3: Any) -> None:
 
 
 class _Big(nn.Module):
-    """Units of about 1.1 MiB of fp32 parameters: gathered by broadcasts."""
+    """Units of about 1.1 MiB of fp32 parameters: gathered in place, row by row
+    (one exchange over two ranks, broadcasts over three)."""
 
     def __init__(self, d: int = 384) -> None:
         super().__init__()
@@ -214,6 +218,6 @@ def _sweep_big(configs: list[dict[str, Any]], inject: Injection | None = None) -
     return run_configs(configs, _train_big, inject=inject)
 
 
-def test_training_with_broadcast_gathers_matches_torch(pool2: Any) -> None:
-    fails = [f for r in pool2.run(_sweep_big, _big_configs()) for f in r]
+def test_training_with_row_gathers_matches_torch(pool2: Any, pool3: Any) -> None:
+    fails = [f for pool in (pool2, pool3) for r in pool.run(_sweep_big, _big_configs()) for f in r]
     assert not fails, "\n".join(fails)

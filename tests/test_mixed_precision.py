@@ -191,9 +191,11 @@ def _record_collectives(log: list[tuple[str, str]]) -> Iterator[None]:
 
     for name in saved:
         setattr(dist, name, spy(name))
-    # On gloo, fsdp_wrap reduce-scatters a scratch gradient as an all-reduce
-    # of it (see ``reduce_scatter_sum``): log that call as the reduce-scatter it is.
-    real_rs = C.reduce_scatter_sum
+    # On gloo, fsdp_wrap carries its collectives by others (see
+    # ``fsdp_wrap/comm/collectives.py``: a scratch gradient's reduce-scatter by an
+    # all-reduce of it, over two ranks both by one exchange): log each call as
+    # the collective it is.
+    real_rs, real_ag = C.reduce_scatter_sum, C.all_gather_into
 
     def reduce_scatter_sum(output: Any, padded_input: Any, *args: Any, **kwargs: Any) -> Any:
         n = len(log)
@@ -202,11 +204,20 @@ def _record_collectives(log: list[tuple[str, str]]) -> Iterator[None]:
         log.append(("RS", str(padded_input.dtype)))
         return out
 
+    def all_gather_into(output: Any, *args: Any, **kwargs: Any) -> Any:
+        n = len(log)
+        out = real_ag(output, *args, **kwargs)
+        del log[n:]
+        log.append(("AG", str(output.dtype)))
+        return out
+
     C.reduce_scatter_sum = reduce_scatter_sum  # type: ignore[assignment]
+    C.all_gather_into = all_gather_into  # type: ignore[assignment]
     try:
         yield
     finally:
         C.reduce_scatter_sum = real_rs  # type: ignore[assignment]
+        C.all_gather_into = real_ag  # type: ignore[assignment]
         for name, fn in saved.items():
             setattr(dist, name, fn)
 

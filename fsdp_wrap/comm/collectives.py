@@ -5,7 +5,15 @@ patch this module to count calls and bytes.  Every function is one logical
 collective.  On gloo with CPU tensors two of them are carried by faster c10d
 collectives (measured on torch 2.13, 2 ranks, ``docs/performance.rst``):
 
-* a large all-gather by one broadcast per rank, straight into the output
+* over two ranks, an all-gather by one exchange (:func:`exchange`: a single
+  ``all_to_all_single`` that sends this rank's row of the output to the other
+  rank and receives the other's row in place), at any size: one gloo operation
+  where the forms below take one (gloo's all-gather, which stages its output)
+  or two (a broadcast per rank).  On this project's 2-core machines each gloo
+  operation costs about 0.5-1 ms of thread hand-offs whatever its size, so the
+  count matters as much as the bytes.  The bytes are the same: each rank
+  sends its row once, as in gloo's ring;
+* over more ranks, a large all-gather by one broadcast per rank, straight into the output
   (:func:`all_gather_into`): gloo's all-gather stages the whole output in a
   buffer of its own and copies it out, so at 48 MiB it takes about 90 ms where
   two broadcasts take 20, at 7 MiB 3.5-8 ms against 3.1-3.3, at 256 KiB to
@@ -15,8 +23,9 @@ collectives (measured on torch 2.13, 2 ranks, ``docs/performance.rst``):
   (:func:`gather_by_broadcasts`): across nodes the broadcasts' trees send
   more over the link than gloo's ring;
 * a reduce-scatter over two ranks by one exchange of halves, each rank adding
-  the half it receives to its own (half the bytes of gloo's, which all-reduces;
-  bit-identical: a sum of two does not depend on the order), and over more
+  the half it receives to its own (half the bytes of gloo's, which all-reduces,
+  in one gloo operation; bit-identical: a sum of two does not depend on the
+  order), and over more
   ranks, of a scratch input, by an in-place all-reduce
   (:func:`reduce_scatter_sum`).
 
@@ -30,8 +39,10 @@ rooted at the source (``r -> r+1``, then ``r -> r+2`` and ``r+1 -> r+3``, ...),
 whose edges cross the node boundary more often: at 2 nodes x 2 ranks the four
 broadcasts of a gather send 1.25x the output per node, the ring 0.75x
 (measured with the interface counters of ``fsdp_wrap.testbed``:
-``docs/performance.rst``, "Across nodes").  So a group that spans nodes
-gathers with gloo's all-gather, as torch's FSDP1 does.  A rank's node is
+``docs/performance.rst``, "Across nodes").  So a group of more than two
+ranks that spans nodes gathers with gloo's all-gather, as torch's FSDP1 does;
+a group of two exchanges rows wherever its ranks are (each sends its row
+once, as in the ring).  A rank's node is
 ``global rank // LOCAL_WORLD_SIZE`` (torchrun's numbering, the same rule the
 default hybrid groups use); without ``LOCAL_WORLD_SIZE`` every rank is taken to
 share one node.
@@ -77,8 +88,8 @@ def divide_factors(data_parallel_world_size: int) -> DivideFactors:
     return DivideFactors(float(factor), data_parallel_world_size / factor)
 
 
-#: On gloo, all-gather outputs from this size up are gathered by broadcasts
-#: (within one node: :func:`gather_by_broadcasts`).
+#: On gloo over more than two ranks, all-gather outputs from this size up are
+#: gathered by broadcasts (within one node: :func:`gather_by_broadcasts`).
 GLOO_BROADCAST_MIN_BYTES = 1 << 18
 
 
@@ -109,18 +120,23 @@ def all_gather_into(
 ) -> Work | PendingWork | None:
     """Gather every rank's equally sized ``shard`` into ``output`` (rank order).
 
-    On gloo with a contiguous CPU output where :func:`gather_by_broadcasts`
-    says so: one broadcast per group rank, each into that rank's row of
-    ``output`` (no staging buffer, no copy-out), all in flight at once.
+    On gloo with a contiguous CPU output where :func:`gathers_in_rows` says
+    so, each rank's row of ``output`` is filled in place (no staging buffer, no
+    copy-out): over two ranks by one :func:`exchange`, over more by one
+    broadcast per group rank, all in flight at once.
     """
-    if gathers_by_broadcast(output, group):
+    if gathers_in_rows(output, group):
         ranks = dist.get_process_group_ranks(group)  # (global ranks, group order)
         rows = output.view(len(ranks), -1)
-        own = rows[dist.get_rank(group)]
+        me = dist.get_rank(group)
+        own = rows[me]
         if shard.data_ptr() != own.data_ptr():  # (else the caller wrote it in place)
             own.copy_(shard.reshape(-1))
-        pending = PendingWork([dist.broadcast(rows[r], src=src, group=group, async_op=True)
-                               for r, src in enumerate(ranks)])
+        if len(ranks) == 2:
+            pending = PendingWork([exchange(rows[1 - me], own, group)])
+        else:
+            pending = PendingWork([dist.broadcast(rows[r], src=src, group=group, async_op=True)
+                                   for r, src in enumerate(ranks)])
         if async_op:
             return pending
         pending.wait()
@@ -128,16 +144,35 @@ def all_gather_into(
     return getattr(dist, ALL_GATHER_SINGLE)(output, shard, group=group, async_op=async_op)
 
 
-def gathers_by_broadcast(output: torch.Tensor, group: ProcessGroup) -> bool:
-    """Whether :func:`all_gather_into` fills ``output`` by broadcasts (gloo, CPU,
-    at least :data:`GLOO_BROADCAST_MIN_BYTES`, one node): then a caller may write this
-    rank's shard straight into its row of ``output`` and pass that row as the
-    shard (no send buffer, no copy)."""
-    nbytes = output.numel() * output.element_size()
-    return (nbytes >= GLOO_BROADCAST_MIN_BYTES and output.is_contiguous()
-            and _is_gloo_cpu(group, output)
-            and gather_by_broadcasts(nbytes, dist.get_process_group_ranks(group),
-                                     ranks_per_node()))
+def gathers_in_rows(output: torch.Tensor, group: ProcessGroup) -> bool:
+    """Whether :func:`all_gather_into` fills ``output`` row by row in place (gloo,
+    CPU, a contiguous output; two ranks, or broadcasts by
+    :func:`gather_by_broadcasts`): then a caller may write this rank's shard
+    straight into its row of ``output`` and pass that row as the shard (no send
+    buffer, no copy)."""
+    if not (output.is_contiguous() and _is_gloo_cpu(group, output)):
+        return False
+    if dist.get_world_size(group) == 2:
+        return True
+    return gather_by_broadcasts(output.numel() * output.element_size(),
+                                dist.get_process_group_ranks(group), ranks_per_node())
+
+
+def exchange(received: torch.Tensor, sent: torch.Tensor, group: ProcessGroup) -> Work:
+    """Over a group of two ranks: send ``sent`` to the other rank and receive its
+    ``sent`` into ``received`` (as many elements), in flight.
+
+    One ``all_to_all_single`` whose splits route nothing to this rank itself:
+    a single gloo operation where ``isend`` + ``irecv`` are two and two
+    broadcasts are two, each paying gloo's hand-offs between threads (about
+    0.5-1 ms on a 2-core machine, at 4 KiB as at 1 MiB).
+    """
+    n = sent.numel()
+    splits = [0, n] if dist.get_rank(group) == 0 else [n, 0]
+    work = dist.all_to_all_single(received, sent, output_split_sizes=splits,
+                                  input_split_sizes=splits, group=group, async_op=True)
+    assert work is not None  # (async_op=True)
+    return work
 
 
 class PendingWork:
@@ -258,7 +293,6 @@ def _reduce_scatter_by_exchange(
     other tensor shares it).
     """
     me = dist.get_rank(group)
-    peer = dist.get_global_rank(group, 1 - me)
     halves = padded_input.view(-1).chunk(2)
     mine, theirs = halves[me], halves[1 - me]
     out = output.view(-1)
@@ -267,7 +301,7 @@ def _reduce_scatter_by_exchange(
               and out.untyped_storage().data_ptr() != padded_input.untyped_storage().data_ptr())
     received = out if direct else torch.empty_like(mine)
     free_input = input_is_scratch and sole_tensor_of_storage(padded_input)
-    works = [dist.isend(theirs, dst=peer, group=group), dist.irecv(received, src=peer, group=group)]
+    works: list[Work | None] = [exchange(received, theirs, group)]
 
     def finish() -> None:
         received.add_(mine)

@@ -139,7 +139,7 @@ def _gather(batch: list[H], async_op: bool = False) -> None:
     widths = [t.numel() for t in inputs]
     total, group, wire = sum(widths), batch[0].process_group, batch[0].wire
     rows = inputs[0].new_empty((batch[0].world_size, total), dtype=batch[0].compute_dtype)
-    if wire.weights is None and C.gathers_by_broadcast(rows, group):
+    if wire.weights is None and C.gathers_in_rows(rows, group):
         # This rank's shards go straight into its own row: no send buffer.
         send = torch.cat(inputs, out=rows[dist.get_rank(group)])
     else:

@@ -104,13 +104,13 @@ def plan(
     strategy, backward_prefetch, offload, mp = coerce_options(
         sharding_strategy, backward_prefetch, cpu_offload, mixed_precision
     )
-    backend = checked_backend(device, limit_all_gathers, optimizer, world_size)
+    shard = shard_group(strategy, world_size, shard_group_size)
+    backend = checked_backend(device, limit_all_gathers, optimizer, world_size, shard)
     cap_mb = resolve_bucket_cap_mb(bucket_cap_mb)
     cap_bytes = int(cap_mb * 1024 * 1024)
     batch_mb = resolve_all_gather_batch_mb(all_gather_batch_mb)
     # (the runtime batches only synchronous gathers: gloo with limit_all_gathers)
     batch_bytes = 0 if backend.async_gathers else int(batch_mb * 1024 * 1024)
-    shard = shard_group(strategy, world_size, shard_group_size)
     units, ignored = discover_units(
         module,
         shard_size=shard,

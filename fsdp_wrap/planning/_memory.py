@@ -203,18 +203,20 @@ class Backend:
 NCCL = Backend("nccl", True, 0.0, {}, {})
 
 
-def gloo(limit_all_gathers: bool) -> Backend:
+def gloo(limit_all_gathers: bool, shard_size: int = 0) -> Backend:
     """gloo on CPU, as measured inside training steps with torch 2.13 (``docs/plan.rst``).
 
     fsdp_wrap's gloo forms (``fsdp_wrap/comm/collectives.py``): a reduce-scatter is
     an in-place all-reduce of the gradient, which stages nothing in fp32 and
     0.5x in 16-bit types (not modelled), over two ranks an exchange of halves
-    (nothing); an all-gather of ``GLOO_BROADCAST_MIN_BYTES`` (256 KiB)
-    or more is broadcasts into the output (no staging); a smaller asynchronous all-gather
-    (``limit_all_gathers=False``) keeps 1x its output until it is waited for.
+    (nothing); over two ranks (``shard_size``) an all-gather is an exchange of
+    rows in place, and over more one of ``GLOO_BROADCAST_MIN_BYTES`` (256 KiB)
+    or more is broadcasts into the output (neither stages); a smaller
+    asynchronous all-gather (``limit_all_gathers=False``) keeps 1x its output
+    until it is waited for.
     """
     return Backend("gloo", not limit_all_gathers, 1.0, {}, {},
-                   gather_staging_below=GLOO_BROADCAST_MIN_BYTES)
+                   gather_staging_below=0 if shard_size == 2 else GLOO_BROADCAST_MIN_BYTES)
 
 
 def estimate(

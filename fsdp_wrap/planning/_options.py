@@ -37,8 +37,10 @@ def coerce_options(
     return strategy, prefetch, offload, mp
 
 
-def checked_backend(device: str, limit_all_gathers: bool, optimizer: str, world_size: int) -> Backend:
-    """The collectives' memory model for ``device``, after checking the run's arguments.
+def checked_backend(device: str, limit_all_gathers: bool, optimizer: str, world_size: int,
+                    shard_size: int = 0) -> Backend:
+    """The collectives' memory model for ``device`` and a shard group of
+    ``shard_size`` ranks, after checking the run's arguments.
 
     Raises:
         ValueError: for a device other than ``"cuda"``/``"cpu"``, an unknown
@@ -46,7 +48,7 @@ def checked_backend(device: str, limit_all_gathers: bool, optimizer: str, world_
     """
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
-    backend = NCCL if device == "cuda" else gloo(limit_all_gathers)
+    backend = NCCL if device == "cuda" else gloo(limit_all_gathers, shard_size)
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
     if world_size < 1:
@@ -63,10 +65,12 @@ def shard_group(
     ``min(8, world_size)``), the others over every rank.
 
     Raises:
-        ValueError: for a ``shard_group_size`` given to a non-hybrid strategy
-            (unless it is the world size), or one that does not divide the
-            world size.
+        ValueError: for a world size below 1, a ``shard_group_size`` given to a
+            non-hybrid strategy (unless it is the world size), or one that does
+            not divide the world size.
     """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
     if strategy in HYBRID_STRATEGIES:
         shard = shard_group_size or min(8, world_size)
     else:

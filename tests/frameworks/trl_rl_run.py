@@ -106,8 +106,8 @@ def run(algo: str, impl: str, kind: str, sdt: str, uop: bool) -> None:
 
 
 def generation_cost(key: str, tr: object) -> None:
-    """All-gathers (and the broadcasts fsdp_wrap gathers a large flat parameter
-    with on gloo) per generated token in one 6-token generation, run as GRPO's
+    """All-gathers (and the exchanges or broadcasts fsdp_wrap gathers with on
+    gloo) per generated token in one 6-token generation, run as GRPO's
     generation runs it under FSDP1; counted at the dispatcher, whoever issues them."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from trl.models import unwrap_model_for_generation
@@ -121,7 +121,7 @@ def generation_cost(key: str, tr: object) -> None:
           torch.no_grad(), FSDP.summon_full_params(model, recurse=False), counter):
         new = unwrapped.generate(input_ids=ids, max_new_tokens=6, min_new_tokens=6,
                                  do_sample=False).shape[1] - ids.shape[1]
-    names = [n for n in counter.calls if "allgather" in n or "broadcast" in n]
+    names = [n for n in counter.calls if any(k in n for k in ("allgather", "broadcast", "alltoall"))]
     record(key + "/gathers_per_token", [sum(counter.calls[n] for n in names) / new,
                                         sum(counter.bytes[n] for n in names) / new])
 
