@@ -27,8 +27,8 @@ class CollectiveCounter(TorchDispatchMode):
     size: the all-gather output, the reduce-scatter input, the all-reduce or
     broadcast tensor, an all-to-all's output and input together (for the
     exchanges fsdp_wrap gathers and reduces with over two gloo ranks, the
-    gather's output and the reduction's input).  Under that convention FULL_SHARD moves 3x the parameter
-    bytes per step and SHARD_GRAD_OP 2x.
+    gather's output and the reduction's input).  Under that convention
+    FULL_SHARD moves 3x the parameter bytes per step and SHARD_GRAD_OP 2x.
 
     Every aten op goes through the mode too, so it is only used for a counting
     step that is not timed.
