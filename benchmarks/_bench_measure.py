@@ -25,10 +25,8 @@ class CollectiveCounter(TorchDispatchMode):
     ``c10d::allreduce_``), for gloo as for NCCL, so a dispatch mode sees all of
     them whichever library issued them.  The payload counted is the *unsharded*
     size: the all-gather output, the reduce-scatter input, the all-reduce or
-    broadcast tensor, an all-to-all's output and input together (for the
-    exchanges fsdp_wrap gathers and reduces with over two gloo ranks, the
-    gather's output and the reduction's input).  Under that convention
-    FULL_SHARD moves 3x the parameter bytes per step and SHARD_GRAD_OP 2x.
+    broadcast tensor.  Under that convention FULL_SHARD moves 3x the parameter
+    bytes per step and SHARD_GRAD_OP 2x.
 
     Every aten op goes through the mode too, so it is only used for a counting
     step that is not timed.
@@ -46,8 +44,6 @@ class CollectiveCounter(TorchDispatchMode):
                 nbytes = _nbytes(args[0])  # outputs
             elif "reduce_scatter" in name:
                 nbytes = _nbytes(args[1])  # inputs
-            elif "alltoall" in name:  # (received + sent: fsdp_wrap's two-rank exchanges
-                nbytes = _nbytes(args[0]) + _nbytes(args[1])  # then count the unsharded size)
             elif name in ("barrier", "monitored_barrier_"):
                 nbytes = 0
             else:  # allreduce_, allreduce_coalesced_, broadcast_, ...

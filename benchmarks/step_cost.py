@@ -110,7 +110,7 @@ def _local_collectives() -> Any:
     """Stand-ins for the collectives an FSDP step issues from Python, each doing
     only its local part: a gather writes this rank's row and zeros the others
     (finite values: the step's arithmetic stays the same), a received
-    broadcast, message or exchange zeros its buffer, an all-reduce leaves it as it is.  Patched over
+    broadcast or message zeros its buffer, an all-reduce leaves it as it is.  Patched over
     ``torch.distributed``'s functions for the ``/nocomm`` rows only (DDP's
     reducer calls its process group from C++ and is not affected)."""
     import contextlib
@@ -147,12 +147,6 @@ def _local_collectives() -> Any:
         tensor.zero_()
         return _Done()
 
-    def all_to_all_single(out: Any, inp: Any, output_split_sizes: Any = None,
-                          input_split_sizes: Any = None, group: Any = None,
-                          async_op: bool = False) -> Any:
-        out.zero_()  # (the exchanges of fsdp_wrap's two-rank gloo forms: nothing to itself)
-        return _ret(async_op)
-
     stack = contextlib.ExitStack()
     for name, fn in [("broadcast", broadcast), ("all_reduce", all_reduce),
                      ("all_gather_into_tensor", all_gather_into_tensor),
@@ -161,8 +155,7 @@ def _local_collectives() -> Any:
                      ("reduce_scatter_tensor", reduce_scatter_tensor),
                      ("_reduce_scatter_base", reduce_scatter_tensor),
                      ("reduce_scatter_single", reduce_scatter_tensor),
-                     ("isend", isend), ("irecv", irecv),
-                     ("all_to_all_single", all_to_all_single)]:
+                     ("isend", isend), ("irecv", irecv)]:
         if hasattr(dist, name):
             stack.enter_context(mock.patch.object(dist, name, fn))
     return stack

@@ -1,7 +1,7 @@
 """The gloo forms of fsdp_wrap's collectives (``fsdp_wrap/comm/collectives.py``).
 
 On gloo with CPU tensors an all-gather over two ranks runs as one exchange of
-rows (an ``all_to_all_single``), over more a large one as one broadcast per
+rows (``isend``/``irecv``), over more a large one as one broadcast per
 rank (where the group lies within one node), and
 a reduce-scatter over two ranks as one exchange of halves, over more (of a
 scratch input) as an in-place all-reduce.  Checked here:
@@ -93,7 +93,7 @@ def _gather_and_reduce(cfg: dict[str, Any], group: Any) -> list[str]:
     # two ranks: one exchange at any size, wherever they are; more: across nodes
     # (per_node=1) gloo's own ring, within one node broadcasts from the threshold up
     by_broadcast = n * shard_numel * 4 >= C.GLOO_BROADCAST_MIN_BYTES and cfg["per_node"] is None
-    want = ({"alltoall_base_": 1} if n == 2 else
+    want = ({"send": 1, "recv_": 1} if n == 2 else
             {"broadcast_": n} if by_broadcast else {"_allgather_base_": 1})
     errs = [_expect(f"{tag} values", torch.equal(out, expected), "wrong values"),
             _expect(f"{tag} c10d ops", dict(seen.ops) == want, f"{dict(seen.ops)}, expected {want}")]
@@ -123,7 +123,7 @@ def _reduce_scatter_forms(grad: torch.Tensor, n: int, group: Any, async_op: bool
             if work is not None:
                 work.wait()
         # two ranks: one exchange of halves; more: gloo's own, or an all-reduce of scratch
-        want = ({"alltoall_base_": 1} if n == 2 else
+        want = ({"send": 1, "recv_": 1} if n == 2 else
                 {"allreduce_": 1} if scratch else {"_reduce_scatter_base_": 1})
         what = f"{tag} scratch={scratch} aliased={aliased} async={async_op}"
         errs += [

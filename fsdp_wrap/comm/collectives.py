@@ -5,14 +5,14 @@ patch this module to count calls and bytes.  Every function is one logical
 collective.  On gloo with CPU tensors two of them are carried by faster c10d
 collectives (measured on torch 2.13, 2 ranks, ``docs/performance.rst``):
 
-* over two ranks, an all-gather by one exchange (:func:`exchange`: a single
-  ``all_to_all_single`` that sends this rank's row of the output to the other
-  rank and receives the other's row in place), at any size: one gloo operation
-  where the forms below take one (gloo's all-gather, which stages its output)
-  or two (a broadcast per rank).  On this project's 2-core machines each gloo
-  operation costs about 0.5-1 ms of thread hand-offs whatever its size, so the
-  count matters as much as the bytes.  The bytes are the same: each rank
-  sends its row once, as in gloo's ring;
+* over two ranks, an all-gather by one exchange (:func:`exchange`: this
+  rank's row of the output sent to the other rank, the other's received in
+  place, by ``isend``/``irecv``), at any size: the broadcasts below each run
+  through gloo's worker threads, and gloo's all-gather (below 256 KiB) stages
+  its output; on this project's 2-core machines each collective costs about
+  0.5-1 ms of thread hand-offs whatever its size, so the form matters as much
+  as the bytes.  The bytes are the same: each rank sends its row once, as in
+  gloo's ring;
 * over more ranks, a large all-gather by one broadcast per rank, straight into the output
   (:func:`all_gather_into`): gloo's all-gather stages the whole output in a
   buffer of its own and copies it out, so at 48 MiB it takes about 90 ms where
@@ -23,9 +23,8 @@ collectives (measured on torch 2.13, 2 ranks, ``docs/performance.rst``):
   (:func:`gather_by_broadcasts`): across nodes the broadcasts' trees send
   more over the link than gloo's ring;
 * a reduce-scatter over two ranks by one exchange of halves, each rank adding
-  the half it receives to its own (half the bytes of gloo's, which all-reduces,
-  in one gloo operation; bit-identical: a sum of two does not depend on the
-  order), and over more
+  the half it receives to its own (half the bytes of gloo's, which all-reduces;
+  bit-identical: a sum of two does not depend on the order), and over more
   ranks, of a scratch input, by an in-place all-reduce
   (:func:`reduce_scatter_sum`).
 
@@ -133,7 +132,7 @@ def all_gather_into(
         if shard.data_ptr() != own.data_ptr():  # (else the caller wrote it in place)
             own.copy_(shard.reshape(-1))
         if len(ranks) == 2:
-            pending = PendingWork([exchange(rows[1 - me], own, group)])
+            pending = PendingWork(exchange(rows[1 - me], own, group))
         else:
             pending = PendingWork([dist.broadcast(rows[r], src=src, group=group, async_op=True)
                                    for r, src in enumerate(ranks)])
@@ -158,21 +157,20 @@ def gathers_in_rows(output: torch.Tensor, group: ProcessGroup) -> bool:
                                 dist.get_process_group_ranks(group), ranks_per_node())
 
 
-def exchange(received: torch.Tensor, sent: torch.Tensor, group: ProcessGroup) -> Work:
+def exchange(received: torch.Tensor, sent: torch.Tensor, group: ProcessGroup) -> list[Work | None]:
     """Over a group of two ranks: send ``sent`` to the other rank and receive its
     ``sent`` into ``received`` (as many elements), in flight.
 
-    One ``all_to_all_single`` whose splits route nothing to this rank itself:
-    a single gloo operation where ``isend`` + ``irecv`` are two and two
-    broadcasts are two, each paying gloo's hand-offs between threads (about
-    0.5-1 ms on a 2-core machine, at 4 KiB as at 1 MiB).
+    An ``isend``/``irecv`` pair: gloo runs them on the caller's pair of
+    sockets, with no worker thread in between, and lets go of both tensors as
+    soon as they are waited for.  (``all_to_all_single`` with splits that route
+    nothing to this rank is one operation instead of two and as fast, but
+    gloo's worker thread keeps its tensors a moment after the operation
+    completes, so a buffer dropped right after a gather outlived its use: up
+    to 2.2 MiB more at the measured peaks of ``benchmarks/plan_accuracy.py``.)
     """
-    n = sent.numel()
-    splits = [0, n] if dist.get_rank(group) == 0 else [n, 0]
-    work = dist.all_to_all_single(received, sent, output_split_sizes=splits,
-                                  input_split_sizes=splits, group=group, async_op=True)
-    assert work is not None  # (async_op=True)
-    return work
+    peer = dist.get_global_rank(group, 1 - dist.get_rank(group))
+    return [dist.isend(sent, dst=peer, group=group), dist.irecv(received, src=peer, group=group)]
 
 
 class PendingWork:
@@ -301,7 +299,7 @@ def _reduce_scatter_by_exchange(
               and out.untyped_storage().data_ptr() != padded_input.untyped_storage().data_ptr())
     received = out if direct else torch.empty_like(mine)
     free_input = input_is_scratch and sole_tensor_of_storage(padded_input)
-    works: list[Work | None] = [exchange(received, theirs, group)]
+    works = exchange(received, theirs, group)
 
     def finish() -> None:
         received.add_(mine)
