@@ -43,6 +43,11 @@ class _C10dOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _storage_uses(t: torch.Tensor) -> int:
+    """How many references hold ``t``'s storage (ours and any collective's)."""
+    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+
+
 def _gloo_configs(ws: int) -> list[dict[str, Any]]:
     """Below and above the size where broadcasts take over, sync and async; on 3
     ranks also the subgroup of ranks 0 and 2 (group ranks differ from global ones);
@@ -77,6 +82,7 @@ def _gather_and_reduce(cfg: dict[str, Any], group: Any) -> list[str]:
     expected = torch.empty(n * shard_numel)
     dist.all_gather_into_tensor(expected, shard, group=group)
     out = torch.full((n * shard_numel,), float("nan"))
+    uses_before = _storage_uses(out)
     old = os.environ.pop("LOCAL_WORLD_SIZE", None)
     if cfg["per_node"] is not None:
         os.environ["LOCAL_WORLD_SIZE"] = str(cfg["per_node"])
@@ -85,6 +91,7 @@ def _gather_and_reduce(cfg: dict[str, Any], group: Any) -> list[str]:
             work = C.all_gather_into(out, shard, group, async_op=async_op)
             if work is not None:
                 work.wait()
+            del work
     finally:
         os.environ.pop("LOCAL_WORLD_SIZE", None)
         if old is not None:
@@ -97,6 +104,13 @@ def _gather_and_reduce(cfg: dict[str, Any], group: Any) -> list[str]:
             {"broadcast_": n} if by_broadcast else {"_allgather_base_": 1})
     errs = [_expect(f"{tag} values", torch.equal(out, expected), "wrong values"),
             _expect(f"{tag} c10d ops", dict(seen.ops) == want, f"{dict(seen.ops)}, expected {want}")]
+    if n == 2:
+        # Nothing of the exchange holds the output once it is waited for: a
+        # form that gloo's worker thread keeps a moment longer (all_to_all_single
+        # does) lets a buffer freed right after a gather outlive its use.
+        uses = _storage_uses(out)
+        errs.append(_expect(f"{tag} released", uses == uses_before,
+                            f"output storage used {uses} times after the gather, {uses_before} before"))
 
     gen = torch.Generator().manual_seed(7 + rank)
     for dtype in (torch.float32, torch.bfloat16):
