@@ -111,7 +111,15 @@ def _one(cfg: dict[str, Any]) -> list[str]:
 
 
 def _sweep(configs: list[dict[str, Any]]) -> list[str]:
-    return run_configs(configs, _one)
+    # Everything alive now (the worker's imports, its process group) is moved
+    # out of the collector's sight: each count's gc.collect() then walks what
+    # the configurations made, not the whole heap (35 s -> 5 s for the sweep).
+    gc.collect()
+    gc.freeze()
+    try:
+        return run_configs(configs, _one)
+    finally:
+        gc.unfreeze()
 
 
 def test_a_step_leaves_no_cyclic_garbage(pool2: Any) -> None:
