@@ -24,8 +24,9 @@ NO_SHARD), both ``use_orig_params`` values:
    configuration at a time (the others dropped), runs its rounds back to back
    and reports ratios of medians: where the two schedules disagree, what
    differs is the other models kept alive and the switching between them
-   (``--no-peaks`` also skips the peak-memory runs before the timing).  "host ms" is the part of it until the
-   host has issued the block's last step (before the closing synchronise):
+   (``--no-peaks`` also skips the peak-memory runs before the timing).
+   "host ms" is the part of it until the host has issued the block's last
+   step (before the closing synchronise):
    close to the step time where the host is the limit, well below it where
    the device is (or where a step waits for the device midway); "cpu ms" is
    the main thread's CPU time in the same span (``time.thread_time``: less

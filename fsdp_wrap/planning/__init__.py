@@ -105,7 +105,7 @@ def plan(
         sharding_strategy, backward_prefetch, cpu_offload, mixed_precision
     )
     shard = shard_group(strategy, world_size, shard_group_size)
-    backend = checked_backend(device, limit_all_gathers, optimizer, world_size, shard)
+    backend = checked_backend(device, limit_all_gathers, optimizer, shard)
     cap_mb = resolve_bucket_cap_mb(bucket_cap_mb)
     cap_bytes = int(cap_mb * 1024 * 1024)
     batch_mb = resolve_all_gather_batch_mb(all_gather_batch_mb)

@@ -203,7 +203,7 @@ class Backend:
 NCCL = Backend("nccl", True, 0.0, {}, {})
 
 
-def gloo(limit_all_gathers: bool, shard_size: int = 0) -> Backend:
+def gloo(limit_all_gathers: bool, shard_size: int) -> Backend:
     """gloo on CPU, as measured inside training steps with torch 2.13 (``docs/plan.rst``).
 
     fsdp_wrap's gloo forms (``fsdp_wrap/comm/collectives.py``): a reduce-scatter is

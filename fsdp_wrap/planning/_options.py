@@ -37,22 +37,21 @@ def coerce_options(
     return strategy, prefetch, offload, mp
 
 
-def checked_backend(device: str, limit_all_gathers: bool, optimizer: str, world_size: int,
-                    shard_size: int = 0) -> Backend:
+def checked_backend(device: str, limit_all_gathers: bool, optimizer: str,
+                    shard_size: int) -> Backend:
     """The collectives' memory model for ``device`` and a shard group of
-    ``shard_size`` ranks, after checking the run's arguments.
+    ``shard_size`` ranks (from :func:`shard_group`, which checks the world
+    size), after checking the run's other arguments.
 
     Raises:
-        ValueError: for a device other than ``"cuda"``/``"cpu"``, an unknown
-            optimizer kind, or a world size below 1.
+        ValueError: for a device other than ``"cuda"``/``"cpu"`` or an unknown
+            optimizer kind.
     """
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     backend = NCCL if device == "cuda" else gloo(limit_all_gathers, shard_size)
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}")
     return backend
 
 
