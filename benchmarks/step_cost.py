@@ -37,6 +37,12 @@ framework's own work and its collectives.  Checked for DDP and fsdp_wrap
 ms``); torch's FSDP1 still keeps other threads busy there, so its split is
 not complete.
 
+With ``--phases`` the table is followed by each configuration's CPU ms per
+phase on each rank: ``zero_grad`` with the forward and the loss, the
+backward, the optimizer's step (the ranks hold different pieces: with
+``use_orig_params=True`` their optimizers step over different numbers of
+tensors).
+
 With ``--waiting`` each fsdp_wrap configuration also runs as ``KEY/waiting``:
 a batched gather that a prefetch starts is waited for as soon as it is issued
 (``fsdp_wrap.runtime.hooks.gather_ahead`` patched to ``async_op=False`` while
@@ -192,6 +198,11 @@ def _waiting(step: Callable[[int], None]) -> Callable[[int], None]:
     return run
 
 
+# Each step's main-thread CPU seconds in three phases (zero_grad, forward and
+# loss; backward; the optimizer's step), since the last clear().
+_PHASE_LOG: list[tuple[float, float, float]] = []
+
+
 def _rank_main(cfg: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
@@ -225,9 +236,14 @@ def _rank_main(cfg: dict[str, Any]) -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
 
         def step(i: int, model: Any = model, opt: Any = opt) -> None:
+            t0 = time.thread_time()
             opt.zero_grad(set_to_none=True)
-            loss_fn(model(batches[i % 4])).backward()
+            loss = loss_fn(model(batches[i % 4]))
+            t1 = time.thread_time()
+            loss.backward()
+            t2 = time.thread_time()
             opt.step()
+            _PHASE_LOG.append((t1 - t0, t2 - t1, time.thread_time() - t2))
 
         models[v.key] = step
         if cfg.get("no_comm"):
@@ -239,6 +255,7 @@ def _rank_main(cfg: dict[str, Any]) -> None:
         for k in keys:
             models[k](i)
     cpu: dict[str, list[float]] = {k: [] for k in keys}
+    phases: dict[str, list[list[float]]] = {k: [] for k in keys}  # per round: fwd, bwd, opt
     proc: dict[str, list[float]] = {k: [] for k in keys}
     wall: dict[str, list[float]] = {k: [] for k in keys}
     # (under callgrind every Python instruction is emulated: only the counted steps run)
@@ -246,9 +263,11 @@ def _rank_main(cfg: dict[str, Any]) -> None:
         shift = r % len(keys)
         for k in keys[shift:] + keys[:shift]:
             dist.barrier()
+            _PHASE_LOG.clear()
             t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
             for i in range(cfg["steps"]):
                 models[k](i)
+            phases[k].append([sum(col) / len(_PHASE_LOG) for col in zip(*_PHASE_LOG)])
             cpu[k].append((time.thread_time() - c0) / cfg["steps"])
             proc[k].append((time.process_time() - p0) / cfg["steps"])
             wall[k].append((time.perf_counter() - t0) / cfg["steps"])
@@ -272,9 +291,13 @@ def _rank_main(cfg: dict[str, Any]) -> None:
             if cg is not None:
                 cg.cg_stop(k.encode())
     dist.barrier()
+    # each rank's phases (they differ: ranks hold different pieces)
+    per_rank: list[Any] = [None, None]
+    dist.all_gather_object(per_rank, phases)
     if rank == 0:
         with open(cfg["out"], "w") as f:
-            json.dump({"cpu": cpu, "proc": proc, "wall": wall, "calls": calls}, f)
+            json.dump({"cpu": cpu, "proc": proc, "wall": wall, "calls": calls,
+                       "phases": per_rank}, f)
     dist.destroy_process_group()
     exit_now()
 
@@ -298,6 +321,18 @@ def _instructions(outdir: str, keys: list[str]) -> dict[str, int]:
     return found
 
 
+def _print_phases(keys: list[str], per_rank: list[dict[str, list[list[float]]]]) -> None:
+    """Each configuration's median CPU ms per phase on each rank (the ranks hold
+    different pieces of the model, so their optimizers' work can differ)."""
+    print("cpu ms per phase (median over rounds): forward / backward / optimizer")
+    for k in keys:
+        cells = []
+        for rank, phases in enumerate(per_rank):
+            med = [statistics.median(col) * 1e3 for col in zip(*phases[k])]
+            cells.append(f"rank {rank} " + " / ".join(f"{m:.1f}" for m in med))
+        print(f"  {k}: " + ";  ".join(cells))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", default="small")
@@ -313,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
                         "collectives (DDP under no_sync(); FSDPs with local stand-ins)")
     p.add_argument("--pstats", default=None,
                    help="write each configuration's profiled step (cProfile) to DIR/KEY.pstats")
+    p.add_argument("--phases", action="store_true",
+                   help="also print each rank's CPU ms per phase (forward with the loss, "
+                        "backward, optimizer step) for every configuration")
     p.add_argument("--waiting", action="store_true",
                    help="add a KEY/waiting row per fsdp_wrap configuration: a prefetch's batched "
                         "gather waited for at once instead of in flight behind compute")
@@ -375,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print("  ".join(c.ljust(n) for c, n in zip(r, widths)))
     print(rule)
+    if args.phases and not instr:
+        _print_phases(keys, res["phases"])
     for k in keys if not instr else []:
         if k + "/waiting" in res["wall"]:
             ratios = [a / b for a, b in zip(res["wall"][k], res["wall"][k + "/waiting"])]

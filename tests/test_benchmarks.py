@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -62,12 +63,18 @@ def test_benchmark_runs_and_prints_tables(tmp_path):
 def test_step_cost_runs_with_its_extra_rows():
     script = os.path.join(ROOT, "benchmarks", "step_cost.py")
     proc = run_bounded([sys.executable, script, "--variants", "ddp,fsdp_wrap/FULL_SHARD/F",
-                        "--rounds", "2", "--warmup", "1", "--no-comm", "--waiting"],
+                        "--rounds", "2", "--warmup", "1", "--no-comm", "--waiting", "--phases"],
                        timeout=240, env=dict(os.environ, PYTHONWARNINGS="ignore"), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for row in ("ddp/-/-", "ddp/-/-/nocomm", "fsdp_wrap/FULL_SHARD/F/nocomm",
                 "fsdp_wrap/FULL_SHARD/F/waiting", "fsdp_wrap/FULL_SHARD/F: in flight / waiting"):
         assert row in proc.stdout, row
+    # --phases: each configuration's three phases on each of the two ranks
+    for key in ("ddp/-/-", "fsdp_wrap/FULL_SHARD/F/nocomm"):
+        num = r"\d+\.\d"
+        phase = rf"{num} / {num} / {num}"
+        assert re.search(rf"^  {re.escape(key)}: rank 0 {phase};  rank 1 {phase}$",
+                         proc.stdout, re.M), proc.stdout
 
 
 @pytest.mark.slow  # a smoke run of a by-hand tool (benchmarks/), in CI with -m slow
