@@ -235,11 +235,11 @@ def test_one_rank_mismatch_is_reported_and_the_sweeps_stay_in_step(ws: int) -> N
 
 @pytest.fixture(scope="module", params=WORLD_SIZES)
 def quick_pool(request: pytest.FixtureRequest) -> Iterator[DistPool]:
-    """The shared pool, waiting only 0.5 s for the other ranks once one raised
+    """The shared pool, waiting only 0.2 s for the other ranks once one raised
     (it waits 5 s otherwise: this test makes every sweep raise); no pool of its
     own to start."""
     pool = get_pool(request.param)
-    grace, pool.failure_grace = pool.failure_grace, 0.5
+    grace, pool.failure_grace = pool.failure_grace, 0.2
     yield pool
     pool.failure_grace = grace
 
