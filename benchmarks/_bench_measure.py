@@ -52,6 +52,18 @@ class CollectiveCounter(TorchDispatchMode):
             self.bytes[name] += nbytes
         return func(*args, **(kwargs or {}))
 
+    def gathers(self) -> tuple[int, int]:
+        """All-gathers counted so far, and their bytes: gloo's and NCCL's own,
+        the broadcasts fsdp_wrap gathers with over more ranks, and its two-rank
+        gloo exchanges, an ``isend``/``irecv`` pair each (one gather, counted by
+        its receive; its bytes the send's and the receive's together).  Only for
+        a span without reductions (a generation, an evaluation forward): a
+        two-rank gloo reduce-scatter is such a pair too."""
+        names = [n for n in self.calls if "allgather" in n or "broadcast" in n]
+        calls = self.calls["recv_"] + sum(self.calls[n] for n in names)
+        nbytes = self.bytes["send"] + self.bytes["recv_"] + sum(self.bytes[n] for n in names)
+        return calls, nbytes
+
 
 # ----------------------------------------------------------------- memory
 

@@ -207,12 +207,8 @@ def _gathers_per_token(tr: Any) -> list[float]:
         with counter:
             new = unwrapped.generate(input_ids=ids, max_new_tokens=8, min_new_tokens=8,
                                      do_sample=False).shape[1] - ids.shape[1]
-    names = [n for n in counter.calls if "allgather" in n or "broadcast" in n]
-    # fsdp_wrap's two-rank gloo gathers are an isend/irecv pair each: one gather
-    # (counted by its recv), its bytes those of the send and the recv together
-    calls, nbytes = counter.calls["recv_"], counter.bytes["send"] + counter.bytes["recv_"]
-    return [(calls + sum(counter.calls[n] for n in names)) / new,
-            (nbytes + sum(counter.bytes[n] for n in names)) / new]
+    calls, nbytes = counter.gathers()
+    return [calls / new, nbytes / new]
 
 
 def run_row(cfg: dict[str, Any], base: str, out: str) -> dict[str, Any]:

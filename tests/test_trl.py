@@ -93,4 +93,5 @@ def test_dpo_and_grpo_trainers(request: pytest.FixtureRequest) -> None:
                 if algo == "grpo" and twin + "/gathers_per_token" in r:
                     calls, nbytes = r[run + "/gathers_per_token"]
                     t_calls, t_bytes = r[twin + "/gathers_per_token"]
+                    assert calls > 0 and nbytes > 0, (run, calls, nbytes)  # (counted at all)
                     assert calls <= t_calls and nbytes <= t_bytes, (run, calls, nbytes, t_calls, t_bytes)

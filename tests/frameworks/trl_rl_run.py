@@ -121,12 +121,8 @@ def generation_cost(key: str, tr: object) -> None:
           torch.no_grad(), FSDP.summon_full_params(model, recurse=False), counter):
         new = unwrapped.generate(input_ids=ids, max_new_tokens=6, min_new_tokens=6,
                                  do_sample=False).shape[1] - ids.shape[1]
-    names = [n for n in counter.calls if "allgather" in n or "broadcast" in n]
-    # fsdp_wrap's two-rank gloo gathers are an isend/irecv pair each: one gather
-    # (counted by its recv), its bytes those of the send and the recv together
-    calls, nbytes = counter.calls["recv_"], counter.bytes["send"] + counter.bytes["recv_"]
-    record(key + "/gathers_per_token", [(calls + sum(counter.calls[n] for n in names)) / new,
-                                        (nbytes + sum(counter.bytes[n] for n in names)) / new])
+    calls, nbytes = counter.gathers()
+    record(key + "/gathers_per_token", [calls / new, nbytes / new])
 
 
 def torch_part() -> None:
