@@ -232,6 +232,46 @@ def test_startup_hook_and_fsdp_wrap_run() -> None:
     assert empty.returncode == 2 and "give the command" in empty.stderr
 
 
+# torch packages `import fsdp_wrap` must not load: torch's FSDP1 (and composable
+# FSDP), which only install() may import, and DCP and DTensor, which import torch's
+# FSDP1 and together take about 1.5 s; checkpoint code imports them when it runs.
+NOT_AT_IMPORT = ("torch.distributed.fsdp", "torch.distributed._composable",
+                 "torch.distributed.checkpoint", "torch.distributed.tensor")
+
+
+def test_import_loads_neither_torchs_fsdp1_nor_dcp() -> None:
+    """``import fsdp_wrap`` (the package and its command line) in a fresh
+    interpreter leaves torch's FSDP1, DCP and DTensor unloaded; the lazy paths
+    still work there: reading ``_compat.DCP_PROPERTIES_HAVE_STRIDES`` imports DCP,
+    and a DTensor made afterwards is recognised as a chunked value."""
+    out = _ok(_python(code=f"""
+    import sys
+    import torch
+    import fsdp_wrap, fsdp_wrap.__main__
+    from fsdp_wrap import _compat
+    from fsdp_wrap.state_dict import chunks
+    NOT_AT_IMPORT = {NOT_AT_IMPORT!r}
+    def loaded():
+        return sorted(m for m in sys.modules if m.startswith(NOT_AT_IMPORT))
+    print("at import:", loaded())
+    assert not chunks.is_chunked(torch.zeros(2)) and not chunks.is_dtensor(torch.zeros(2))
+    assert isinstance(_compat.DCP_PROPERTIES_HAVE_STRIDES, bool)
+    assert "torch.distributed.checkpoint" in sys.modules
+    import os
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    value = DTensor.from_local(torch.ones(2), init_device_mesh("cpu", (1,)), [Shard(0)])
+    assert chunks.is_chunked(value) and chunks.is_dtensor(value)
+    dist.destroy_process_group()
+    print("OK")
+    """))
+    assert "at import: []" in out, out
+    assert out.strip().endswith("OK")
+
+
 def test_the_old_module_names_keep_their_public_names() -> None:
     """``fsdp_wrap.installer`` (the start-up hook imports it) and
     ``fsdp_wrap.installer_accelerate`` still hold every public name they had;

@@ -22,8 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.distributed.tensor import DTensor
 
 import fsdp_wrap.checkpoint._safetensors as _safetensors
 import fsdp_wrap.state_dict.chunks as CH
@@ -57,7 +55,7 @@ def plan(osd: dict[str, Any]) -> tuple[list[Entry], dict[str, Any]]:
     for fqn, st in osd["state"].items():
         for name, v in st.items():
             key = f"state.{fqn}.{name}"
-            if isinstance(v, (ShardedTensor, DTensor)):
+            if CH.is_chunked(v):
                 entries.append(Entry(key, tuple(v.size()), v.dtype))
             elif isinstance(v, torch.Tensor):
                 entries.append(Entry(key, tuple(v.shape), v.dtype))
@@ -77,7 +75,7 @@ def plan(osd: dict[str, Any]) -> tuple[list[Entry], dict[str, Any]]:
 
 
 def _local(value: Any) -> torch.Tensor:
-    if isinstance(value, DTensor):
+    if CH.is_dtensor(value):
         return value.to_local()
     shards = value.local_shards()
     return shards[0].tensor if shards else torch.empty(0, dtype=value.dtype)
@@ -96,7 +94,7 @@ def stream(root: FSDP, osd: dict[str, Any], sink: Any, window_bytes: int) -> Non
     for fqn, st in osd["state"].items():
         for name, v in st.items():
             key = f"state.{fqn}.{name}"
-            if not isinstance(v, (ShardedTensor, DTensor)):
+            if not CH.is_chunked(v):
                 if me == dest and isinstance(v, torch.Tensor):
                     sink.write(key, 0, v.detach().reshape(-1))
                 continue

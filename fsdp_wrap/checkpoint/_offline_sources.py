@@ -18,7 +18,6 @@ from typing import Any, Callable
 import torch
 
 import fsdp_wrap.checkpoint._atomic as _atomic
-import fsdp_wrap.checkpoint._dcp as _dcp
 import fsdp_wrap.checkpoint._safetensors as _safetensors
 from fsdp_wrap.checkpoint._torch_save import check_zip_crcs
 from fsdp_wrap.checkpoint._torch_save import is_unfinished as is_unfinished_torch
@@ -93,7 +92,7 @@ def open_source(path: str, trust_pickle: bool = False) -> Source:
     if os.path.isdir(path) or os.path.isdir(_atomic.temp_path(path)):
         if marker or not os.path.exists(path):
             _atomic.check_complete(path)  # a save of fsdp_wrap's that did not finish
-        if _dcp.is_dcp_dir(path):
+        if _dcp_dir(path):
             return _open_dcp(path, marker)
         if _safetensors.read_index(path) is not None or any(_safetensors.iter_files(path)):
             return _open_safetensors_dir(path, marker)
@@ -134,7 +133,15 @@ def _read_marker(path: str) -> dict[str, Any]:
         return {}
 
 
+def _dcp_dir(path: str) -> bool:
+    import fsdp_wrap.checkpoint._dcp as _dcp  # (DCP's import: only when it is used)
+
+    return _dcp.is_dcp_dir(path)
+
+
 def _open_dcp(path: str, marker: dict[str, Any]) -> Source:
+    import fsdp_wrap.checkpoint._dcp as _dcp
+
     ck = _dcp.DcpCheckpoint(path)
     leaves: list[Leaf] = []
     for t in ck.tensors:

@@ -33,7 +33,6 @@ import torch
 
 import fsdp_wrap._compat as _compat
 import fsdp_wrap.checkpoint._atomic as _atomic
-import fsdp_wrap.checkpoint._dcp as _dcp
 import fsdp_wrap.checkpoint._safetensors as _safetensors
 from fsdp_wrap.checkpoint._offline_sources import (
     Leaf,
@@ -252,6 +251,8 @@ def consolidate(dcp_dir: str, out: str, fmt: str = "torch", **kwargs: Any) -> st
 
         consolidate("ckpt/step-1000", "full.pt")     # then torch.load("full.pt")
     """
+    import fsdp_wrap.checkpoint._dcp as _dcp  # (DCP's import: only when it is used)
+
     if not _dcp.is_dcp_dir(dcp_dir):
         if os.path.isdir(dcp_dir) or not os.path.exists(dcp_dir):
             _dcp.read_metadata(dcp_dir)  # raises the precise error

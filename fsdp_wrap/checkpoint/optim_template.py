@@ -33,9 +33,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-import fsdp_wrap.checkpoint._dcp as _dcp
 from fsdp_wrap.comm.collectives import global_rank
 from fsdp_wrap.state_dict.optim_index import _index
 
@@ -61,6 +59,8 @@ def _stored_states(metadata: Any, prefix: str) -> dict[str, dict[str, Any]]:
 
 def _placeholder(md: Any, like: torch.Tensor, full_shape: tuple[int, ...]) -> Any:
     """A zero state value standing where the checkpoint stores ``md``."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
     if isinstance(md, BytesStorageMetadata):
         return 0  # (a pickled object: DCP replaces the value wholesale)
     assert isinstance(md, TensorStorageMetadata)
@@ -100,6 +100,8 @@ def init_optim_state_from_checkpoint(
     if any(optim.state.values()):
         return 0
     if isinstance(checkpoint_id, (str, os.PathLike)):
+        import fsdp_wrap.checkpoint._dcp as _dcp  # (DCP's import: only when it is used)
+
         try:  # (the offline tool's reader: it tells a missing, incomplete or damaged one apart)
             metadata = _dcp.read_metadata(os.fspath(checkpoint_id))
             _dcp.check_files(os.fspath(checkpoint_id), metadata)  # missing or truncated data

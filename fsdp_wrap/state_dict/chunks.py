@@ -10,6 +10,7 @@ beyond a unit's group, rank and device.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,6 @@ from torch.distributed._shard.sharded_tensor import (
     ShardedTensorMetadata,
     TensorProperties,
 )
-from torch.distributed.tensor import DTensor
 
 import fsdp_wrap.comm.collectives as _collectives
 from fsdp_wrap.comm.collectives import global_rank
@@ -98,7 +98,7 @@ def wrap_chunk(
     if offload_to_cpu:
         local = local.cpu()
     if layout.mesh is not None:
-        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor import DTensor, Replicate
         from torch.distributed.tensor import Shard as DShard
 
         # 1-D mesh: Shard(0).  Hybrid 2-D mesh (replicate, shard): every replica
@@ -150,8 +150,17 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a DTensor, without importing DTensor's module (about
+    a second of ``import fsdp_wrap``): no value is one before that module is
+    loaded."""
+    module = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(module, "DTensor", None)
+    return cls is not None and isinstance(value, cls)
+
+
 def is_chunked(value: Any) -> bool:
-    return isinstance(value, (ShardedTensor, DTensor))
+    return isinstance(value, ShardedTensor) or is_dtensor(value)
 
 
 def local_chunk(key: str, value: Any, layout: ChunkLayout) -> tuple[torch.Size, torch.Tensor]:
@@ -159,7 +168,7 @@ def local_chunk(key: str, value: Any, layout: ChunkLayout) -> tuple[torch.Size, 
     shape = torch.Size(value.size())
     start, rows = chunk_rows(shape[0], layout.world_size, layout.rank)
     expected = torch.Size([rows, *shape[1:]])
-    if isinstance(value, DTensor):
+    if is_dtensor(value):
         local = value.to_local()
         where = f"placements {value.placements}"
     else:
