@@ -252,24 +252,19 @@ FSDP_INSTANCES_WORD = "instances" if torch_at_least(2, 14) else "instacnes"
 # ------------------------------------------------------------ checkpoint formats
 
 @functools.cache
-def _dcp_properties_have_strides() -> bool:
+def dcp_properties_have_strides() -> bool:
+    """Whether DCP's ``TensorProperties`` records strides (torch 2.15 on).
+
+    Such a ``.metadata`` pickles six fields, not five; older torch cannot
+    unpickle it, and fsdp_wrap's offline reader then drops the strides
+    (``fsdp_wrap.checkpoint._dcp.read_metadata``).  A function, asked when a
+    checkpoint is read: importing ``torch.distributed.checkpoint`` (with
+    DTensor and, through it, torch's FSDP1 modules) takes about 1.5 s, which
+    ``import fsdp_wrap`` does not pay.
+    """
     from torch.distributed.checkpoint.metadata import TensorProperties
 
     return "strides" in {f.name for f in dataclasses.fields(TensorProperties)}
-
-
-def __getattr__(name: str) -> Any:
-    """Constants read on first use: ``DCP_PROPERTIES_HAVE_STRIDES`` asks
-    ``torch.distributed.checkpoint``, whose import (with DTensor and, through
-    it, torch's FSDP1 modules) takes about 1.5 s, which ``import fsdp_wrap``
-    does not pay until a checkpoint is touched."""
-    if name == "DCP_PROPERTIES_HAVE_STRIDES":
-        # torch 2.15 records each tensor's strides in DCP's ``.metadata``
-        # (``TensorProperties`` pickles six fields, not five); older torch cannot
-        # unpickle such a file, and fsdp_wrap's offline reader then drops the
-        # strides (``fsdp_wrap.checkpoint._dcp.read_metadata``).
-        return _dcp_properties_have_strides()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --------------------------------------------------------------- optional packages

@@ -319,7 +319,7 @@ def test_reads_dcp_metadata_of_a_newer_torch(tmp_path: Any, monkeypatch: Any) ->
     from fsdp_wrap import _compat
     from fsdp_wrap.checkpoint import _dcp
 
-    if not _compat.DCP_PROPERTIES_HAVE_STRIDES:  # write what torch 2.15 writes
+    if not _compat.dcp_properties_have_strides():  # write what torch 2.15 writes
         five = TensorProperties.__getstate__
         monkeypatch.setattr(TensorProperties, "__getstate__",
                             lambda self: (*five(self), (8, 1)))
@@ -328,7 +328,7 @@ def test_reads_dcp_metadata_of_a_newer_torch(tmp_path: Any, monkeypatch: Any) ->
     with pytest.warns(UserWarning):
         dcp.save(state, checkpoint_id=newer, no_dist=True)
     monkeypatch.undo()
-    if not _compat.DCP_PROPERTIES_HAVE_STRIDES:  # torch itself cannot read it
+    if not _compat.dcp_properties_have_strides():  # torch itself cannot read it
         with pytest.raises(ValueError, match="too many values to unpack"):
             FileSystemReader(newer).read_metadata()
     md = _dcp.read_metadata(newer)

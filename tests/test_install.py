@@ -242,7 +242,7 @@ NOT_AT_IMPORT = ("torch.distributed.fsdp", "torch.distributed._composable",
 def test_import_loads_neither_torchs_fsdp1_nor_dcp() -> None:
     """``import fsdp_wrap`` (the package and its command line) in a fresh
     interpreter leaves torch's FSDP1, DCP and DTensor unloaded; the lazy paths
-    still work there: reading ``_compat.DCP_PROPERTIES_HAVE_STRIDES`` imports DCP,
+    still work there: ``_compat.dcp_properties_have_strides()`` imports DCP,
     and a DTensor made afterwards is recognised as a chunked value."""
     out = _ok(_python(code=f"""
     import sys
@@ -255,7 +255,7 @@ def test_import_loads_neither_torchs_fsdp1_nor_dcp() -> None:
         return sorted(m for m in sys.modules if m.startswith(NOT_AT_IMPORT))
     print("at import:", loaded())
     assert not chunks.is_chunked(torch.zeros(2)) and not chunks.is_dtensor(torch.zeros(2))
-    assert isinstance(_compat.DCP_PROPERTIES_HAVE_STRIDES, bool)
+    assert isinstance(_compat.dcp_properties_have_strides(), bool)
     assert "torch.distributed.checkpoint" in sys.modules
     import os
     import torch.distributed as dist

@@ -142,7 +142,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         cls = super().find_class(module, name)
-        if name == "TensorProperties" and not _compat.DCP_PROPERTIES_HAVE_STRIDES:
+        if name == "TensorProperties" and not _compat.dcp_properties_have_strides():
             return _five_field_properties(cls)
         return cls
 
