@@ -92,7 +92,9 @@ def open_source(path: str, trust_pickle: bool = False) -> Source:
     if os.path.isdir(path) or os.path.isdir(_atomic.temp_path(path)):
         if marker or not os.path.exists(path):
             _atomic.check_complete(path)  # a save of fsdp_wrap's that did not finish
-        if _dcp_dir(path):
+        import fsdp_wrap.checkpoint._dcp as _dcp  # (DCP's import: only for a directory)
+
+        if _dcp.is_dcp_dir(path):
             return _open_dcp(path, marker)
         if _safetensors.read_index(path) is not None or any(_safetensors.iter_files(path)):
             return _open_safetensors_dir(path, marker)
@@ -131,12 +133,6 @@ def _read_marker(path: str) -> dict[str, Any]:
         return data
     except ValueError:
         return {}
-
-
-def _dcp_dir(path: str) -> bool:
-    import fsdp_wrap.checkpoint._dcp as _dcp  # (DCP's import: only when it is used)
-
-    return _dcp.is_dcp_dir(path)
 
 
 def _open_dcp(path: str, marker: dict[str, Any]) -> Source:
