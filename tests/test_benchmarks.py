@@ -127,7 +127,13 @@ def test_nodes_benchmark_runs_and_prints_its_table(tmp_path):
                                 "fsdp_wrap/HYBRID_SHARD", "torch_fsdp1/HYBRID_SHARD", "ddp/-"}
     # same weights and data: every configuration's first loss is the same
     assert len(set(res["first"].values())) == 1, res["first"]
-    # both libraries send the same bytes per strategy (node 0, every timed step)
+    # both libraries send the same bytes per strategy (node 0, every timed step),
+    # within 1% (the acks' timing, the barriers) and, on a loaded machine, the
+    # frames TCP sent again: each resent segment puts at most one frame more on
+    # the link (seen: +67 kB, 1.0%, in one step of one library under CI's load)
+    frame = res["frame"][0]
     for strategy in ("FULL_SHARD", "HYBRID_SHARD"):
-        ours, theirs = (res["sent"][f"{fw}/{strategy}"][0] for fw in ("fsdp_wrap", "torch_fsdp1"))
-        assert all(abs(a / b - 1) < 0.01 for a, b in zip(ours, theirs)), (strategy, ours, theirs)
+        ours, theirs = ((res["sent"][key][0], res["resent"][key][0])
+                        for key in (f"fsdp_wrap/{strategy}", f"torch_fsdp1/{strategy}"))
+        for a, ra, b, rb in zip(*ours, *theirs):
+            assert abs(a - b) < 0.01 * b + frame * (ra + rb), (strategy, ours, theirs, frame)

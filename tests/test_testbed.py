@@ -68,10 +68,19 @@ def test_a_rank_outside_a_cluster_reads_nothing(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.delenv(link.ENV_IFNAME, raising=False)
     monkeypatch.delenv(link.ENV_NODE, raising=False)
     assert link.node_link_bytes() is None and link.node_index() is None
+    assert link.node_resent_segments() is None and link.node_frame_bytes() is None
+    assert link.link_during(lambda: 7, lambda: None) == (7, None)
     monkeypatch.setenv(link.ENV_IFNAME, "lo")  # any interface's counters read the same way
     monkeypatch.setenv(link.ENV_NODE, "1")
     sent, received = link.node_link_bytes()  # type: ignore[misc]
     assert sent >= 0 and received >= 0 and link.node_index() == 1
+    resent = link.node_resent_segments()
+    assert isinstance(resent, int) and resent >= 0
+    with open("/sys/class/net/lo/mtu") as f:
+        assert link.node_frame_bytes() == int(f.read()) + 14
+    monkeypatch.setenv("LOCAL_RANK", "0")  # the rank that reads its node's counters
+    result, (sent_then, resent_then) = link.link_during(lambda: 7, lambda: None)  # type: ignore[misc]
+    assert result == 7 and sent_then >= 0 and resent_then >= 0
 
 
 def test_cluster_command_says_in_one_line_where_namespaces_cannot_be_made(

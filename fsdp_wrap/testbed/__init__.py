@@ -13,7 +13,14 @@ library imports it.  Standard library only (torchrun runs as a subprocess).
 """
 
 from fsdp_wrap.testbed.cluster import Cluster, Interrupted, Run, RunResult
-from fsdp_wrap.testbed.link import node_index, node_link_bytes, sent_during
+from fsdp_wrap.testbed.link import (
+    link_during,
+    node_frame_bytes,
+    node_index,
+    node_link_bytes,
+    node_resent_segments,
+    sent_during,
+)
 from fsdp_wrap.testbed.network import (
     LinkBytes,
     NodeLink,
@@ -33,8 +40,11 @@ __all__ = [
     "RunResult",
     "TestbedUnavailable",
     "leftovers",
+    "link_during",
+    "node_frame_bytes",
     "node_index",
     "node_link_bytes",
+    "node_resent_segments",
     "parse_rate",
     "remove_stale",
     "sent_during",

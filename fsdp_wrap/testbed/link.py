@@ -3,7 +3,8 @@
 A rank started by :class:`fsdp_wrap.testbed.Cluster` finds in its environment
 the node's number, the number of nodes and the name of the node's interface;
 :func:`node_link_bytes` reads that interface's counters (``ip netns exec``
-mounts the namespace's own ``/sys``).  The counters are the node's, shared by
+mounts the namespace's own ``/sys``), :func:`node_resent_segments` the
+namespace's TCP retransmissions.  The counters are the node's, shared by
 its ranks: read them on one rank per node (``LOCAL_RANK`` 0), with a barrier
 on each side of every read, to learn what a step sent across the link
 (:func:`sent_during` does it).  Standard library only.
@@ -14,7 +15,8 @@ from __future__ import annotations
 import os
 from typing import Callable, TypeVar
 
-__all__ = ["ENV_IFNAME", "ENV_NODE", "ENV_NODES", "node_index", "node_link_bytes", "sent_during"]
+__all__ = ["ENV_IFNAME", "ENV_NODE", "ENV_NODES", "link_during", "node_frame_bytes", "node_index",
+           "node_link_bytes", "node_resent_segments", "sent_during"]
 
 T = TypeVar("T")
 
@@ -45,6 +47,31 @@ def node_link_bytes() -> tuple[int, int] | None:
     return sent, received
 
 
+def node_resent_segments() -> int | None:
+    """TCP segments this node has sent again so far (``RetransSegs`` of its
+    network namespace's ``/proc/net/snmp``: a loaded machine can make the
+    link's queue drop, and TCP sends those bytes twice); ``None`` outside a
+    cluster.  Counts every connection in the namespace, the node's loopback
+    ones too (which rarely resend): an upper bound for the link's."""
+    if not os.environ.get(ENV_IFNAME):
+        return None
+    with open("/proc/net/snmp") as f:
+        rows = [line.split() for line in f if line.startswith("Tcp:")]
+    names, values = rows[0], rows[1]
+    return int(values[names.index("RetransSegs")])
+
+
+def node_frame_bytes() -> int | None:
+    """The most bytes one resent segment puts on this node's link: the
+    interface's MTU and the Ethernet header (14 bytes); ``None`` outside a
+    cluster."""
+    ifname = os.environ.get(ENV_IFNAME)
+    if not ifname:
+        return None
+    with open(f"/sys/class/net/{ifname}/mtu") as f:
+        return int(f.read()) + 14
+
+
 def sent_during(fn: Callable[[], T], barrier: Callable[[], object]) -> tuple[T, int | None]:
     """Run ``fn()`` on every rank; return its result and the bytes this node's
     link sent meanwhile (on ``LOCAL_RANK`` 0; ``None`` on the other ranks and
@@ -57,13 +84,31 @@ def sent_during(fn: Callable[[], T], barrier: Callable[[], object]) -> tuple[T, 
     short that way), and their next work would be counted after ``fn``.  The
     barriers' own few hundred bytes are counted.
     """
-    def read() -> int | None:
+    result, link = link_during(fn, barrier)
+    return result, None if link is None else link[0]
+
+
+def link_during(fn: Callable[[], T],
+                barrier: Callable[[], object]) -> tuple[T, tuple[int, int] | None]:
+    """As :func:`sent_during`, with the TCP segments the node sent again
+    meanwhile (:func:`node_resent_segments`): ``(result, (bytes sent,
+    segments resent))``, the pair ``None`` off ``LOCAL_RANK`` 0 and outside a
+    cluster.  Two runs of the same ``fn`` differ in bytes sent by at most
+    the resent segments' frames (:func:`node_frame_bytes` each) and the acks'
+    timing."""
+    def read() -> tuple[int, int] | None:
         barrier()
-        got = node_link_bytes() if os.environ.get("LOCAL_RANK") == "0" else None
+        got = None
+        if os.environ.get("LOCAL_RANK") == "0":
+            link, resent = node_link_bytes(), node_resent_segments()
+            if link is not None and resent is not None:
+                got = (link[0], resent)
         barrier()
-        return None if got is None else got[0]
+        return got
 
     before = read()
     result = fn()
     after = read()
-    return result, None if before is None or after is None else after - before
+    if before is None or after is None:
+        return result, None
+    return result, (after[0] - before[0], after[1] - before[1])
