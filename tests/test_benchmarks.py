@@ -130,7 +130,7 @@ def test_nodes_benchmark_runs_and_prints_its_table(tmp_path):
     # both libraries send the same bytes per strategy (node 0, every timed step),
     # within 1% (the acks' timing, the barriers) and, on a loaded machine, the
     # frames TCP sent again: each resent segment puts at most one frame more on
-    # the link (seen: +67 kB, 1.0%, in one step of one library under CI's load)
+    # the link (seen: +67 kB, 1.0%, in one step of one library in a full .ci/run)
     frame = res["frame"][0]
     for strategy in ("FULL_SHARD", "HYBRID_SHARD"):
         ours, theirs = ((res["sent"][key][0], res["resent"][key][0])
