@@ -253,7 +253,8 @@ def test_the_torch_matrix_lists_test_files() -> None:
     one argument per line, no comments (pytest reads every line as an
     argument): test files, each existing, this one among them, and
     ``--deselect=`` lines naming tests of those files (the sweeps' self-checks,
-    which test the harness rather than torch)."""
+    which test the harness rather than torch, and the parity sweeps at 3 and 4
+    ranks: docs/testing.rst says why)."""
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(here)
     with open(os.path.join(here, "torch_matrix.txt")) as f:
