@@ -272,9 +272,10 @@ def _worker_main(
     # What this process holds now (torch, the preloaded modules) lives as long
     # as it does: out of the collector's sight (gc.freeze), each full collection
     # (automatic, or a test's gc.collect()) walks only what the tasks make, not
-    # some 170,000 objects more: a test's gc.collect() took 0.2-0.5 s.  Garbage
-    # is collected first; what tasks make later is collected as before.
-    gc.collect()
+    # some 170,000 objects more: a test's gc.collect() took 0.2-0.5 s.  No
+    # collection first: it would cost every start (a restart after each
+    # injected failure) 0.2 s a rank, for the few cycles that imports leave.
+    # What tasks make is collected as before.
     gc.freeze()
 
     conn.send_bytes(pickle.dumps(("ready", os.getpid(), seq())))
