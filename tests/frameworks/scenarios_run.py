@@ -68,7 +68,7 @@ def _settle() -> None:
     first run imports more: TRL's trainers, PEFT); it lives as long as the
     process.  Hidden, the ``gc.collect()`` that Accelerate's ``free_memory``
     runs at the end of every ``Trainer.train()`` takes milliseconds instead of
-    half a second (about 20 CPU-seconds a rank over TRL's runs).  What the
+    half a second (about 16 CPU-seconds a rank over TRL's runs).  What the
     scenarios make later is collected as before.
     """
     gc.collect()
