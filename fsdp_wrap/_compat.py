@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from packaging.version import Version
+from torch.autograd.graph import get_gradient_edge
 
 #: fsdp_wrap's own version (``fsdp_wrap.__version__``; setup.py says the same).
 __version__ = "0.1.0"
@@ -39,6 +40,15 @@ _HAS_PUBLIC_SD_POST_HOOK = hasattr(nn.Module, "register_state_dict_post_hook")
 #: autograd backward.  Private but long-standing (torch 1.13+, so every torch
 #: we support has it); resolved once here.
 _graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+#: ``torch._C._will_engine_execute_node(node)``: whether the backward the calling
+#: thread runs will execute ``node`` (reachable from its roots, or wanted for its
+#: ``inputs=``); what ``torch.autograd.graph.register_multi_grad_hook`` asks.
+#: Present in every torch we support; if a future one drops it, every node
+#: reads as not executed (then no unit waits for an outer backward: torch's
+#: FSDP1 behaviour).
+_will_execute: Callable[[Any], bool] = getattr(
+    torch._C, "_will_engine_execute_node", lambda node: False)
 
 
 #: ``torch._C._storage_Use_Count``: how many tensors hold a storage (private,
@@ -67,6 +77,18 @@ def sole_tensor_of_storage(tensor: torch.Tensor) -> bool:
         return False
     storage = tensor.untyped_storage()
     return storage.resizable() and _storage_use_count(storage._cdata) == _ONE_TENSOR
+
+
+def current_backward() -> int:
+    """An id of the autograd backward this thread runs (-1 outside one); a
+    reentrant activation checkpoint's backward inside another has its own."""
+    return _graph_task_id()
+
+
+def backward_will_accumulate(param: torch.Tensor) -> bool:
+    """Whether the backward this thread runs now will accumulate a gradient
+    into leaf ``param`` (its gradient accumulator is reachable)."""
+    return bool(_will_execute(get_gradient_edge(param).node))
 
 
 def in_backward() -> bool:

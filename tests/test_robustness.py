@@ -60,6 +60,37 @@ class Net(nn.Module):
         return self.out(h)
 
 
+class PartBlock(nn.Module):
+    """A unit whose parameters are used both outside and inside one activation
+    checkpoint (``pre`` and ``post`` outside, the inner block's inside)."""
+
+    def __init__(self, d: int, reentrant: bool) -> None:
+        super().__init__()
+        self.pre = nn.Linear(d, d + 1)
+        self.inner = CkptBlock(d + 1, None)
+        self.post = nn.Linear(d + 1, d)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.pre(x))
+        h = checkpoint(self.inner, h, use_reentrant=self.reentrant)
+        return self.post(torch.tanh(h))
+
+
+class PartNet(nn.Module):
+    def __init__(self, reentrant: bool, d: int = 6) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, d)
+        self.blocks = nn.ModuleList([PartBlock(d, reentrant) for _ in range(2)])
+        self.out = nn.Linear(d, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
 def _wrap(impl: str, model: nn.Module, strategy: str, uop: bool) -> nn.Module:
     policy = wrap_api(impl).ModuleWrapPolicy({CkptBlock})
     return fsdp_api(impl).FullyShardedDataParallel(
@@ -126,6 +157,52 @@ def _run(cfg: dict[str, Any]) -> list[str]:
     return fails
 
 
+def _run_partial(cfg: dict[str, Any]) -> list[str]:
+    """Reentrant checkpointing over part of a unit (``PartBlock`` units, or the
+    whole model one unit) trains exactly as non-reentrant checkpointing, which
+    trains exactly as torch's FSDP1 (where the reentrant form fails: its
+    post-backward hook reshards the unit inside the checkpoint's own backward,
+    and the outer backward then reads freed parameters; torch 2.13)."""
+    import copy
+
+    import torch.distributed as dist
+
+    tag = f"{rank_tag()} {cfg}"
+    torch.manual_seed(cfg["idx"])
+    base = PartNet(reentrant=False)
+    if cfg["frozen"]:  # (a frozen flat parameter of its own in each unit, beside the trained one)
+        for block in base.blocks:
+            block.pre.requires_grad_(False)
+            block.inner.fc1.requires_grad_(False)
+    reentrant = copy.deepcopy(base)
+    for block in reentrant.blocks:
+        block.reentrant = True
+    models = []
+    for impl, model in (("torch", copy.deepcopy(base)), ("ours", base), ("ours", reentrant)):
+        kw = fsdp_kwargs(impl, sharding_strategy=cfg["strategy"], use_orig_params=cfg["uop"])
+        if cfg["units"] == "blocks":
+            kw["auto_wrap_policy"] = wrap_api(impl).ModuleWrapPolicy({PartBlock})
+        models.append(fsdp_api(impl).FullyShardedDataParallel(model, **kw))
+    names = [n for n, _ in models[0].named_parameters()]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+    gen = torch.Generator().manual_seed(100 + dist.get_rank() + cfg["idx"])
+    fails: list[str] = []
+    for step in range(4):
+        x = torch.randn(3, 4, generator=gen)
+        res = [train_step(m, o, loss_of(m(x))) for m, o in zip(models, opts)]
+        # Bit-exact both: the same ops in the same order; the reentrant form
+        # adds the checkpointed part's gradient to the flat gradient first and
+        # the rest (zeros where the other part's parameters lie) after it.
+        if not cfg["frozen"]:  # (frozen: fsdp_wrap's own shard layout, docs/fine_tuning.rst)
+            fails += compare_step(f"{tag} step {step} non-reentrant vs torch", names,
+                                  res[0], res[1], 0.0)
+        fails += compare_step(f"{tag} step {step} reentrant vs non-reentrant", names,
+                              res[1], res[2], 0.0)
+        if any_rank(bool(fails)):
+            break
+    return fails
+
+
 def _configs(kind: str, reentrant_modes: list[bool | None]) -> list[dict[str, Any]]:
     return [
         dict(kind=kind, reentrant=r, strategy=s, uop=u, idx=k)
@@ -136,7 +213,8 @@ def _configs(kind: str, reentrant_modes: list[bool | None]) -> list[dict[str, An
 
 def _sweep(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
     warnings.simplefilter("ignore")
-    return run_configs(configs, _run, inject=inject)
+    return run_configs(configs, lambda c: _run_partial(c) if c["kind"] == "partial" else _run(c),
+                       inject=inject)
 
 
 def _check(pool: Any, kind: str, reentrant_modes: list[bool | None]) -> None:
@@ -162,6 +240,21 @@ def test_activation_checkpointing_reentrant(pool2: Any) -> None:
 
 def test_activation_checkpointing_non_reentrant(pool2: Any) -> None:
     _check(pool2, "plain", [False])
+
+
+def test_reentrant_checkpoint_over_part_of_a_unit(pool2: Any) -> None:
+    strategies = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
+    configs = [dict(kind="partial", units=units, strategy=s, uop=u, frozen=False)
+               for units, s, u in itertools.product(["blocks", "root only"], strategies,
+                                                    [False, True])]
+    # Frozen parameters inside and outside the checkpoint (use_orig_params=True;
+    # reentrant against non-reentrant only)
+    configs += [dict(kind="partial", units="blocks", strategy=s, uop=True, frozen=True)
+                for s in strategies]
+    for k, c in enumerate(configs):
+        c["idx"] = k
+    fails = [f for r in pool2.run(_sweep, configs) for f in r]
+    assert not fails, f"{len(fails)} failure(s):\n" + "\n".join(fails)
 
 
 def test_no_grad_inference_mode_and_eval_forwards_between_steps(pool2: Any) -> None:

@@ -18,6 +18,7 @@ import torch
 
 import fsdp_wrap.comm.collectives as C
 import fsdp_wrap.comm.reduce as R
+from fsdp_wrap._compat import backward_will_accumulate, current_backward
 from fsdp_wrap.handle.layout import FlatLayout, ParamInfo
 
 
@@ -65,6 +66,9 @@ class FlatGrads:
         self._partial: torch.Tensor | None = None
         # (set_grad_views: the split of a sharded gradient, for its numel)
         self._shard_split_cache: tuple[int, list[int], list[int]] | None = None
+        # The backward that began the unit's backward (an id, see
+        # is_partial), if it will accumulate into flat_param itself.
+        self._outer_backward: int | None = None
 
     def retype(self, dtypes: tuple[torch.dtype, torch.dtype, torch.dtype],
                reduce_spec: R.ReduceSpec) -> None:
@@ -99,6 +103,26 @@ class FlatGrads:
         if grad is not None and not self.has_unreduced_grad:
             self._saved_grad_shard = grad.detach()
             self.flat_param.grad = None
+
+    def begin_backward(self) -> None:
+        """The unit's backward begins (its pre-backward hook, in the backward
+        that reaches the unit's outputs): note that backward if it will also
+        accumulate into the flat parameter, i.e. uses the forward's parameter
+        views outside any reentrant activation checkpoint.  Undone by
+        :meth:`end_backward`."""
+        self._outer_backward = (current_backward() if self.flat_param.requires_grad
+                                and backward_will_accumulate(self.flat_param) else None)
+
+    def end_backward(self) -> None:
+        self._outer_backward = None
+
+    def is_partial(self) -> bool:
+        """Whether the gradient just accumulated is part of this backward's only:
+        a reentrant activation checkpoint inside the unit ran its recomputation's
+        backward (nested in the one that began the unit's, with an id of its
+        own), and that outer backward will still add its part."""
+        outer = self._outer_backward
+        return outer is not None and current_backward() != outer
 
     def restore_parked_grad(self) -> None:
         """A parked gradient whose unit got no new gradient goes back."""

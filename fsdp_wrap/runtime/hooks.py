@@ -295,6 +295,8 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor | N
                 and not handle.reshard_after_forward):
             # Kept unsharded since forward: the views must be the forward's.
             check_unchanged_since_forward(handle, handle.views.compute_views)
+    for handle in handles:
+        handle.grads.begin_backward()
     root = state._root
     # (backward order: the unit's flat parameters last to first, then the unit before)
     gather_ahead(handles[-1], root._all_gather_batch_bytes,
@@ -337,6 +339,12 @@ def make_post_backward_hook(state: UnitState, handle: FlatParamHandle) -> Callab
         state, handle = state_ref(), handle_ref()
         if state is None or handle is None:
             return  # (the model is gone; a gradient computed after that is the caller's)
+        if handle.grads.is_partial():
+            # A reentrant checkpoint's backward inside the unit's: the outer
+            # backward adds the rest of the gradient, then reduces and reshards
+            # (torch's FSDP1 reshards here, and the outer backward then reads
+            # freed parameters).
+            return
         _queue_final_callback(state._root)
         sync = state._sync_gradients
         handle.reshard(free=frees_after_backward(state, handle))
@@ -453,6 +461,7 @@ def finalize_units(root: UnitState, free_all: bool) -> None:
             if handle.is_unsharded or handle.holds_unsharded_storage:
                 handle.reshard(free=not keep)
             handle.grads.restore_parked_grad()
+            handle.grads.end_backward()
             if not free_all:
                 # End of a backward: every graph of the iteration is done.  A
                 # forward still awaiting its backward (several forwards before
