@@ -251,16 +251,16 @@ def test_every_chosen_wording_is_used() -> None:
 def test_the_torch_matrix_lists_test_files() -> None:
     """CI's torch lanes run ``pytest @tests/torch_matrix.txt`` (.ci/run, tox.ini):
     one argument per line, no comments (pytest reads every line as an
-    argument): test files, each existing, this one among them, and
-    ``--deselect=`` lines naming tests of those files (the sweeps' self-checks,
-    which test the harness rather than torch, and the parity sweeps at 3 and 4
-    ranks: docs/testing.rst says why)."""
+    argument): test files or single tests of them (``file::test``), each file
+    existing, this one among them, and ``--deselect=`` lines naming tests of
+    listed files (the sweeps' self-checks, which test the harness rather than
+    torch, and the parity sweeps at 3 and 4 ranks: docs/testing.rst says why)."""
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(here)
     with open(os.path.join(here, "torch_matrix.txt")) as f:
         lines = f.read().splitlines()
     assert lines and all(lines), "blank lines in tests/torch_matrix.txt"
-    files = [p for p in lines if not p.startswith("--deselect=")]
+    files = [p.split("::")[0] for p in lines if not p.startswith("--deselect=")]
     for p in lines:
         if p.startswith("--deselect="):
             assert p.split("=", 1)[1].split("::")[0] in files, f"{p} deselects from an unlisted file"
