@@ -160,9 +160,9 @@ def _run(cfg: dict[str, Any]) -> list[str]:
 def _run_partial(cfg: dict[str, Any]) -> list[str]:
     """Reentrant checkpointing over part of a unit (``PartBlock`` units, or the
     whole model one unit) trains exactly as non-reentrant checkpointing, which
-    trains exactly as torch's FSDP1 (where the reentrant form fails: its
-    post-backward hook reshards the unit inside the checkpoint's own backward,
-    and the outer backward then reads freed parameters; torch 2.13)."""
+    trains exactly as torch's FSDP1.  (Torch's FSDP1 2.13 runs the reentrant
+    form with NO_SHARD; with the sharded strategies its backward raises
+    reading freed parameters, docs/options.rst.)"""
     import copy
 
     import torch.distributed as dist
