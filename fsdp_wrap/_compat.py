@@ -1,7 +1,10 @@
 """Every torch-version difference fsdp_wrap cares about, in one place.
 
-Nothing here runs in a per-step hot path: each helper is called at
-construction or lazy-init time, or resolves a name once at import.
+Most helpers are called at construction or lazy-init time, or resolve a
+name once at import.  The autograd-engine queries run per unit and step:
+``in_backward`` and ``current_backward`` are one C call each,
+``backward_will_accumulate`` (once per flat parameter and backward) one
+autograd view and a lookup, about 6 us.
 """
 
 from __future__ import annotations
