@@ -48,6 +48,7 @@ from fsdp_wrap.comm.quant.config import CollectiveQuantization, resolve_quantiza
 from fsdp_wrap.runtime.accumulation import AccumulationAPI, warn_if_partial
 from fsdp_wrap.runtime.names import clean_fqn
 from fsdp_wrap.runtime.state import TrainingState, UnitState, register_unit
+from fsdp_wrap.runtime.tensors import cast_floating
 from fsdp_wrap.state_dict.optim_api import OptimStateDictAPI
 
 __all__ = ["FullyShardedDataParallel", "OptimStateKeyType"]
@@ -244,7 +245,7 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI, AccumulationAPI):
         if mp.param_dtype is not None and not full_precision and (
             mp.cast_forward_inputs or (self._is_root and mp.cast_root_forward_inputs)
         ):
-            args, kwargs = _runtime.cast_floating((args, kwargs), mp.param_dtype)
+            args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
         _runtime.pre_forward(self, (args, kwargs))
         output = self._fsdp_wrapped_module(*args, **kwargs)
         return _runtime.post_forward(self, output)

@@ -61,27 +61,41 @@ class Net(nn.Module):
 
 
 class PartBlock(nn.Module):
-    """A unit whose parameters are used both outside and inside one activation
-    checkpoint (``pre`` and ``post`` outside, the inner block's inside)."""
+    """A unit whose parameters activation checkpointing covers in part
+    (``layout="part"``: ``pre`` and ``post`` outside one checkpoint, the
+    inner block's inside), in several checkpoints and nowhere else
+    (``"split"``: ``pre``, the inner block and ``post`` one each), or in one
+    checkpoint inside the unit's forward (``"whole"``)."""
 
-    def __init__(self, d: int, reentrant: bool) -> None:
+    def __init__(self, d: int, reentrant: bool, layout: str = "part") -> None:
         super().__init__()
         self.pre = nn.Linear(d, d + 1)
         self.inner = CkptBlock(d + 1, None)
         self.post = nn.Linear(d + 1, d)
         self.reentrant = reentrant
+        self.layout = layout
+
+    def _all(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(torch.tanh(self.inner(torch.relu(self.pre(x)))))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r = self.reentrant
+        if self.layout == "whole":
+            return checkpoint(self._all, x, use_reentrant=r)
+        if self.layout == "split":
+            h = torch.relu(checkpoint(self.pre, x, use_reentrant=r))
+            h = checkpoint(self.inner, h, use_reentrant=r)
+            return checkpoint(self.post, torch.tanh(h), use_reentrant=r)
         h = torch.relu(self.pre(x))
-        h = checkpoint(self.inner, h, use_reentrant=self.reentrant)
+        h = checkpoint(self.inner, h, use_reentrant=r)
         return self.post(torch.tanh(h))
 
 
 class PartNet(nn.Module):
-    def __init__(self, reentrant: bool, d: int = 6) -> None:
+    def __init__(self, reentrant: bool, d: int = 6, layout: str = "part") -> None:
         super().__init__()
         self.inp = nn.Linear(4, d)
-        self.blocks = nn.ModuleList([PartBlock(d, reentrant) for _ in range(2)])
+        self.blocks = nn.ModuleList([PartBlock(d, reentrant, layout) for _ in range(2)])
         self.out = nn.Linear(d, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -158,18 +172,20 @@ def _run(cfg: dict[str, Any]) -> list[str]:
 
 
 def _run_partial(cfg: dict[str, Any]) -> list[str]:
-    """Reentrant checkpointing over part of a unit (``PartBlock`` units, or the
-    whole model one unit) trains exactly as non-reentrant checkpointing, which
-    trains exactly as torch's FSDP1.  (Torch's FSDP1 2.13 runs the reentrant
-    form with NO_SHARD; with the sharded strategies its backward raises
-    reading freed parameters, docs/options.rst.)"""
+    """Reentrant checkpointing over part of a unit, or over all of it in
+    several checkpoints (``PartBlock`` units, or the whole model one unit),
+    trains exactly as non-reentrant checkpointing, which trains exactly as
+    torch's FSDP1.  (Torch's FSDP1 2.13 runs the reentrant forms with
+    NO_SHARD; with the sharded strategies its backward raises reading freed
+    parameters, docs/options.rst.)  A sharded block is freed by the time the
+    backward leaves it, as without checkpointing."""
     import copy
 
     import torch.distributed as dist
 
     tag = f"{rank_tag()} {cfg}"
     torch.manual_seed(cfg["idx"])
-    base = PartNet(reentrant=False)
+    base = PartNet(reentrant=False, layout=cfg["layout"])
     if cfg["frozen"]:  # (a frozen flat parameter of its own in each unit, beside the trained one)
         for block in base.blocks:
             block.pre.requires_grad_(False)
@@ -183,6 +199,10 @@ def _run_partial(cfg: dict[str, Any]) -> list[str]:
         if cfg["units"] == "blocks":
             kw["auto_wrap_policy"] = wrap_api(impl).ModuleWrapPolicy({PartBlock})
         models.append(fsdp_api(impl).FullyShardedDataParallel(model, **kw))
+    held: list[str] = []
+    if cfg["units"] == "blocks" and cfg["strategy"] != "NO_SHARD":
+        for model in models[1:]:
+            _watch_blocks_freed(model, held)
     names = [n for n, _ in models[0].named_parameters()]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
     gen = torch.Generator().manual_seed(100 + dist.get_rank() + cfg["idx"])
@@ -191,16 +211,33 @@ def _run_partial(cfg: dict[str, Any]) -> list[str]:
         x = torch.randn(3, 4, generator=gen)
         res = [train_step(m, o, loss_of(m(x))) for m, o in zip(models, opts)]
         # Bit-exact both: the same ops in the same order; the reentrant form
-        # adds the checkpointed part's gradient to the flat gradient first and
-        # the rest (zeros where the other part's parameters lie) after it.
+        # adds each checkpointed part's gradient to the flat gradient as its
+        # own backward ends (zeros where the other parts' parameters lie).
         if not cfg["frozen"]:  # (frozen: fsdp_wrap's own shard layout, docs/fine_tuning.rst)
             fails += compare_step(f"{tag} step {step} non-reentrant vs torch", names,
                                   res[0], res[1], 0.0)
         fails += compare_step(f"{tag} step {step} reentrant vs non-reentrant", names,
                               res[1], res[2], 0.0)
+        if held:
+            fails.append(f"{tag} step {step}: still gathered when the backward reached "
+                         f"the model's input layer: {held}")
         if any_rank(bool(fails)):
             break
     return fails
+
+
+def _watch_blocks_freed(model: nn.Module, held: list[str]) -> None:
+    """Note in ``held`` every block unit still holding gathered parameters
+    when the backward reaches ``inp`` (every block's backward is over)."""
+    blocks = [m for m in model.modules() if m is not model and hasattr(m, "_handles")]
+    assert len(blocks) == 2, blocks
+
+    def check(module: nn.Module, grad_output: Any) -> None:
+        for i, unit in enumerate(blocks):
+            if any(h.is_unsharded or h.holds_unsharded_storage for h in unit._handles):
+                held.append(f"block {i}")
+
+    model.module.inp.register_full_backward_pre_hook(check)
 
 
 def _configs(kind: str, reentrant_modes: list[bool | None]) -> list[dict[str, Any]]:
@@ -244,13 +281,17 @@ def test_activation_checkpointing_non_reentrant(pool2: Any) -> None:
 
 def test_reentrant_checkpoint_over_part_of_a_unit(pool2: Any) -> None:
     strategies = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
-    configs = [dict(kind="partial", units=units, strategy=s, uop=u, frozen=False)
+    configs = [dict(kind="partial", layout="part", units=units, strategy=s, uop=u, frozen=False)
                for units, s, u in itertools.product(["blocks", "root only"], strategies,
                                                     [False, True])]
+    # Every parameter inside a checkpoint: one per part of the block, or one
+    # for all of it (the unit's backward ends inside a checkpoint's backward)
+    configs += [dict(kind="partial", layout=lay, units="blocks", strategy=s, uop=u, frozen=False)
+                for lay, s, u in itertools.product(["split", "whole"], strategies, [False, True])]
     # Frozen parameters inside and outside the checkpoint (use_orig_params=True;
     # reentrant against non-reentrant only)
-    configs += [dict(kind="partial", units="blocks", strategy=s, uop=True, frozen=True)
-                for s in strategies]
+    configs += [dict(kind="partial", layout=lay, units="blocks", strategy=s, uop=True, frozen=True)
+                for lay, s in itertools.product(["part", "split"], strategies)]
     for k, c in enumerate(configs):
         c["idx"] = k
     fails = [f for r in pool2.run(_sweep, configs) for f in r]

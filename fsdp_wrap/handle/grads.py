@@ -66,9 +66,13 @@ class FlatGrads:
         self._partial: torch.Tensor | None = None
         # (set_grad_views: the split of a sharded gradient, for its numel)
         self._shard_split_cache: tuple[int, list[int], list[int]] | None = None
-        # The backward that began the unit's backward (an id, see
-        # is_partial), if it will accumulate into flat_param itself.
-        self._outer_backward: int | None = None
+        # The backward that began the unit's backward (an id, see is_partial),
+        # whether that backward accumulates into flat_param itself, and whether
+        # a part arrived from a nested backward it will not follow up
+        # (reduce_pending: reduced once the unit's backward is over).
+        self._began_in: int | None = None
+        self._began_accumulates = False
+        self.reduce_pending = False
 
     def retype(self, dtypes: tuple[torch.dtype, torch.dtype, torch.dtype],
                reduce_spec: R.ReduceSpec) -> None:
@@ -106,23 +110,43 @@ class FlatGrads:
 
     def begin_backward(self) -> None:
         """The unit's backward begins (its pre-backward hook, in the backward
-        that reaches the unit's outputs): note that backward if it will also
-        accumulate into the flat parameter, i.e. uses the forward's parameter
-        views outside any reentrant activation checkpoint.  Undone by
-        :meth:`end_backward`."""
-        self._outer_backward = (current_backward() if self.flat_param.requires_grad
-                                and backward_will_accumulate(self.flat_param) else None)
+        that reaches the unit's outputs): note that backward, and whether it
+        will itself accumulate into the flat parameter (it does where the
+        forward's parameter views are used outside any reentrant activation
+        checkpoint).  Undone by :meth:`end_backward`."""
+        if not self.flat_param.requires_grad:
+            self._began_in = None
+            return
+        self._began_in = current_backward()
+        self._began_accumulates = backward_will_accumulate(self.flat_param)
 
     def end_backward(self) -> None:
-        self._outer_backward = None
+        self._began_in = None
+        self.reduce_pending = False
+
+    @property
+    def awaits_nested_parts(self) -> bool:
+        """Whether the unit's gradient can only come from nested backwards:
+        its backward began in one that does not accumulate into the flat
+        parameter (every use of the parameters lies inside reentrant
+        activation checkpoints, one or several)."""
+        return self._began_in is not None and not self._began_accumulates
 
     def is_partial(self) -> bool:
-        """Whether the gradient just accumulated is part of this backward's only:
-        a reentrant activation checkpoint inside the unit ran its recomputation's
-        backward (nested in the one that began the unit's, with an id of its
-        own), and that outer backward will still add its part."""
-        outer = self._outer_backward
-        return outer is not None and current_backward() != outer
+        """Whether this thread runs a backward other than the one that began
+        the unit's: a reentrant activation checkpoint inside the unit running
+        its recomputation's backward (nested, with an id of its own).  A
+        gradient accumulated there is a part only: the outer backward's own
+        part, or another checkpoint's, may follow."""
+        began = self._began_in
+        return began is not None and current_backward() != began
+
+    def note_nested_part(self) -> None:
+        """A part of the gradient arrived in a nested backward: if the outer
+        backward will not accumulate the rest itself (and reduce it then),
+        the reduction waits for the unit's backward to end."""
+        if not self._began_accumulates:
+            self.reduce_pending = True
 
     def restore_parked_grad(self) -> None:
         """A parked gradient whose unit got no new gradient goes back."""

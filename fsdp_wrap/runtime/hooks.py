@@ -22,14 +22,12 @@ included, since no backward will come to free them.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch.autograd import Variable
-from torch.nn.utils.rnn import PackedSequence
 
 import fsdp_wrap.runtime.construct as _init
 import fsdp_wrap.runtime.guards as guards
@@ -39,6 +37,7 @@ from fsdp_wrap.api import BackwardPrefetch, ShardingStrategy
 from fsdp_wrap.comm.gather_batch import gather_ahead
 from fsdp_wrap.handle.writeback import check_still_frozen, check_unchanged_since_forward
 from fsdp_wrap.runtime.state import TrainingState, UnitState
+from fsdp_wrap.runtime.tensors import map_tensors, to_device
 
 if TYPE_CHECKING:
     from fsdp_wrap.handle.flat_param import FlatParamHandle
@@ -95,7 +94,7 @@ def root_pre_forward(state: UnitState, args: tuple[Any, ...], kwargs: dict[str, 
         # "forward without backward" here would put a parked sharded gradient
         # back under the unsharded one about to accumulate.
         if state._is_root and state.compute_device.type != "cpu":
-            args, kwargs = _to_device((args, kwargs), state.compute_device)
+            args, kwargs = to_device((args, kwargs), state.compute_device)
         return args, kwargs
     if not state._replicas_checked:
         guards.check_replicas(state)  # once: replicas must start alike (a collective if any)
@@ -120,7 +119,7 @@ def root_pre_forward(state: UnitState, args: tuple[Any, ...], kwargs: dict[str, 
     elif not state._grad_buckets.idle:
         state._grad_buckets.finish()  # (left going by set_is_last_backward(False))
     if state.compute_device.type != "cpu":
-        args, kwargs = _to_device((args, kwargs), state.compute_device)
+        args, kwargs = to_device((args, kwargs), state.compute_device)
     return args, kwargs
 
 
@@ -178,7 +177,8 @@ def pre_forward(state: UnitState, inputs: Any = None) -> None:
         gather_ahead(nxt, batch_bytes, chain, async_op=True)
     for handle in handles:
         handle.use_unsharded_views(track_graph=True)
-    _register_frozen_free(state, inputs)
+    if torch.is_grad_enabled():
+        _note_inputs(state, inputs)
 
 
 def _next_in_forward(root: UnitState, handle: FlatParamHandle) -> FlatParamHandle | None:
@@ -200,14 +200,11 @@ def _start_unit_gathers(state: UnitState, batch_bytes: int,
         h.start_unshard(full_precision=h.computes_in_full_precision)
 
 
-def _register_frozen_free(state: UnitState, inputs: Any) -> None:
-    """A unit with frozen flat parameters frees them once the gradients of its
-    forward's inputs are computed: its backward no longer needs them (torch's
-    reshard-only hook).  Inputs without grad: the end-of-backward callback
-    frees them.  Several forwards before one backward: the last one frees."""
-    if (not torch.is_grad_enabled() or inputs is None
-            or all(h.flat_param.requires_grad for h in state._handles)):
-        return
+def _note_inputs(state: UnitState, inputs: Any) -> None:
+    """The forward's inputs that require grad, kept weakly: their gradients
+    mark the end of the unit's backward where no parameter hook can (frozen
+    flat parameters, :func:`_register_frozen_free`; gradients that arrive
+    from reentrant checkpoints' backwards only, :func:`_watch_unit_end`)."""
     tensors: list[torch.Tensor] = []
 
     def collect(t: torch.Tensor) -> torch.Tensor:
@@ -215,9 +212,19 @@ def _register_frozen_free(state: UnitState, inputs: Any) -> None:
             tensors.append(t)
         return t
 
-    map_tensors(collect, inputs)
-    if not tensors:
-        return
+    if inputs is not None:
+        map_tensors(collect, inputs)
+    # (weakly: an input nothing else keeps is not kept alive for this)
+    _set_flag(state, "_grad_inputs", [weakref.ref(t) for t in tensors])
+    if tensors and not all(h.flat_param.requires_grad for h in state._handles):
+        _register_frozen_free(state, tensors)
+
+
+def _register_frozen_free(state: UnitState, tensors: list[torch.Tensor]) -> None:
+    """A unit with frozen flat parameters frees them once the gradients of its
+    forward's inputs are computed: its backward no longer needs them (torch's
+    reshard-only hook).  Inputs without grad: the end-of-backward callback
+    frees them.  Several forwards before one backward: the last one frees."""
     state._frozen_open_graphs += 1
     registered: list[Any] = []
     state_ref = weakref.ref(state)  # (held from C++ by the inputs' graph: weakly)
@@ -297,6 +304,8 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor | N
             check_unchanged_since_forward(handle, handle.views.compute_views)
     for handle in handles:
         handle.grads.begin_backward()
+    if any(h.grads.awaits_nested_parts for h in handles):
+        _watch_unit_end(state)
     root = state._root
     # (backward order: the unit's flat parameters last to first, then the unit before)
     gather_ahead(handles[-1], root._all_gather_batch_bytes,
@@ -340,24 +349,56 @@ def make_post_backward_hook(state: UnitState, handle: FlatParamHandle) -> Callab
         if state is None or handle is None:
             return  # (the model is gone; a gradient computed after that is the caller's)
         if handle.grads.is_partial():
-            # A reentrant checkpoint's backward inside the unit's: the outer
-            # backward adds the rest of the gradient, then reduces and reshards
-            # (torch's FSDP1 reshards here, and the outer backward then reads
-            # freed parameters).
+            # A reentrant checkpoint's backward inside the unit's: the rest
+            # of the gradient may still come (torch's FSDP1 reshards here, and
+            # the outer backward or the next checkpoint's recomputation then
+            # reads freed parameters).
+            handle.grads.note_nested_part()
             return
-        _queue_final_callback(state._root)
-        sync = state._sync_gradients
-        handle.reshard(free=frees_after_backward(state, handle))
-        if state.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-            _prefetch_backward(state)
-        if sync and state._optims_in_backward:
-            # The optimizers step right after this unit's own reduction: alone.
-            state._root._grad_buckets.reduce(handle.grads, sync, alone=True)
-            _step_optimizers_in_backward(handle)
-        else:
-            state._root._grad_buckets.reduce(handle.grads, sync)
+        _reduce_unit(state, handle)
 
     return post_backward
+
+
+def _reduce_unit(state: UnitState, handle: FlatParamHandle) -> None:
+    """``handle``'s gradient is complete: reshard, reduce (and, with
+    optimizers in backward, step)."""
+    _queue_final_callback(state._root)
+    sync = state._sync_gradients
+    handle.reshard(free=frees_after_backward(state, handle))
+    if state.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+        _prefetch_backward(state)
+    if sync and state._optims_in_backward:
+        # The optimizers step right after this unit's own reduction: alone.
+        state._root._grad_buckets.reduce(handle.grads, sync, alone=True)
+        _step_optimizers_in_backward(handle)
+    else:
+        state._root._grad_buckets.reduce(handle.grads, sync)
+
+
+def _watch_unit_end(state: UnitState) -> None:
+    """The unit's gradient reaches it only through reentrant activation
+    checkpoints' backwards (one per checkpoint), and nothing says which is the
+    last: reduce once the gradients of the unit's inputs are computed, when
+    every checkpoint inside it has run (else at the end of backward)."""
+    inputs = [t for t in (r() for r in state._grad_inputs) if t is not None]
+    if not inputs:
+        return  # (finalize_units reduces what is pending)
+    state_ref = weakref.ref(state)
+    registered: list[Any] = []
+
+    def unit_done(grads: Any) -> None:
+        for r in registered:
+            r.remove()
+        state = state_ref()
+        if state is None:
+            return
+        for handle in state._handles:
+            if handle.grads.reduce_pending:
+                handle.grads.reduce_pending = False
+                _reduce_unit(state, handle)
+
+    registered.append(torch.autograd.graph.register_multi_grad_hook(inputs, unit_done))
 
 
 def _step_optimizers_in_backward(handle: FlatParamHandle) -> None:
@@ -445,6 +486,14 @@ def finalize_units(root: UnitState, free_all: bool) -> None:
     reuses them) unless ``free_all``.  A gradient parked by a pre-backward hook
     whose unit then got no gradient is put back.
     """
+    if not free_all:
+        # Gradients that came from reentrant checkpoints' backwards only and
+        # whose unit's end no input marked: complete now.
+        for state in root._all_fsdp_states:
+            for handle in state._handles:
+                if handle.grads.reduce_pending:
+                    handle.grads.reduce_pending = False
+                    _reduce_unit(state, handle)
     # First: until a bucket is reduced its units' flat_param.grad is None,
     # which restore_parked_grad below would take for "no gradient this step".
     # (Not the last backward: reductions feeding partial sums only may go on.)
@@ -476,66 +525,3 @@ def finalize_units(root: UnitState, free_all: bool) -> None:
     root._exec_order.next_iteration()
     if not free_all and root._exec_order.order_check is not None:
         root._exec_order.order_check.end_of_iteration()
-
-
-# ----------------------------------------------------------------- helpers
-
-
-def map_tensors(
-    fn: Callable[[torch.Tensor], torch.Tensor], obj: Any, *, in_place_mappings: bool = False
-) -> Any:
-    """Apply ``fn`` to every tensor in nested tuples, lists, sets, dicts,
-    namedtuples and dataclasses; return the same structure.
-
-    As torch's ``_apply_to_tensors``: a ``PackedSequence`` gets ``fn`` applied
-    to its data for the side effect and is returned as it was; plain dicts
-    are copied.  Other mappings (``OrderedDict``, Hugging Face's
-    ``ModelOutput``) are rebuilt as a new instance of their class, or, with
-    ``in_place_mappings`` (forward inputs and outputs), updated in place so
-    that whatever else the object carries stays.
-    """
-
-    # (a module-level recursion, not a nested function calling itself: such a
-    # function is a reference cycle, garbage only the cyclic collector frees,
-    # made again at every unit's forward)
-    return _map(fn, obj, in_place_mappings)
-
-
-def _map(fn: Callable[[torch.Tensor], torch.Tensor], x: Any, in_place: bool) -> Any:
-    """:func:`map_tensors`'s recursion."""
-    if isinstance(x, torch.Tensor):
-        return fn(x)
-    if isinstance(x, PackedSequence):
-        _map(fn, x.data, in_place)
-        return x
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        changes = {f.name: _map(fn, getattr(x, f.name), in_place)
-                   for f in dataclasses.fields(x) if f.init}
-        return dataclasses.replace(x, **changes)
-    if isinstance(x, dict):
-        if type(x) is dict:
-            return {k: _map(fn, v, in_place) for k, v in x.items()}
-        if in_place:
-            for k in list(x.keys()):
-                x[k] = _map(fn, x[k], in_place)
-            return x
-        rebuilt = x.__class__()
-        for k, v in x.items():
-            rebuilt[k] = _map(fn, v, in_place)
-        return rebuilt
-    if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
-        return type(x)(*(_map(fn, v, in_place) for v in x))
-    if isinstance(x, (list, tuple, set)):
-        return type(x)(_map(fn, v, in_place) for v in x)
-    return x
-
-
-def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
-    """Cast every floating-point tensor in ``obj`` to ``dtype``."""
-    return map_tensors(
-        lambda t: t.to(dtype) if t.is_floating_point() else t, obj, in_place_mappings=True
-    )
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    return map_tensors(lambda t: t.to(device, non_blocking=True), obj, in_place_mappings=True)

@@ -148,6 +148,7 @@ def init_runtime_state(state: UnitState, bucket_cap_mb: float, batch_mb: float) 
     state._final_callback_queued = False
     state._forward_pending_backward = False
     state._frozen_open_graphs = 0
+    state._grad_inputs = []
     state._hooked_handles = set()
     state._exec_order = ExecOrder()
     # Used at the root only (the root's value counts for the whole tree).

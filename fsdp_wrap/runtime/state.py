@@ -99,6 +99,7 @@ class UnitState(nn.Module):
     _final_callback_queued: bool
     _forward_pending_backward: bool
     _frozen_open_graphs: int  # forwards whose frozen flat parameters await their backward
+    _grad_inputs: list[weakref.ref[torch.Tensor]]  # the last forward's inputs that require grad
     _hooked_handles: set[FlatParamHandle]  # flat parameters whose gradient hooks are registered
     _buffers_in_full_precision: bool
     _optims_in_backward: bool

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_wrap._compat import FSDP_INSTANCES_WORD
-from fsdp_wrap.runtime.hooks import map_tensors
+from fsdp_wrap.runtime.tensors import map_tensors
 
 
 def _add_mixed_precision_overrides(
