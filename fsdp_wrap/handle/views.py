@@ -74,6 +74,9 @@ class ParamViews:
         # what to do once the last arrives (set by the runtime).
         self._open_graphs = 0
         self.on_view_grads_ready: Callable[[], None] | None = None
+        # Whether this thread runs a backward nested in the unit's own (set by
+        # the runtime with on_view_grads_ready; see _view_grads_ready).
+        self.in_nested_backward: Callable[[], bool] | None = None
         self._stale_views: list[torch.Tensor] = []
         # use_orig_params=True: where use_sharded_views last put each original
         # parameter (see _registered_as_before).
@@ -208,18 +211,19 @@ class ParamViews:
         """Whether backward may keep the forward's views instead of making new
         ones (putting them back where the modules no longer hold them).
 
-        Only under NO_SHARD (no early free watches the views' split node), for
-        views made with autograd history (a recompute inside backward then
-        routes its gradients through them), and only where they view the data
-        backward computes on: the flat parameter itself, which every module
-        must still hold, or a cast or moved copy, which is freed after forward
-        and made again in the same storage (as the sharded strategies' gathered
-        data: autograd's saved views see it again) and which views nobody
-        hooked are then put back into.
+        Only for views made with autograd history (a recomputation inside
+        backward then routes its gradients through them), and only where they
+        view the data backward computes on: the flat parameter itself
+        (NO_SHARD), which every module must still hold, or gathered, cast or
+        moved data, which is freed after forward and made again in the same
+        storage (autograd's saved views see it again) and which views nobody
+        hooked are then put back into.  On the sharded strategies the early
+        free watches these views' split node: a reentrant checkpoint's
+        recomputation running through them runs that node in its own nested
+        backward, which :meth:`_view_grads_ready` ignores.
         """
         views = self.compute_views
-        if (self.uses_sharded_strategy or not self._views_have_history
-                or not views or not unsharded):
+        if not self._views_have_history or not views or not unsharded:
             return False
         if needs_copy:
             if not same_storage(views[0], flat_param):
@@ -267,6 +271,11 @@ class ParamViews:
         split_node.register_prehook(ready)
 
     def _view_grads_ready(self, grad_outputs: Any) -> None:
+        if self.in_nested_backward is not None and self.in_nested_backward():
+            # A reentrant checkpoint inside the unit recomputed through the
+            # forward's views: its backward runs their split node too, but the
+            # outer backward (or the next checkpoint) still needs the data.
+            return
         self._open_graphs -= 1
         if self._open_graphs == 0 and self.on_view_grads_ready is not None:
             self.on_view_grads_ready()

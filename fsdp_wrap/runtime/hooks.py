@@ -37,7 +37,7 @@ from fsdp_wrap.api import BackwardPrefetch, ShardingStrategy
 from fsdp_wrap.comm.gather_batch import gather_ahead
 from fsdp_wrap.handle.writeback import check_still_frozen, check_unchanged_since_forward
 from fsdp_wrap.runtime.state import TrainingState, UnitState
-from fsdp_wrap.runtime.tensors import map_tensors, to_device
+from fsdp_wrap.runtime.tensors import grad_tensors, map_tensors, to_device
 
 if TYPE_CHECKING:
     from fsdp_wrap.handle.flat_param import FlatParamHandle
@@ -75,6 +75,7 @@ def register_handle_hooks(state: UnitState) -> None:
         if handle.uses_sharded_strategy:
             # (NO_SHARD's unsharded data is the parameter: nothing to free early)
             handle.views.on_view_grads_ready = make_early_free_hook(state, handle)
+            handle.views.in_nested_backward = handle.grads.is_partial
 
 
 # ----------------------------------------------------------------- forward
@@ -205,19 +206,14 @@ def _note_inputs(state: UnitState, inputs: Any) -> None:
     mark the end of the unit's backward where no parameter hook can (frozen
     flat parameters, :func:`_register_frozen_free`; gradients that arrive
     from reentrant checkpoints' backwards only, :func:`_watch_unit_end`)."""
-    tensors: list[torch.Tensor] = []
-
-    def collect(t: torch.Tensor) -> torch.Tensor:
-        if t.requires_grad:
-            tensors.append(t)
-        return t
-
-    if inputs is not None:
-        map_tensors(collect, inputs)
+    tensors = grad_tensors(inputs, [])
     # (weakly: an input nothing else keeps is not kept alive for this)
     _set_flag(state, "_grad_inputs", [weakref.ref(t) for t in tensors])
-    if tensors and not all(h.flat_param.requires_grad for h in state._handles):
-        _register_frozen_free(state, tensors)
+    if tensors:
+        for h in state._handles:
+            if not h.flat_param.requires_grad:
+                _register_frozen_free(state, tensors)
+                break
 
 
 def _register_frozen_free(state: UnitState, tensors: list[torch.Tensor]) -> None:
@@ -285,8 +281,9 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor | N
     """Runs when the gradient of one of the unit's outputs is ready.
 
     Idempotent within a backward: only the first output to arrive acts.
-    Postcondition: the unit is unsharded with fresh views (activation
-    checkpointing recomputes through them), the next unit's gather is in
+    Postcondition: the unit is unsharded with views that carry autograd
+    history (activation checkpointing recomputes through them: the forward's
+    where they still fit, else new ones), the next unit's gather is in
     flight under BACKWARD_PRE, and any old sharded gradient is parked.
     """
     _queue_final_callback(state._root)
@@ -302,9 +299,11 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor | N
                 and not handle.reshard_after_forward):
             # Kept unsharded since forward: the views must be the forward's.
             check_unchanged_since_forward(handle, handle.views.compute_views)
+    nested_only = False
     for handle in handles:
         handle.grads.begin_backward()
-    if any(h.grads.awaits_nested_parts for h in handles):
+        nested_only = nested_only or handle.grads.awaits_nested_parts
+    if nested_only:
         _watch_unit_end(state)
     root = state._root
     # (backward order: the unit's flat parameters last to first, then the unit before)
@@ -313,9 +312,8 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor | N
     for handle in handles:
         handle.finish_unshard(full_precision=handle.computes_in_full_precision)
         # Hooks run with grad disabled; reentrant activation checkpointing
-        # recomputes the forward through these views and needs them tracked
-        # (and, on a sharded unit, apart from the forward's, whose split node
-        # triggers the early free).  NO_SHARD keeps the forward's when it can.
+        # recomputes the forward through these views and needs them tracked:
+        # the forward's where they still fit, else new ones.
         if not handle.forward_views_reusable():
             with torch.enable_grad():
                 handle.use_unsharded_views()

@@ -69,3 +69,22 @@ def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
 
 def to_device(obj: Any, device: torch.device) -> Any:
     return map_tensors(lambda t: t.to(device, non_blocking=True), obj, in_place_mappings=True)
+
+
+def grad_tensors(obj: Any, found: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Append to ``found`` every tensor in ``obj`` (the structures
+    :func:`map_tensors` walks) that requires grad; return ``found``.  Builds
+    nothing else: it runs on every unit's forward inputs."""
+    if isinstance(obj, torch.Tensor):
+        if obj.requires_grad:
+            found.append(obj)
+    elif isinstance(obj, (tuple, list, set)):  # (namedtuples and PackedSequence too)
+        for v in obj:
+            grad_tensors(v, found)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            grad_tensors(v, found)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            grad_tensors(getattr(obj, f.name), found)
+    return found
