@@ -47,11 +47,11 @@ _graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", 
 #: ``torch._C._will_engine_execute_node(node)``: whether the backward the calling
 #: thread runs will execute ``node`` (reachable from its roots, or wanted for its
 #: ``inputs=``); what ``torch.autograd.graph.register_multi_grad_hook`` asks.
-#: Present in every torch we support; if a future one drops it, every node
-#: reads as not executed (then no unit waits for an outer backward: torch's
-#: FSDP1 behaviour).
-_will_execute: Callable[[Any], bool] = getattr(
-    torch._C, "_will_engine_execute_node", lambda node: False)
+#: Present in every torch we support; ``None`` if a future one drops it (then
+#: :func:`backward_will_accumulate` cannot tell, and a gradient part from a
+#: reentrant checkpoint's backward waits for the end of backward unless the
+#: outer backward's own part comes: still reduced once, held longer).
+_will_execute: Callable[[Any], bool] | None = getattr(torch._C, "_will_engine_execute_node", None)
 
 
 #: ``torch._C._storage_Use_Count``: how many tensors hold a storage (private,
@@ -88,9 +88,12 @@ def current_backward() -> int:
     return _graph_task_id()
 
 
-def backward_will_accumulate(param: torch.Tensor) -> bool:
+def backward_will_accumulate(param: torch.Tensor) -> bool | None:
     """Whether the backward this thread runs now will accumulate a gradient
-    into leaf ``param`` (its gradient accumulator is reachable)."""
+    into leaf ``param`` (its gradient accumulator is reachable); ``None``
+    where this torch cannot say."""
+    if _will_execute is None:
+        return None
     return bool(_will_execute(get_gradient_edge(param).node))
 
 

@@ -200,16 +200,29 @@ def _run_partial(cfg: dict[str, Any]) -> list[str]:
             kw["auto_wrap_policy"] = wrap_api(impl).ModuleWrapPolicy({PartBlock})
         models.append(fsdp_api(impl).FullyShardedDataParallel(model, **kw))
     held: list[str] = []
-    if cfg["units"] == "blocks" and cfg["strategy"] != "NO_SHARD":
+    # Without the engine query (a torch that lacks it) a unit reached only
+    # through checkpoints waits for the end of backward: held that long.
+    if (cfg["units"] == "blocks" and cfg["strategy"] != "NO_SHARD"
+            and (cfg["engine_query"] or cfg["layout"] == "part")):
         for model in models[1:]:
             _watch_blocks_freed(model, held)
     names = [n for n, _ in models[0].named_parameters()]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
     gen = torch.Generator().manual_seed(100 + dist.get_rank() + cfg["idx"])
     fails: list[str] = []
+    import fsdp_wrap._compat as compat
+
+    query = compat._will_execute
     for step in range(4):
-        x = torch.randn(3, 4, generator=gen)
-        res = [train_step(m, o, loss_of(m(x))) for m, o in zip(models, opts)]
+        # (an input that requires grad: its gradient comes before the root's
+        # flat parameter's, where a unit's end must not be taken from it)
+        x = torch.randn(3, 4, generator=gen).requires_grad_()
+        if not cfg["engine_query"]:
+            compat._will_execute = None
+        try:
+            res = [train_step(m, o, loss_of(m(x))) for m, o in zip(models, opts)]
+        finally:
+            compat._will_execute = query
         # Bit-exact both: the same ops in the same order; the reentrant form
         # adds each checkpointed part's gradient to the flat gradient as its
         # own backward ends (zeros where the other parts' parameters lie).
@@ -292,6 +305,13 @@ def test_reentrant_checkpoint_over_part_of_a_unit(pool2: Any) -> None:
     # reentrant against non-reentrant only)
     configs += [dict(kind="partial", layout=lay, units="blocks", strategy=s, uop=True, frozen=True)
                 for lay, s in itertools.product(["part", "split"], strategies)]
+    for c in configs:
+        c["engine_query"] = True
+    # A torch without _will_engine_execute_node: still reduced once
+    configs += [dict(kind="partial", layout=lay, units=units, strategy=s, uop=False, frozen=False,
+                     engine_query=False)
+                for lay, units, s in itertools.product(["part", "split"], ["blocks", "root only"],
+                                                       ["FULL_SHARD", "NO_SHARD"])]
     for k, c in enumerate(configs):
         c["idx"] = k
     fails = [f for r in pool2.run(_sweep, configs) for f in r]

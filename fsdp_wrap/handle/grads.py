@@ -71,7 +71,7 @@ class FlatGrads:
         # a part arrived from a nested backward it will not follow up
         # (reduce_pending: reduced once the unit's backward is over).
         self._began_in: int | None = None
-        self._began_accumulates = False
+        self._began_accumulates: bool | None = False  # (None: torch cannot say)
         self.reduce_pending = False
 
     def retype(self, dtypes: tuple[torch.dtype, torch.dtype, torch.dtype],
@@ -130,7 +130,7 @@ class FlatGrads:
         its backward began in one that does not accumulate into the flat
         parameter (every use of the parameters lies inside reentrant
         activation checkpoints, one or several)."""
-        return self._began_in is not None and not self._began_accumulates
+        return self._began_in is not None and self._began_accumulates is False
 
     def is_partial(self) -> bool:
         """Whether this thread runs a backward other than the one that began
@@ -144,7 +144,8 @@ class FlatGrads:
     def note_nested_part(self) -> None:
         """A part of the gradient arrived in a nested backward: if the outer
         backward will not accumulate the rest itself (and reduce it then),
-        the reduction waits for the unit's backward to end."""
+        or torch cannot say, the reduction waits for the unit's backward to
+        end (its inputs' gradients, else the end of backward)."""
         if not self._began_accumulates:
             self.reduce_pending = True
 

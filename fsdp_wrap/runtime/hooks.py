@@ -361,6 +361,7 @@ def make_post_backward_hook(state: UnitState, handle: FlatParamHandle) -> Callab
 def _reduce_unit(state: UnitState, handle: FlatParamHandle) -> None:
     """``handle``'s gradient is complete: reshard, reduce (and, with
     optimizers in backward, step)."""
+    handle.grads.reduce_pending = False  # (whoever reduces first: once)
     _queue_final_callback(state._root)
     sync = state._sync_gradients
     handle.reshard(free=frees_after_backward(state, handle))
@@ -393,7 +394,6 @@ def _watch_unit_end(state: UnitState) -> None:
             return
         for handle in state._handles:
             if handle.grads.reduce_pending:
-                handle.grads.reduce_pending = False
                 _reduce_unit(state, handle)
 
     registered.append(torch.autograd.graph.register_multi_grad_hook(inputs, unit_done))
@@ -490,7 +490,6 @@ def finalize_units(root: UnitState, free_all: bool) -> None:
         for state in root._all_fsdp_states:
             for handle in state._handles:
                 if handle.grads.reduce_pending:
-                    handle.grads.reduce_pending = False
                     _reduce_unit(state, handle)
     # First: until a bucket is reduced its units' flat_param.grad is None,
     # which restore_parked_grad below would take for "no gradient this step".
