@@ -198,6 +198,8 @@ def _run_partial(cfg: dict[str, Any]) -> list[str]:
         kw = fsdp_kwargs(impl, sharding_strategy=cfg["strategy"], use_orig_params=cfg["uop"])
         if cfg["units"] == "blocks":
             kw["auto_wrap_policy"] = wrap_api(impl).ModuleWrapPolicy({PartBlock})
+        if cfg.get("post_prefetch"):  # (the next unit gathered when one is reduced)
+            kw["backward_prefetch"] = fsdp_api(impl).BackwardPrefetch.BACKWARD_POST
         models.append(fsdp_api(impl).FullyShardedDataParallel(model, **kw))
     held: list[str] = []
     # Without the engine query (a torch that lacks it) a unit reached only
@@ -305,6 +307,8 @@ def test_reentrant_checkpoint_over_part_of_a_unit(pool2: Any) -> None:
     # reentrant against non-reentrant only)
     configs += [dict(kind="partial", layout=lay, units="blocks", strategy=s, uop=True, frozen=True)
                 for lay, s in itertools.product(["part", "split"], strategies)]
+    configs += [dict(kind="partial", layout=lay, units="blocks", strategy="FULL_SHARD", uop=False,
+                     frozen=False, post_prefetch=True) for lay in ["part", "split"]]
     for c in configs:
         c["engine_query"] = True
     # A torch without _will_engine_execute_node: still reduced once

@@ -358,14 +358,15 @@ def make_post_backward_hook(state: UnitState, handle: FlatParamHandle) -> Callab
     return post_backward
 
 
-def _reduce_unit(state: UnitState, handle: FlatParamHandle) -> None:
+def _reduce_unit(state: UnitState, handle: FlatParamHandle, prefetch: bool = True) -> None:
     """``handle``'s gradient is complete: reshard, reduce (and, with
-    optimizers in backward, step)."""
+    optimizers in backward, step).  ``prefetch=False`` at the end of backward
+    (no unit's backward is to come)."""
     handle.grads.reduce_pending = False  # (whoever reduces first: once)
     _queue_final_callback(state._root)
     sync = state._sync_gradients
     handle.reshard(free=frees_after_backward(state, handle))
-    if state.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+    if prefetch and state.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
         _prefetch_backward(state)
     if sync and state._optims_in_backward:
         # The optimizers step right after this unit's own reduction: alone.
@@ -490,7 +491,7 @@ def finalize_units(root: UnitState, free_all: bool) -> None:
         for state in root._all_fsdp_states:
             for handle in state._handles:
                 if handle.grads.reduce_pending:
-                    _reduce_unit(state, handle)
+                    _reduce_unit(state, handle, prefetch=False)
     # First: until a bucket is reduced its units' flat_param.grad is None,
     # which restore_parked_grad below would take for "no gradient this step".
     # (Not the last backward: reductions feeding partial sums only may go on.)
