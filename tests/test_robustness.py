@@ -198,6 +198,8 @@ def _run_partial(cfg: dict[str, Any]) -> list[str]:
         kw = fsdp_kwargs(impl, sharding_strategy=cfg["strategy"], use_orig_params=cfg["uop"])
         if cfg["units"] == "blocks":
             kw["auto_wrap_policy"] = wrap_api(impl).ModuleWrapPolicy({PartBlock})
+        if "HYBRID" in cfg["strategy"]:  # (4 ranks: 2 replicas of 2 shards)
+            kw["device_mesh"] = _mesh()
         if cfg.get("post_prefetch"):  # (the next unit gathered when one is reduced)
             kw["backward_prefetch"] = fsdp_api(impl).BackwardPrefetch.BACKWARD_POST
         models.append(fsdp_api(impl).FullyShardedDataParallel(model, **kw))
@@ -239,6 +241,18 @@ def _run_partial(cfg: dict[str, Any]) -> list[str]:
         if any_rank(bool(fails)):
             break
     return fails
+
+
+_MESHES: list[Any] = []
+
+
+def _mesh() -> Any:
+    """One (replicate, shard) = (2, 2) mesh per worker, made at first use."""
+    if not _MESHES:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _MESHES.append(init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+    return _MESHES[0]
 
 
 def _watch_blocks_freed(model: nn.Module, held: list[str]) -> None:
@@ -319,6 +333,20 @@ def test_reentrant_checkpoint_over_part_of_a_unit(pool2: Any) -> None:
     for k, c in enumerate(configs):
         c["idx"] = k
     fails = [f for r in pool2.run(_sweep, configs) for f in r]
+    assert not fails, f"{len(fails)} failure(s):\n" + "\n".join(fails)
+
+
+def test_reentrant_checkpoint_over_part_of_a_unit_hybrid(pool4: Any) -> None:
+    # The same with the hybrid strategies (the reduction over the shard group,
+    # then across the replicas), against torch's FSDP1 on the same mesh
+    configs = [dict(kind="partial", layout=lay, units="blocks", strategy=s, uop=u, frozen=False,
+                    engine_query=True)
+               for lay, s, u in itertools.product(["part", "split"],
+                                                  ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"],
+                                                  [False, True])]
+    for k, c in enumerate(configs):
+        c["idx"] = k
+    fails = [f for r in pool4.run(_sweep, configs) for f in r]
     assert not fails, f"{len(fails)} failure(s):\n" + "\n".join(fails)
 
 
