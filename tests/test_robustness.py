@@ -358,9 +358,10 @@ def _views_seen_in_backward() -> list[tuple[str, bool, bool, bool]]:
     """For each (strategy, use_orig_params, mixed precision): whether the
     weight a block computes with in backward is the very tensor its forward
     used.  Every strategy keeps the forward's views (the gathered or cast data
-    is made again in the same storage), where torch makes new ones (a split
-    and a view per parameter, per unit and step, that nothing computes with
-    unless a reentrant checkpoint recomputes)."""
+    is made again in the same storage), as torch's FSDP1 does without
+    ``use_orig_params``; with it torch makes new ones in each pre-backward (a
+    split and a view per parameter, per unit and step, that nothing computes
+    with unless a reentrant checkpoint recomputes)."""
     warnings.simplefilter("ignore")
     out = []
     for strategy, uop, mp in itertools.product(["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"],
