@@ -68,6 +68,7 @@ def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
+    """Move every tensor in ``obj`` to ``device`` (the root's forward inputs)."""
     return map_tensors(lambda t: t.to(device, non_blocking=True), obj, in_place_mappings=True)
 
 
