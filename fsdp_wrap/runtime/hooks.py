@@ -222,15 +222,8 @@ def _register_frozen_free(state: UnitState, tensors: list[torch.Tensor]) -> None
     reshard-only hook).  Inputs without grad: the end-of-backward callback
     frees them.  Several forwards before one backward: the last one frees."""
     state._frozen_open_graphs += 1
-    registered: list[Any] = []
-    state_ref = weakref.ref(state)  # (held from C++ by the inputs' graph: weakly)
 
-    def free_frozen(grads: Any) -> None:
-        for r in registered:
-            r.remove()
-        state = state_ref()
-        if state is None:
-            return
+    def free_frozen(state: UnitState) -> None:
         state._frozen_open_graphs -= 1
         if state._frozen_open_graphs > 0:
             return
@@ -238,7 +231,27 @@ def _register_frozen_free(state: UnitState, tensors: list[torch.Tensor]) -> None
             if not h.flat_param.requires_grad and (h.is_unsharded or h.holds_unsharded_storage):
                 h.reshard(free=frees_after_backward(state, h))
 
-    registered.append(torch.autograd.graph.register_multi_grad_hook(tensors, free_frozen))
+    _once_inputs_done(state, tensors, free_frozen)
+
+
+def _once_inputs_done(state: UnitState, tensors: list[torch.Tensor],
+                      fn: Callable[[UnitState], None]) -> None:
+    """Call ``fn(state)`` once, when the gradients of ``tensors`` (the unit's
+    forward inputs) are computed in this backward; the hook then removes
+    itself.  The unit is held weakly: the hook is held from C++ by the
+    inputs' graph, where a cycle back to the unit is out of the collector's
+    sight."""
+    registered: list[Any] = []
+    state_ref = weakref.ref(state)
+
+    def done(grads: Any) -> None:
+        for r in registered:
+            r.remove()
+        unit = state_ref()
+        if unit is not None:
+            fn(unit)
+
+    registered.append(torch.autograd.graph.register_multi_grad_hook(tensors, done))
 
 
 def post_forward(state: UnitState, output: Any) -> Any:
@@ -382,22 +395,14 @@ def _watch_unit_end(state: UnitState) -> None:
     last: reduce once the gradients of the unit's inputs are computed, when
     every checkpoint inside it has run (else at the end of backward)."""
     inputs = [t for t in (r() for r in state._grad_inputs) if t is not None]
-    if not inputs:
-        return  # (finalize_units reduces what is pending)
-    state_ref = weakref.ref(state)
-    registered: list[Any] = []
+    if inputs:  # (else finalize_units reduces what is pending)
+        _once_inputs_done(state, inputs, _reduce_pending)
 
-    def unit_done(grads: Any) -> None:
-        for r in registered:
-            r.remove()
-        state = state_ref()
-        if state is None:
-            return
-        for handle in state._handles:
-            if handle.grads.reduce_pending:
-                _reduce_unit(state, handle)
 
-    registered.append(torch.autograd.graph.register_multi_grad_hook(inputs, unit_done))
+def _reduce_pending(state: UnitState) -> None:
+    for handle in state._handles:
+        if handle.grads.reduce_pending:
+            _reduce_unit(state, handle)
 
 
 def _step_optimizers_in_backward(handle: FlatParamHandle) -> None:
