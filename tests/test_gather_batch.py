@@ -26,6 +26,7 @@ import torch.nn as nn
 
 import fsdp_wrap.comm.collectives as C
 from fsdp_wrap import BackwardPrefetch, FullyShardedDataParallel
+from fsdp_wrap._compat import in_backward
 from fsdp_wrap.comm.gather_batch import (
     ALL_GATHER_BATCH_ENV,
     DEFAULT_ALL_GATHER_BATCH_MB,
@@ -215,6 +216,45 @@ def test_forward_gathers_the_next_batch_while_the_last_unit_computes(pool2: Any)
     seen = pool2.run(_in_flight_during_forward, 3 * UNIT_MB)[0]
     assert seen == [[], [], [], [4, 5], [], []], seen
     assert pool2.run(_in_flight_during_forward, 0.0)[0] == [[]] * 6
+
+
+def _copied_before_their_turn(batch_mb: float, uop: bool, bp: Any) -> list[str]:
+    """Second iteration's backward: every copy of a block's part out of a batch's
+    receive buffer, as ``(block, whether its backward had begun)``; the first
+    member of a batch must not copy the others out for them."""
+    torch.manual_seed(0)
+    model = _wrap(Net(), batch_mb, use_orig_params=uop, backward_prefetch=bp)
+    blocks = list(model.blocks)  # type: ignore[union-attr, arg-type]
+    copies: list[tuple[int, bool]] = []
+
+    def spy(j: int, take: Any) -> Any:
+        def take_gathered(rows: torch.Tensor) -> None:
+            take(rows)
+            if in_backward():
+                copies.append((j, bool(blocks[j]._ran_pre_backward)))
+        return take_gathered
+
+    for j, b in enumerate(blocks):
+        b._handles[0].take_gathered = spy(j, b._handles[0].take_gathered)
+    for _ in range(2):
+        copies.clear()
+        model(_batch(0)).sum().backward()
+    ok = sorted(j for j, _ in copies) == [0, 1, 2, 4, 5] and all(turn for _, turn in copies)
+    return [] if ok else [f"{rank_tag()} uop={uop} bp={bp}: {copies}"]
+
+
+def test_backward_copies_each_member_out_at_its_turn(pool2: Any) -> None:
+    """Backward batches as in test_gather_counts (5+4 at 5's turn, 3 alone, 2+1+0
+    prefetched): each member copies its own part out of the batch's receive
+    buffer when its backward begins, so a follower's unsharded copy does not
+    exist before its turn and the first member's copy-out does not hold the
+    receive buffer and every member's copy at once (forward, whose activations
+    grow while a batch lasts, copies all members out at the first one's turn)."""
+    fails = []
+    for uop, bp in itertools.product([False, True], [BackwardPrefetch.BACKWARD_PRE,
+                                                     BackwardPrefetch.BACKWARD_POST, None]):
+        fails += sum(pool2.run(_copied_before_their_turn, 3 * UNIT_MB, uop, bp), [])
+    assert not fails, fails
 
 
 def test_resolution_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,6 +10,8 @@ gathers).
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn as nn
@@ -51,6 +53,37 @@ def test_batches_with_prefetch() -> None:
     fwd = batched_ahead(ORDER, SIZES, [True] * 6, [0] * 6, cap_bytes=2, prefetch=True,
                         prefetch_alone=False)
     assert fwd.after_prefetch == (1, 2, 1, 0, 0, 0) and fwd.batch_copy == b.batch_copy
+
+
+def test_backward_batches_copy_each_member_out_at_its_turn() -> None:
+    # Backward: the receive buffer (2) stays until a batch's last member has
+    # copied its part out; each member's copy is made at its own turn, beside it.
+    alone = batched_ahead(ORDER, SIZES, [True] * 6, [0] * 6, cap_bytes=2, prefetch=False,
+                          each_at_its_turn=True)
+    assert alone.before_prefetch == alone.after_prefetch == (2, 0, 2, 0, 0, 0)
+    assert alone.batch_copy == (3, 3, 3, 3, 0, 0)
+    # The sent cast shards live at the gather (receive buffer beside them), not
+    # at the copies.
+    cast = batched_ahead(ORDER, SIZES, [True] * 6, [0] * 6, cap_bytes=2, prefetch=False,
+                         sources=[2] * 6, each_at_its_turn=True)
+    assert cast.batch_copy == (2 + 4, 3, 2 + 4, 3, 0, 0)
+    b = batched_ahead(ORDER, SIZES, [True] * 6, [0] * 6, cap_bytes=2, prefetch=True,
+                      each_at_its_turn=True)
+    # 1's prefetch issues [2, 3] (its receive buffer, 2, beside 1's copy); 2 and 3
+    # copy their parts out at their turns; 4 and 5 are prefetched alone.
+    assert b.before_prefetch == (2, 0, 2, 0, 0, 0)
+    assert b.after_prefetch == (2, 2, 2, 3, 1, 0)
+    assert b.batch_copy == (3, 3, 3, 3, 0, 0)
+    # Against copying every member out at the first one's turn, the most held
+    # while the batches run (positions 0-2: the unit's own copy and what waits
+    # ahead, or a copy-out; from 3 on the large unit 4 decides) drops.
+    at_once = batched_ahead(ORDER, SIZES, [True] * 6, [0] * 6, cap_bytes=2, prefetch=True)
+
+    def most(r: Any) -> int:
+        return max(max(s + a, c) for s, a, c in
+                   list(zip(SIZES, r.after_prefetch, r.batch_copy))[:3])
+
+    assert most(b) == 3 < most(at_once) == 4
 
 
 def test_batches_stop_where_the_runtime_stops() -> None:

@@ -26,7 +26,12 @@ starts (backward prefetch, ``forward_prefetch``, and in forward the next batch
 once the last unit of the current one runs) stays in flight while the current
 unit computes, in its receive buffer, and the first member that waits for it
 copies every member's part out: the same bytes ahead, at most one batch, with
-the collective's latency behind compute.  A
+the collective's latency behind compute.  That copy-out holds the receive
+buffer and every member's copy at once, twice the batch: in forward it comes
+early (activations grow while a batch lasts), but in backward it would come
+where activations are at their most, so there each member copies its own part
+out at its turn (``each_at_its_turn``) and the receive buffer goes with the
+last part: the batch's bytes plus the member computing.  A
 follower that then does not run (control flow) is freed with every other
 unit at the end of backward, or, with no backward, at the next root forward
 (a forward without grad does not batch, since neither of those would follow).
@@ -87,19 +92,22 @@ def gather_ahead(
     cap_bytes: int,
     next_of: Callable[[H], H | None],
     async_op: bool = False,
+    each_at_its_turn: bool = False,
 ) -> None:
     """If ``handle`` needs a gather and is small, gather it now together with
     the units ``next_of`` chains to, within ``cap_bytes``.
 
     Called just before the handle's own ``start_unshard`` / ``finish_unshard``
     (which then find the data there).  Postcondition: each unit of a batch
-    holds a valid unsharded copy, or with ``async_op`` (a prefetch) one that is
-    coming: the first unit to wait for it copies every member's part out;
-    with nothing to batch, nothing happened.
+    holds a valid unsharded copy, or one that is coming: with ``async_op`` (a
+    prefetch) the collective is still in flight, and the first unit to wait
+    for it copies every member's part out; with ``each_at_its_turn`` every
+    member copies its own part out when it waits (see [Note: what a batch
+    costs]); with nothing to batch, nothing happened.
     """
     batch = _plan(handle, cap_bytes, next_of)
     if len(batch) > 1:
-        _gather(batch, async_op)
+        _gather(batch, async_op, each_at_its_turn)
 
 
 def _plan(
@@ -133,7 +141,7 @@ def _plan(
     return batch
 
 
-def _gather(batch: list[H], async_op: bool = False) -> None:
+def _gather(batch: list[H], async_op: bool = False, each_at_its_turn: bool = False) -> None:
     """One all-gather for every unit in ``batch`` (compute copies)."""
     inputs = [h.gather_input() for h in batch]
     widths = [t.numel() for t in inputs]
@@ -144,8 +152,19 @@ def _gather(batch: list[H], async_op: bool = False) -> None:
         send = torch.cat(inputs, out=rows[dist.get_rank(group)])
     else:
         send = torch.cat(inputs)
+    del inputs  # (cast copies of the shards: sent, or in ``send`` until it is)
     # (a coded wire's blocks start at each unit's shard: ``widths``)
     work = wire.all_gather(rows.view(-1), send, group, segments=widths, async_op=async_op)
+    if each_at_its_turn:
+        flight = _InFlight(work, send)
+        del send
+        col = 0
+        for h, width in zip(batch, widths):
+            # (each part views ``rows``: the buffer goes with the last part taken)
+            part = rows[:, col : col + width]
+            h.expect_gathered(C.PendingWork([], then=functools.partial(_take_part, flight, h, part)))
+            col += width
+        return
 
     def copy_out() -> None:
         col = 0
@@ -168,3 +187,24 @@ def _finish(work: C.Work | C.PendingWork, send: torch.Tensor,
     partial holding it goes when the batch's ``PendingWork`` has run it)."""
     work.wait()
     copy_out()
+
+
+class _InFlight:
+    """A batch's collective, waited for once by whichever member comes first;
+    holds the collective's input until then."""
+
+    def __init__(self, work: C.Work | C.PendingWork | None, send: torch.Tensor) -> None:
+        self.work: C.Work | C.PendingWork | None = work
+        self.send: torch.Tensor | None = send if work is not None else None
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = self.send = None
+
+
+def _take_part(flight: _InFlight, handle: GatherUnit, part: torch.Tensor) -> None:
+    """One member's wait: the batch's collective (if still in flight), then its
+    own columns of the receive buffer copied into its compute copy."""
+    flight.wait()
+    handle.take_gathered(part)

@@ -19,6 +19,11 @@ units kept gathered since forward), as the runtime makes them:
   current unit computes; without ``forward_prefetch`` the forward still starts
   the next *batch* (not a unit alone) once the current one's last unit runs.
 
+In backward every member copies its part out at its own turn, so the receive
+buffer stays until the last member's turn and a member's copy is made only
+then (forward copies every member out at once: its activations grow while a
+batch lasts, backward's shrink).
+
 Only where gathers are synchronous (gloo with ``limit_all_gathers=True``, the
 runtime's CPU path); elsewhere every unit gathers on its own and nothing is
 held ahead beyond the prefetch the schedule already counts.  Units are
@@ -53,6 +58,7 @@ def batched_ahead(
     prefetch: bool,
     sources: Sequence[int] | None = None,
     prefetch_alone: bool = True,
+    each_at_its_turn: bool = False,
 ) -> BatchedAhead:
     """Replay the batching over ``order`` (unit indices).
 
@@ -63,10 +69,16 @@ def batched_ahead(
     (cast to the compute dtype or moved; 0 where the shard itself is sent);
     ``prefetch_alone``: whether a prefetch gathers the next unit also where it
     makes no batch (a real prefetch) or only starts batches (the forward's
-    batch look-ahead without ``forward_prefetch``).
+    batch look-ahead without ``forward_prefetch``);
+    ``each_at_its_turn``: members copy their part out at their own turn
+    (backward), not all at once.
     """
     n = len(order)
     pending: dict[int, int] = {}  # unit -> bytes gathered ahead of its turn
+    # each_at_its_turn: batch of each member not yet at its turn, and the
+    # receive buffer's bytes per batch (held until its last member's turn)
+    batch_of: dict[int, int] = {}
+    rows: dict[int, int] = {}
     before, after, copy = [0] * n, [0] * n, [0] * n
 
     src = sources if sources is not None else [0] * len(gathered)
@@ -86,19 +98,33 @@ def batched_ahead(
         if len(members) == 1:
             return 0, 0
         for m in members:
-            pending[m] = gathered[m]
+            pending[m] = 0 if each_at_its_turn else gathered[m]
+            if each_at_its_turn:
+                batch_of[m] = k
+        if each_at_its_turn:
+            rows[k] = total
         return total, sum(src[m] for m in members)
+
+    def ahead() -> int:
+        return sum(pending.values()) + sum(rows[b] for b in set(batch_of.values()))
 
     if cap_bytes <= 0:
         return BatchedAhead((0,) * n, (0,) * n, (0,) * n)
     for k in range(n):
         unit = order[k]
         if needs[unit] and unit not in pending:
-            # (gathered and copied out at once: receive buffer, copies, sent shards)
+            # (gathered and copied out at once: receive buffer, copies, sent
+            # shards; or, member by member, the receive buffer and sent shards)
             total, sent = start_batch(k)
-            copy[k] = max(copy[k], 2 * total + sent if total else 0)
+            if total:
+                copy[k] = max(copy[k], total + sent if each_at_its_turn else 2 * total + sent)
+        if unit in batch_of:
+            # (its copy is made beside the receive buffer, then the last
+            # member's turn frees that)
+            copy[k] = max(copy[k], rows[batch_of[unit]] + gathered[unit])
+            batch_of.pop(unit)
         pending.pop(unit, None)
-        before[k] = sum(pending.values())
+        before[k] = ahead()
         nxt = order[k + 1] if prefetch and k + 1 < n else None
         if nxt is not None and needs[nxt] and nxt not in pending:
             total, sent = start_batch(k + 1)
@@ -106,8 +132,9 @@ def batched_ahead(
                 # In flight while this unit computes (issued beside its copy and
                 # the sent shards), copied out when the next unit waits for it.
                 copy[k] = max(copy[k], gathered[unit] + total + sent)
-                copy[k + 1] = 2 * total
+                if not each_at_its_turn:
+                    copy[k + 1] = 2 * total
             if prefetch_alone:
                 pending.setdefault(nxt, gathered[nxt])  # (alone: gathered all the same)
-        after[k] = sum(pending.values())
+        after[k] = ahead()
     return BatchedAhead(tuple(before), tuple(after), tuple(copy))

@@ -321,7 +321,7 @@ def _unsharded_peaks(
     bwd_order = order[::-1]
     bwd_batches = batched_ahead(
         bwd_order, g, [u.sharded and g[i] > 0 and not kept[i] for i, u in enumerate(units)],
-        keys, gather_batch_bytes, backward_prefetch is not None, src)
+        keys, gather_batch_bytes, backward_prefetch is not None, src, each_at_its_turn=True)
     walk = _BackwardWalk(units, g, gathering, ahead_of, kept, dq, held, backward_prefetch,
                          backend, buckets, bwd_batches)
     bwd, step, done = walk.run()

@@ -320,8 +320,10 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor | N
         _watch_unit_end(state)
     root = state._root
     # (backward order: the unit's flat parameters last to first, then the unit before)
+    # (in backward each member copies its part out at its own turn: the
+    # activations it frees meanwhile leave room for the receive buffer)
     gather_ahead(handles[-1], root._all_gather_batch_bytes,
-                 functools.partial(_next_backward_pending, root))
+                 functools.partial(_next_backward_pending, root), each_at_its_turn=True)
     for handle in handles:
         handle.finish_unshard(full_precision=handle.computes_in_full_precision)
         # Hooks run with grad disabled; reentrant activation checkpointing
@@ -466,7 +468,8 @@ def _prefetch_backward(state: UnitState) -> None:
         unit = root._state_of[nxt]
         # (a batch stays in flight while this unit's backward computes)
         gather_ahead(unit._handles[-1], root._all_gather_batch_bytes,
-                     functools.partial(_next_backward_pending, root), async_op=True)
+                     functools.partial(_next_backward_pending, root), async_op=True,
+                     each_at_its_turn=True)
         for h in unit._handles:
             h.start_unshard(full_precision=h.computes_in_full_precision)
 
