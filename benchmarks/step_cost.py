@@ -188,8 +188,9 @@ def _waiting(step: Callable[[int], None]) -> Callable[[int], None]:
 
     real = hooks.gather_ahead
 
-    def gather_ahead(handle: Any, cap: int, chain: Any, async_op: bool = False) -> None:
-        real(handle, cap, chain)
+    def gather_ahead(handle: Any, cap: int, chain: Any, async_op: bool = False,
+                     **kw: Any) -> None:
+        real(handle, cap, chain, **kw)  # (synchronous: waited for at once)
 
     def run(i: int) -> None:
         with mock.patch.object(hooks, "gather_ahead", gather_ahead):
