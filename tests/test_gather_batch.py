@@ -220,8 +220,7 @@ def test_forward_gathers_the_next_batch_while_the_last_unit_computes(pool2: Any)
 
 def _copied_before_their_turn(batch_mb: float, uop: bool, bp: Any) -> list[str]:
     """Second iteration's backward: every copy of a block's part out of a batch's
-    receive buffer, as ``(block, whether its backward had begun)``; the first
-    member of a batch must not copy the others out for them."""
+    receive buffer, in order, as ``(block, whether its backward had begun)``."""
     torch.manual_seed(0)
     model = _wrap(Net(), batch_mb, use_orig_params=uop, backward_prefetch=bp)
     blocks = list(model.blocks)  # type: ignore[union-attr, arg-type]
@@ -239,17 +238,20 @@ def _copied_before_their_turn(batch_mb: float, uop: bool, bp: Any) -> list[str]:
     for _ in range(2):
         copies.clear()
         model(_batch(0)).sum().backward()
-    ok = sorted(j for j, _ in copies) == [0, 1, 2, 4, 5] and all(turn for _, turn in copies)
+    # 5+4 (two even members) at 5's turn, 4 with it; 2+1+0 each at its own turn
+    ok = copies == [(5, True), (4, False), (2, True), (1, True), (0, True)]
     return [] if ok else [f"{rank_tag()} uop={uop} bp={bp}: {copies}"]
 
 
 def test_backward_copies_each_member_out_at_its_turn(pool2: Any) -> None:
     """Backward batches as in test_gather_counts (5+4 at 5's turn, 3 alone, 2+1+0
-    prefetched): each member copies its own part out of the batch's receive
-    buffer when its backward begins, so a follower's unsharded copy does not
-    exist before its turn and the first member's copy-out does not hold the
-    receive buffer and every member's copy at once (forward, whose activations
-    grow while a batch lasts, copies all members out at the first one's turn)."""
+    prefetched): in 2+1+0 each member copies its own part out of the batch's
+    receive buffer when its backward begins, so a follower's unsharded copy does
+    not exist before its turn and the first member's copy-out does not hold the
+    receive buffer and every member's copy at once.  5+4, two members of one
+    size, copies out at once (one at a time would not hold less:
+    ``by_member_pays``), as forward does with every batch (its activations grow
+    while a batch lasts)."""
     fails = []
     for uop, bp in itertools.product([False, True], [BackwardPrefetch.BACKWARD_PRE,
                                                      BackwardPrefetch.BACKWARD_POST, None]):

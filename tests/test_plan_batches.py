@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 import fsdp_wrap as fw
-from fsdp_wrap.comm.gather_batch import ALL_GATHER_BATCH_ENV
+from fsdp_wrap.comm.gather_batch import ALL_GATHER_BATCH_ENV, by_member_pays
 from fsdp_wrap.planning._batches import batched_ahead
 from fsdp_wrap.wrap import ModuleWrapPolicy
 from tests.models import Block
@@ -56,34 +56,46 @@ def test_batches_with_prefetch() -> None:
 
 
 def test_backward_batches_copy_each_member_out_at_its_turn() -> None:
-    # Backward: the receive buffer (2) stays until a batch's last member has
-    # copied its part out; each member's copy is made at its own turn, beside it.
-    alone = batched_ahead(ORDER, SIZES, [True] * 6, [0] * 6, cap_bytes=2, prefetch=False,
+    # Backward, batches of three units of 1 ([0, 1, 2], [3, 4, 5] at a cap of 3):
+    # the receive buffer (3) stays until a batch's last member has copied its part
+    # out; each member's copy is made at its own turn, beside it.
+    even = [1] * 6
+    alone = batched_ahead(ORDER, even, [True] * 6, [0] * 6, cap_bytes=3, prefetch=False,
                           each_at_its_turn=True)
-    assert alone.before_prefetch == alone.after_prefetch == (2, 0, 2, 0, 0, 0)
-    assert alone.batch_copy == (3, 3, 3, 3, 0, 0)
-    # The sent cast shards live at the gather (receive buffer beside them), not
-    # at the copies.
-    cast = batched_ahead(ORDER, SIZES, [True] * 6, [0] * 6, cap_bytes=2, prefetch=False,
+    assert alone.before_prefetch == alone.after_prefetch == (3, 3, 0, 3, 3, 0)
+    assert alone.batch_copy == (4,) * 6
+    # The sent cast shards live at the gather (receive buffer beside them).
+    cast = batched_ahead(ORDER, even, [True] * 6, [0] * 6, cap_bytes=3, prefetch=False,
                          sources=[2] * 6, each_at_its_turn=True)
-    assert cast.batch_copy == (2 + 4, 3, 2 + 4, 3, 0, 0)
-    b = batched_ahead(ORDER, SIZES, [True] * 6, [0] * 6, cap_bytes=2, prefetch=True,
+    assert cast.batch_copy == (3 + 6, 4, 4, 3 + 6, 4, 4)
+    # 2's prefetch issues [3, 4, 5] (its receive buffer, 3, beside 2's copy).
+    b = batched_ahead(ORDER, even, [True] * 6, [0] * 6, cap_bytes=3, prefetch=True,
                       each_at_its_turn=True)
-    # 1's prefetch issues [2, 3] (its receive buffer, 2, beside 1's copy); 2 and 3
-    # copy their parts out at their turns; 4 and 5 are prefetched alone.
-    assert b.before_prefetch == (2, 0, 2, 0, 0, 0)
-    assert b.after_prefetch == (2, 2, 2, 3, 1, 0)
-    assert b.batch_copy == (3, 3, 3, 3, 0, 0)
-    # Against copying every member out at the first one's turn, the most held
-    # while the batches run (positions 0-2: the unit's own copy and what waits
-    # ahead, or a copy-out; from 3 on the large unit 4 decides) drops.
-    at_once = batched_ahead(ORDER, SIZES, [True] * 6, [0] * 6, cap_bytes=2, prefetch=True)
+    assert b.before_prefetch == (3, 3, 0, 3, 3, 0)
+    assert b.after_prefetch == (3, 3, 3, 3, 3, 0)
+    assert b.batch_copy == (4,) * 6
+    # Against copying every member out at the first one's turn (twice the batch):
+    # the most held at any position (the unit's own copy and what waits ahead,
+    # or a copy-out) drops from 6 to 4.
+    at_once = batched_ahead(ORDER, even, [True] * 6, [0] * 6, cap_bytes=3, prefetch=True)
+    assert at_once.batch_copy == (6, 0, 3 + 1, 6, 0, 0)
 
     def most(r: Any) -> int:
-        return max(max(s + a, c) for s, a, c in
-                   list(zip(SIZES, r.after_prefetch, r.batch_copy))[:3])
+        return max(max(g + a, c) for g, a, c in zip(even, r.after_prefetch, r.batch_copy))
 
-    assert most(b) == 3 < most(at_once) == 4
+    assert most(b) == 4 < most(at_once) == 6
+
+
+def test_backward_batches_of_two_even_members_copy_out_at_once() -> None:
+    # Two members of one size: one at a time would hold as much at the first
+    # turn (receive buffer, the copy, its gradient) and more at the second, so
+    # such batches copy out at once in backward too (``by_member_pays``).
+    assert not by_member_pays([1, 1]) and not by_member_pays([2, 1]) and by_member_pays([1, 1, 1])
+    for prefetch in (False, True):
+        assert (batched_ahead(ORDER, SIZES, [True] * 6, [0] * 6, cap_bytes=2, prefetch=prefetch,
+                              each_at_its_turn=True)
+                == batched_ahead(ORDER, SIZES, [True] * 6, [0] * 6, cap_bytes=2,
+                                 prefetch=prefetch))
 
 
 def test_batches_stop_where_the_runtime_stops() -> None:

@@ -31,7 +31,9 @@ buffer and every member's copy at once, twice the batch: in forward it comes
 early (activations grow while a batch lasts), but in backward it would come
 where activations are at their most, so there each member copies its own part
 out at its turn (``each_at_its_turn``) and the receive buffer goes with the
-last part: the batch's bytes plus the member computing.  A
+last part: the batch's bytes plus the member computing, where that holds
+less at its worst (:func:`by_member_pays`: the largest member under half the
+batch).  A
 follower that then does not run (control flow) is freed with every other
 unit at the end of backward, or, with no backward, at the next root forward
 (a forward without grad does not batch, since neither of those would follow).
@@ -40,6 +42,7 @@ unit at the end of backward, or, with no backward, at the next root forward
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Callable, Protocol, TypeVar
 
 import torch
@@ -72,8 +75,8 @@ class GatherUnit(Protocol):
     def take_gathered(self, rows: torch.Tensor) -> None: ...
     def expect_gathered(self, pending: C.PendingWork) -> None: ...
 
-__all__ = ["ALL_GATHER_BATCH_ENV", "DEFAULT_ALL_GATHER_BATCH_MB", "gather_ahead",
-           "resolve_all_gather_batch_mb"]
+__all__ = ["ALL_GATHER_BATCH_ENV", "DEFAULT_ALL_GATHER_BATCH_MB", "by_member_pays",
+           "gather_ahead", "resolve_all_gather_batch_mb"]
 
 H = TypeVar("H", bound=GatherUnit)
 
@@ -155,7 +158,7 @@ def _gather(batch: list[H], async_op: bool = False, each_at_its_turn: bool = Fal
     del inputs  # (cast copies of the shards: sent, or in ``send`` until it is)
     # (a coded wire's blocks start at each unit's shard: ``widths``)
     work = wire.all_gather(rows.view(-1), send, group, segments=widths, async_op=async_op)
-    if each_at_its_turn:
+    if each_at_its_turn and by_member_pays(widths):
         flight = _InFlight(work, send)
         del send
         col = 0
@@ -178,6 +181,20 @@ def _gather(batch: list[H], async_op: bool = False, each_at_its_turn: bool = Fal
     pending = C.PendingWork([], then=functools.partial(_finish, work, send, copy_out))
     for h in batch:
         h.expect_gathered(pending)
+
+
+def by_member_pays(sizes: Sequence[int]) -> bool:
+    """Whether copying a batch out member by member, each at its turn, holds
+    less at its worst than copying every member out at the first one's.
+
+    At once, the copy-out holds the receive buffer beside every member's copy:
+    twice the batch.  Member by member, the receive buffer stays until the
+    last turn, and a member's turn holds it beside that member's copy and the
+    gradient its backward makes (about its size again): the batch plus twice
+    the largest member.  Less, then, only where the largest member is under
+    half the batch (three members or more of similar size; two equal members
+    would hold as much at the peak and more after it)."""
+    return 2 * max(sizes) < sum(sizes)
 
 
 def _finish(work: C.Work | C.PendingWork, send: torch.Tensor,

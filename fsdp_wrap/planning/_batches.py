@@ -19,10 +19,10 @@ units kept gathered since forward), as the runtime makes them:
   current unit computes; without ``forward_prefetch`` the forward still starts
   the next *batch* (not a unit alone) once the current one's last unit runs.
 
-In backward every member copies its part out at its own turn, so the receive
+In backward every member of a batch whose largest member is under half of it
+(``by_member_pays``) copies its part out at its own turn, so the receive
 buffer stays until the last member's turn and a member's copy is made only
-then (forward copies every member out at once: its activations grow while a
-batch lasts, backward's shrink).
+then (forward, and backward's other batches, copy every member out at once).
 
 Only where gathers are synchronous (gloo with ``limit_all_gathers=True``, the
 runtime's CPU path); elsewhere every unit gathers on its own and nothing is
@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Sequence
+
+from fsdp_wrap.comm.gather_batch import by_member_pays
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +73,7 @@ def batched_ahead(
     makes no batch (a real prefetch) or only starts batches (the forward's
     batch look-ahead without ``forward_prefetch``);
     ``each_at_its_turn``: members copy their part out at their own turn
-    (backward), not all at once.
+    (backward), not all at once, in batches where the runtime does so.
     """
     n = len(order)
     pending: dict[int, int] = {}  # unit -> bytes gathered ahead of its turn
@@ -97,11 +99,12 @@ def batched_ahead(
             total += gathered[nxt]
         if len(members) == 1:
             return 0, 0
+        by_member = each_at_its_turn and by_member_pays([gathered[m] for m in members])
         for m in members:
-            pending[m] = 0 if each_at_its_turn else gathered[m]
-            if each_at_its_turn:
+            pending[m] = 0 if by_member else gathered[m]
+            if by_member:
                 batch_of[m] = k
-        if each_at_its_turn:
+        if by_member:
             rows[k] = total
         return total, sum(src[m] for m in members)
 
@@ -117,7 +120,7 @@ def batched_ahead(
             # shards; or, member by member, the receive buffer and sent shards)
             total, sent = start_batch(k)
             if total:
-                copy[k] = max(copy[k], total + sent if each_at_its_turn else 2 * total + sent)
+                copy[k] = max(copy[k], total + sent if unit in batch_of else 2 * total + sent)
         if unit in batch_of:
             # (its copy is made beside the receive buffer, then the last
             # member's turn frees that)
@@ -132,7 +135,7 @@ def batched_ahead(
                 # In flight while this unit computes (issued beside its copy and
                 # the sent shards), copied out when the next unit waits for it.
                 copy[k] = max(copy[k], gathered[unit] + total + sent)
-                if not each_at_its_turn:
+                if nxt not in batch_of:
                     copy[k + 1] = 2 * total
             if prefetch_alone:
                 pending.setdefault(nxt, gathered[nxt])  # (alone: gathered all the same)

@@ -320,8 +320,8 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor | N
         _watch_unit_end(state)
     root = state._root
     # (backward order: the unit's flat parameters last to first, then the unit before)
-    # (in backward each member copies its part out at its own turn: the
-    # activations it frees meanwhile leave room for the receive buffer)
+    # (in backward a batch's members copy their parts out each at its own turn
+    # where that holds less than all at once: see gather_batch.by_member_pays)
     gather_ahead(handles[-1], root._all_gather_batch_bytes,
                  functools.partial(_next_backward_pending, root), each_at_its_turn=True)
     for handle in handles:
