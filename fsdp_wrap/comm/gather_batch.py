@@ -158,22 +158,19 @@ def _gather(batch: list[H], async_op: bool = False, each_at_its_turn: bool = Fal
     del inputs  # (cast copies of the shards: sent, or in ``send`` until it is)
     # (a coded wire's blocks start at each unit's shard: ``widths``)
     work = wire.all_gather(rows.view(-1), send, group, segments=widths, async_op=async_op)
+    # (each member's columns; views of ``rows``: the buffer goes with the last)
+    parts = rows.split(widths, dim=1)
+    del rows
     if each_at_its_turn and by_member_pays(widths):
         flight = _InFlight(work, send)
         del send
-        col = 0
-        for h, width in zip(batch, widths):
-            # (each part views ``rows``: the buffer goes with the last part taken)
-            part = rows[:, col : col + width]
+        for h, part in zip(batch, parts):
             h.expect_gathered(C.PendingWork([], then=functools.partial(_take_part, flight, h, part)))
-            col += width
         return
 
     def copy_out() -> None:
-        col = 0
-        for h, width in zip(batch, widths):
-            h.take_gathered(rows[:, col : col + width])
-            col += width
+        for h, part in zip(batch, parts):
+            h.take_gathered(part)
 
     if work is None:
         copy_out()
