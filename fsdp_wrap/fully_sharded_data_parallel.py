@@ -11,16 +11,14 @@ backward delegate to :mod:`fsdp_wrap.runtime.hooks`, lazy init to
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from collections.abc import Generator, Iterable, Iterator
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-import fsdp_wrap.comm.collectives as C
+import fsdp_wrap.runtime.clip as _clip
 import fsdp_wrap.runtime.construct as _init
 import fsdp_wrap.runtime.guards as guards
 import fsdp_wrap.runtime.hooks as _runtime
@@ -386,47 +384,7 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI, AccumulationAPI):
                 f"(state {self.training_state})"
             )
         warn_if_partial(self, "clip_grad_norm_()")
-        max_norm, norm_type = float(max_norm), float(norm_type)
-        sharded: list[torch.Tensor] = []
-        nonsharded: list[torch.Tensor] = []
-        managed: set[nn.Parameter] = set()
-        for h in self._all_handles:
-            (sharded if h.uses_sharded_strategy else nonsharded).extend(h.flat_grad_for_norm())
-            managed.update(h.params if h.use_orig_params else [h.flat_param])
-        for p in self.parameters():
-            if p not in managed and p.grad is not None:
-                managed.add(p)
-                nonsharded.append(p.grad)
-        all_grads = sharded + nonsharded
-        if all(not h.uses_sharded_strategy for h in self._all_handles):
-            return torch.nn.utils.clip_grad_norm_(
-                [p for p in self.parameters() if p.grad is not None], max_norm, norm_type
-            )
-        local_sharded = _grad_norm(sharded, norm_type, self.compute_device)
-        local_non = _grad_norm(nonsharded, norm_type, self.compute_device) if nonsharded else None
-        if math.isinf(norm_type):
-            total = local_sharded if local_non is None else torch.maximum(local_sharded, local_non)
-            C.all_reduce(total, self.process_group, dist.ReduceOp.MAX)
-        else:
-            total = local_sharded**norm_type
-            C.all_reduce(total, self.process_group)
-            if local_non is not None:
-                total += local_non**norm_type
-            total = total ** (1.0 / norm_type)
-        clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in all_grads:
-            g.mul_(clip_coef.to(g.device, g.dtype))
-        if not all_grads:
-            warnings.warn(
-                f"Called FSDP.clip_grad_norm_() on rank {self.rank} with no gradients -- "
-                "returning the total norm in the default dtype torch.float32",
-                stacklevel=2,
-            )
-            return total
-        dtype = all_grads[0].dtype
-        for g in all_grads[1:]:
-            dtype = torch.promote_types(dtype, g.dtype)
-        return total.to(dtype)
+        return _clip.clip_grad_norm(self, float(max_norm), float(norm_type))
 
     # ---------------------------------------------------- summon_full_params
 
@@ -586,10 +544,3 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI, AccumulationAPI):
         if not strict:
             guards.check_nothing_loaded(state_dict, result)  # a warning if no key matched
         return result
-
-
-def _grad_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    if not grads:
-        return torch.tensor(0.0, device=device)
-    norms = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in grads]
-    return torch.linalg.vector_norm(torch.stack(norms), norm_type, dtype=torch.float32).to(device)

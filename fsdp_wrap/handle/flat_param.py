@@ -32,6 +32,7 @@ import fsdp_wrap.comm.reduce as R
 from fsdp_wrap.api import RESHARD_AFTER_FORWARD, SHARDED_STRATEGIES
 from fsdp_wrap.comm.quant.wire import EXACT, Wire
 from fsdp_wrap.handle.config import HandleConfig
+from fsdp_wrap.handle.dtensor import localize
 from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME, FlatParameter, HandleState, _Gathered
 from fsdp_wrap.handle.grads import FlatGrads
 from fsdp_wrap.handle.layout import (
@@ -96,6 +97,11 @@ class FlatParamHandle:
         self._skip_writeback_check = os.environ.get("FSDP_SKIP_WRITEBACK_CHECK", "") == "1"
         self._use_full_prec_in_eval = config.use_full_prec_in_eval  # FSDP_USE_FULL_PREC_IN_EVAL
         where = f"(rank {self.rank}, FSDP unit '{unit_fqn or '<root>'}')"
+        # DTensor parameters are flattened as their local tensors (handle/dtensor.py);
+        # ``originals``: the user's Parameter objects (``infos[i].param`` then differs).
+        self.originals = [p for *_, p in params]
+        params, self._tp_specs = localize(params, self.rank, unit_fqn, VALUES_PENDING,
+                                          [self.process_group, self.replicate_group])
         check_unit_params(params, where, self.use_orig_params)
         check_flat_group(params, where, self.use_orig_params)
         self._init_layout(params, shared)
@@ -136,8 +142,9 @@ class FlatParamHandle:
             sharded=self.uses_sharded_strategy,
         )
         self.infos = [
-            ParamInfo(fqn, mod, name, p, p.shape, offset, p.numel())
-            for (fqn, mod, name, p), offset in zip(params, self.layout.offsets)
+            ParamInfo(fqn, mod, name, p, p.shape, offset, p.numel(), spec)
+            for (fqn, mod, name, p), offset, spec in zip(params, self.layout.offsets,
+                                                         self._tp_specs)
         ]
         self.shared = [SharedParamInfo(fqn, mod, name, idx) for fqn, mod, name, idx in shared]
         self._reduce_spec = R.ReduceSpec(
@@ -559,14 +566,8 @@ class FlatParamHandle:
         slot.free()
 
     # -------------------------------------------------------------- utilities
-    # (gradients: ``self.grads``, :class:`~fsdp_wrap.handle.grads.FlatGrads`;
-    # whole copies for state dicts and exports: :mod:`fsdp_wrap.handle.full_copies`)
-
-    def flat_grad_for_norm(self) -> list[torch.Tensor]:
-        """The gradients ``clip_grad_norm_`` must see for this handle."""
-        if self.use_orig_params:
-            return [info.param.grad for info in self.infos if info.param.grad is not None]
-        return [self.flat_param.grad] if self.flat_param.grad is not None else []
+    # (gradients: ``self.grads``, :class:`~fsdp_wrap.handle.grads.FlatGrads`, for
+    # a norm ``runtime/clip.py``; whole copies for state dicts and exports: :mod:`fsdp_wrap.handle.full_copies`)
 
     def write_back_from(self, unsharded: torch.Tensor) -> None:
         """Write ``unsharded`` (a full flat copy, e.g. on CPU) into the local shard."""

@@ -19,6 +19,7 @@ from torch.distributed import ProcessGroup
 
 import fsdp_wrap.comm.collectives as C
 from fsdp_wrap.api import HYBRID_STRATEGIES, ShardingStrategy
+from fsdp_wrap.handle.dtensor import local_of
 from fsdp_wrap.handle.layout import walk_unit_modules
 from fsdp_wrap.runtime.capability import check_device_id
 from fsdp_wrap.runtime.names import clean_fqn
@@ -368,11 +369,12 @@ def sync_module_states(
     For hybrid sharding the replicate group goes first, then the shard group,
     so global rank 0's values reach everyone.
     """
-    tensors = [t for _, t in _unit_tensors(module, stop, ignored)]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t.data if isinstance(t, nn.Parameter) else t)
     with torch.no_grad():
+        # (a DTensor parameter: its local tensor, the same within a data-parallel group)
+        tensors = [local_of(t) for _, t in _unit_tensors(module, stop, ignored)]
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t.data if isinstance(t, nn.Parameter) else t)
         for group in groups:
             src = dist.get_global_rank(group, 0)
             for same in by_dtype.values():
@@ -391,8 +393,9 @@ def check_no_cross_unit_sharing(
     owned: dict[nn.Parameter, str] = {}
     for name, sub in module.named_modules():
         if isinstance(sub, UnitState):
-            for info in (i for h in sub._handles for i in h.infos):
-                owned[info.param] = f"{name}.{info.fqn}"
+            for h in sub._handles:
+                for orig, info in zip(h.originals, h.infos):
+                    owned[orig] = f"{name}.{info.fqn}"
     for fqn, *_, p in params:
         if p in owned:
             raise ValueError(

@@ -1,0 +1,158 @@
+"""``clip_grad_norm_``: the norm of every gradient element of the model, once.
+
+Without tensor parallelism a unit's flat gradient shards partition its
+gradients over the unit's group: ``norm ** p`` is summed over that group
+(max for ``inf``) and the gradients of unsharded units (NO_SHARD) and of
+parameters outside FSDP, the same on every rank, are added once (torch's
+rule and order, so the result is torch's bit for bit).
+
+With DTensor parameters (2-D, :mod:`fsdp_wrap.handle.dtensor`) the elements
+of a TP-sharded parameter are spread over the TP group as well, while plain
+and TP-replicated parameters are the same on every TP rank.  Each element
+must count once: the TP-sharded part is summed over the TP group too.  (torch's
+FSDP1 sums over the data-parallel group only, so each TP rank gets the norm of
+its own shard and the TP ranks clip by different factors; docs/two_d.rst.)
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import fsdp_wrap.comm.collectives as C
+from fsdp_wrap.handle.dtensor import grads_by_tp, is_dtensor
+
+if TYPE_CHECKING:
+    from fsdp_wrap.handle.flat_param import FlatParamHandle
+    from fsdp_wrap.runtime.state import UnitState
+
+__all__ = ["clip_grad_norm"]
+
+
+def clip_grad_norm(root: UnitState, max_norm: float, norm_type: float) -> torch.Tensor:
+    """Scale every gradient of ``root``'s tree by ``min(1, max_norm / (total + 1e-6))``;
+    return ``total`` (in the gradients' promoted dtype).  A collective."""
+    tp_group = _tp_group(root)
+    if tp_group is None:
+        return _clip_data_parallel(root, max_norm, norm_type)
+    return _clip_two_d(root, max_norm, norm_type, tp_group)
+
+
+def _unmanaged_grads(root: UnitState) -> list[torch.Tensor]:
+    """Gradients of parameters no flat parameter holds (ignored modules), once each."""
+    managed: set[nn.Parameter] = set()
+    for h in root._all_handles:
+        managed.update(h.params if h.use_orig_params else [h.flat_param])
+    out: list[torch.Tensor] = []
+    for p in root.parameters():
+        if p not in managed and p.grad is not None:
+            managed.add(p)
+            out.append(p.grad)
+    return out
+
+
+def _clip_data_parallel(root: UnitState, max_norm: float, norm_type: float) -> torch.Tensor:
+    sharded: list[torch.Tensor] = []
+    nonsharded: list[torch.Tensor] = []
+    for h in root._all_handles:
+        (sharded if h.uses_sharded_strategy else nonsharded).extend(_grads_of(h))
+    nonsharded += _unmanaged_grads(root)
+    all_grads = sharded + nonsharded
+    if all(not h.uses_sharded_strategy for h in root._all_handles):
+        return torch.nn.utils.clip_grad_norm_(
+            [p for p in root.parameters() if p.grad is not None], max_norm, norm_type
+        )
+    local_sharded = _grad_norm(sharded, norm_type, root.compute_device)
+    local_non = _grad_norm(nonsharded, norm_type, root.compute_device) if nonsharded else None
+    if math.isinf(norm_type):
+        total = local_sharded if local_non is None else torch.maximum(local_sharded, local_non)
+        C.all_reduce(total, root.process_group, dist.ReduceOp.MAX)
+    else:
+        total = local_sharded**norm_type
+        C.all_reduce(total, root.process_group)
+        if local_non is not None:
+            total += local_non**norm_type
+        total = total ** (1.0 / norm_type)
+    return _scale(root, all_grads, max_norm, total)
+
+
+def _clip_two_d(root: UnitState, max_norm: float, norm_type: float, tp_group: Any) -> torch.Tensor:
+    # [data-parallel sharded?][TP sharded?]
+    parts: dict[tuple[bool, bool], list[torch.Tensor]] = {
+        (a, b): [] for a in (True, False) for b in (True, False)}
+    for h in root._all_handles:
+        tp_sharded, tp_same = grads_by_tp(h)
+        parts[(h.uses_sharded_strategy, True)] += tp_sharded
+        parts[(h.uses_sharded_strategy, False)] += tp_same
+    for g in _unmanaged_grads(root):
+        shard = is_dtensor(g) and any(p.is_shard() for p in g.placements)  # type: ignore[attr-defined]
+        parts[(False, shard)].append(g.to_local() if is_dtensor(g) else g)  # type: ignore[attr-defined]
+    device = root.compute_device
+    norms = {key: _grad_norm(grads, norm_type, device) for key, grads in parts.items()}
+    if math.isinf(norm_type):
+        total = torch.stack(list(norms.values())).max()
+        C.all_reduce(total, root.process_group, dist.ReduceOp.MAX)
+        C.all_reduce(total, tp_group, dist.ReduceOp.MAX)
+    else:
+        # Sum the TP-sharded parts over the TP group, then the data-parallel
+        # sharded parts over the unit's group; what is the same on every rank
+        # of a group is added once.
+        tp_parts = torch.stack([norms[(True, True)], norms[(False, True)]]) ** norm_type
+        C.all_reduce(tp_parts, tp_group)
+        dp_part = tp_parts[0] + norms[(True, False)] ** norm_type
+        C.all_reduce(dp_part, root.process_group)
+        total = (dp_part + tp_parts[1] + norms[(False, False)] ** norm_type) ** (1.0 / norm_type)
+    return _scale(root, [g for grads in parts.values() for g in grads], max_norm, total)
+
+
+def _scale(root: UnitState, all_grads: list[torch.Tensor], max_norm: float,
+           total: torch.Tensor) -> torch.Tensor:
+    clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in all_grads:
+        g.mul_(clip_coef.to(g.device, g.dtype))
+    if not all_grads:
+        warnings.warn(
+            f"Called FSDP.clip_grad_norm_() on rank {root.rank} with no gradients -- "
+            "returning the total norm in the default dtype torch.float32",
+            stacklevel=5,  # (the caller of FullyShardedDataParallel.clip_grad_norm_)
+        )
+        return total
+    dtype = all_grads[0].dtype
+    for g in all_grads[1:]:
+        dtype = torch.promote_types(dtype, g.dtype)
+    return total.to(dtype)
+
+
+def _tp_group(root: UnitState) -> Any:
+    """The TP mesh's group of the tree's DTensor parameters (``None`` without any)."""
+    found: list[tuple[Any, str]] = []
+    for h in root._all_handles:
+        for info in h.infos:
+            if info.spec is not None:
+                if found and info.spec.mesh.get_group() != found[0][0].get_group():
+                    raise ValueError(
+                        f"[rank {C.global_rank()}] clip_grad_norm_() needs one tensor-parallel "
+                        f"mesh, but '{found[0][1]}' and '{info.fqn}' are DTensors on different "
+                        f"meshes ({found[0][0]} vs {info.spec.mesh})"
+                    )
+                found.append((info.spec.mesh, info.fqn))
+    return found[0][0].get_group() if found else None
+
+
+def _grads_of(h: FlatParamHandle) -> list[torch.Tensor]:
+    """The gradients ``clip_grad_norm_`` sees of one handle (no TP)."""
+    if h.use_orig_params:
+        return [info.param.grad for info in h.infos if info.param.grad is not None]
+    return [h.flat_param.grad] if h.flat_param.grad is not None else []
+
+
+def _grad_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    if not grads:
+        return torch.tensor(0.0, device=device)
+    norms = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type, dtype=torch.float32).to(device)
