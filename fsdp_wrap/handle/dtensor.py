@@ -26,19 +26,15 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
-
-if TYPE_CHECKING:
-    from fsdp_wrap.handle.flat_param import FlatParamHandle
 
 __all__ = [
     "TPSpec",
     "as_dtensor",
     "check_orthogonal",
-    "grads_by_tp",
     "is_dtensor",
     "local_value",
     "local_of",
@@ -207,32 +203,3 @@ def tp_group(specs: Sequence[TPSpec | None]) -> Any:
             return spec.mesh.get_group()
     return None
 
-
-def grads_by_tp(handle: FlatParamHandle) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The handle's gradients for a norm, split into the pieces of TP-sharded
-    parameters (each TP rank holds other elements) and the rest (the same on
-    every TP rank): ``clip_grad_norm_`` sums the first over the TP group too.
-
-    ``use_orig_params=True``: the original parameters' gradients; otherwise
-    each parameter's piece of the flat gradient (alignment padding left out).
-    """
-    sharded: list[torch.Tensor] = []
-    rest: list[torch.Tensor] = []
-    if handle.use_orig_params:
-        for info in handle.infos:
-            if info.param.grad is not None:
-                (sharded if info.spec is not None and info.spec.sharded else rest).append(
-                    info.param.grad)
-        return sharded, rest
-    grad = handle.flat_param.grad
-    if grad is None:
-        return sharded, rest
-    for i, info in enumerate(handle.infos):
-        if handle.uses_sharded_strategy:
-            piece = handle.param_shard_slice(i)
-        else:
-            piece = (info.offset, info.offset + info.numel)
-        if piece is not None:
-            part = grad[piece[0] : piece[1]]
-            (sharded if info.spec is not None and info.spec.sharded else rest).append(part)
-    return sharded, rest

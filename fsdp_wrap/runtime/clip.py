@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp_wrap.comm.collectives as C
-from fsdp_wrap.handle.dtensor import grads_by_tp, is_dtensor
+from fsdp_wrap.handle.dtensor import is_dtensor
 
 if TYPE_CHECKING:
     from fsdp_wrap.handle.flat_param import FlatParamHandle
@@ -108,6 +108,36 @@ def _clip_two_d(root: UnitState, max_norm: float, norm_type: float, tp_group: An
         C.all_reduce(dp_part, root.process_group)
         total = (dp_part + tp_parts[1] + norms[(False, False)] ** norm_type) ** (1.0 / norm_type)
     return _scale(root, [g for grads in parts.values() for g in grads], max_norm, total)
+
+
+def grads_by_tp(handle: FlatParamHandle) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The handle's gradients for a norm, split into the pieces of TP-sharded
+    parameters (each TP rank holds other elements) and the rest (the same on
+    every TP rank): ``clip_grad_norm_`` sums the first over the TP group too.
+
+    ``use_orig_params=True``: the original parameters' gradients; otherwise
+    each parameter's piece of the flat gradient (alignment padding left out).
+    """
+    sharded: list[torch.Tensor] = []
+    rest: list[torch.Tensor] = []
+    if handle.use_orig_params:
+        for info in handle.infos:
+            if info.param.grad is not None:
+                (sharded if info.spec is not None and info.spec.sharded else rest).append(
+                    info.param.grad)
+        return sharded, rest
+    grad = handle.flat_param.grad
+    if grad is None:
+        return sharded, rest
+    for i, info in enumerate(handle.infos):
+        if handle.uses_sharded_strategy:
+            piece = handle.param_shard_slice(i)
+        else:
+            piece = (info.offset, info.offset + info.numel)
+        if piece is not None:
+            part = grad[piece[0] : piece[1]]
+            (sharded if info.spec is not None and info.spec.sharded else rest).append(part)
+    return sharded, rest
 
 
 def _scale(root: UnitState, all_grads: list[torch.Tensor], max_norm: float,
