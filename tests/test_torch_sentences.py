@@ -56,7 +56,6 @@ SENTENCES: dict[str, list[str]] = {
     ],
     "fully_sharded_data_parallel.py": [
         'A communication hook is already registered',
-        'Called FSDP.clip_grad_norm_() on rank',
         'Communication hook is not supported for hybrid strategies:',
         'FSDP will not all-gather parameters for containers that do not implement forward:',
         'The communication hook must be callable but got',
@@ -65,7 +64,6 @@ SENTENCES: dict[str, list[str]] = {
         'but current state is',
         'expected to be in states',
         'register_comm_hook can only be called on a root instance.',
-        'with no gradients -- returning the total norm in the default dtype',
     ],
     "handle/flat_param.py": [
         'FSDP_USE_FULL_PREC_IN_EVAL',
@@ -85,6 +83,10 @@ SENTENCES: dict[str, list[str]] = {
         'Cannot writeback when the',
         'Changing shared parameters is not supported yet',
         'FSDP does not support changing the parameters between forward and backward for',
+    ],
+    "runtime/clip.py": [
+        'Called FSDP.clip_grad_norm_() on rank',
+        'with no gradients -- returning the total norm in the default dtype',
     ],
     "runtime/construct.py": [
         'Cannot pass both ignored_modules and ignored_states at the same time. Please just pass ignored_states.',

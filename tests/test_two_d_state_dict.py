@@ -340,3 +340,86 @@ def _extras_task() -> list[str]:
 def test_local_refused_plain_full_loads_dcp_reshards(pool4: Any) -> None:
     fails = [f for r in pool4.run(_extras_task) for f in r]
     assert not fails, "\n".join(fails)
+
+
+# ---------------------------------------------------------------------------
+# whole weights: summon_full_params, iter_full_weights, full checkpoints
+# ---------------------------------------------------------------------------
+
+
+def _whole(value: Any) -> torch.Tensor:
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def _weights(cfg: dict[str, Any]) -> list[str]:
+    import fsdp_wrap
+    from fsdp_wrap.checkpoint import load_full_checkpoint, save_full_checkpoint
+
+    tag = f"{rank_tag()} weights {cfg}"
+    fails: list[str] = []
+    FSDP = fsdp_wrap.FullyShardedDataParallel
+    (tm, to), (om, oo) = _build("torch", cfg), _build("ours", cfg)
+    x = make_input(data_gen(cfg["idx"]))
+    _step(tm, to, x)
+    _step(om, oo, x)
+    # summon_full_params: the same parameters as torch's (DTensors for TP ones),
+    # a change written back alike.
+    tcls = fsdp_api("torch").FullyShardedDataParallel
+    for writeback in (True, False):
+        with tcls.summon_full_params(tm, writeback=writeback), \
+                FSDP.summon_full_params(om, writeback=writeback):
+            t_params, o_params = dict(tm.named_parameters()), dict(om.named_parameters())
+            fails += _same_dict(f"{tag} summon_full_params", t_params, o_params)
+            with torch.no_grad():
+                for params in (t_params, o_params):
+                    params["blocks.0.up.weight"].add_(1.0)
+                    params["inp.weight"].mul_(2.0)
+        fails += _same_dict(f"{tag} after summon(writeback={writeback})",
+                            _dicts("torch", tm, None, "FULL")[0], _dicts("ours", om, None, "FULL")[0])
+    if any_rank(bool(fails)):
+        return fails
+    # The whole weights: the FULL state dict's values gathered over TP too.
+    want = {k: _whole(v) for k, v in _dicts("ours", om, None, "FULL")[0].items()}
+    for rank0_only in (False, True):
+        got = dict(fsdp_wrap.iter_full_weights(om, rank0_only=rank0_only))
+        expect = want if not rank0_only or dist.get_rank() == 0 else {}
+        # (in unit order, documented: a nested unit's names after its parent's own)
+        if set(got) != set(expect) or any(not torch.equal(got[k], expect[k]) for k in got):
+            bad = [k for k in expect if k not in got or not torch.equal(got[k], expect[k])]
+            fails.append(f"{tag} iter_full_weights(rank0_only={rank0_only}) differs from "
+                         f"the FULL state dict's values, gathered whole: {bad or list(got)}")
+    # A full checkpoint (plain safetensors of the whole weights) into fresh 2-D
+    # models: by load_full_checkpoint and by load_pretrained.
+    path = _scratch()
+    save_full_checkpoint(om, path + "/ckpt")
+    for loader in ("load_full_checkpoint", "load_pretrained"):
+        fresh, _ = _build("ours", cfg, seed=11)
+        if loader == "load_full_checkpoint":
+            load_full_checkpoint(fresh, path + "/ckpt")
+        else:
+            fsdp_wrap.load_pretrained(fresh, path + "/ckpt")
+        fails += _same_dict(f"{tag} {loader}", _dicts("ours", om, None, "FULL")[0],
+                            _dicts("ours", fresh, None, "FULL")[0])
+    if dist.get_rank() == 0:
+        import glob
+
+        from safetensors.torch import load_file
+
+        stored: dict[str, torch.Tensor] = {}
+        for f in sorted(glob.glob(path + "/ckpt/*.safetensors")):
+            stored.update(load_file(f))
+        if set(stored) != set(want) or any(not torch.equal(stored[k], want[k]) for k in want):
+            fails.append(f"{tag} save_full_checkpoint's files differ from the whole weights")
+    return fails
+
+
+def _weights_task() -> list[str]:
+    warnings.simplefilter("ignore")
+    configs = [dict(strategy="FULL_SHARD", uop=True, nested=True, idx=0),
+               dict(strategy="SHARD_GRAD_OP", uop=False, idx=1)]
+    return run_configs(configs, _weights)
+
+
+def test_summon_iter_full_weights_full_checkpoints(pool4: Any) -> None:
+    fails = [f for r in pool4.run(_weights_task) for f in r]
+    assert not fails, "\n".join(fails)

@@ -35,6 +35,7 @@ __all__ = [
     "TPSpec",
     "as_dtensor",
     "check_orthogonal",
+    "full_global",
     "is_dtensor",
     "local_value",
     "local_of",
@@ -136,10 +137,10 @@ def check_orthogonal(specs: Sequence[TPSpec | None], fqns: Sequence[str], groups
     """
     import torch.distributed as dist
 
-    me = dist.get_rank()
     for spec, fqn in zip(specs, fqns):
         if spec is None:
             continue
+        me = dist.get_rank()
         tp_ranks = set(spec.mesh.mesh.flatten().tolist())
         for group in groups:
             if group is None:
@@ -164,6 +165,14 @@ def as_dtensor(local: torch.Tensor, spec: TPSpec) -> torch.Tensor:
     return DTensor.from_local(
         local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride
     )
+
+
+def full_global(local: torch.Tensor, spec: TPSpec) -> torch.Tensor:
+    """The whole parameter from its local tensor (already gathered over the
+    data-parallel group): an all-gather over the TP group, which every TP rank
+    must enter, in the same order."""
+    with torch.no_grad():
+        return as_dtensor(local, spec).full_tensor()  # type: ignore[attr-defined,no-any-return]
 
 
 def local_value(value: torch.Tensor, spec: TPSpec) -> torch.Tensor:
