@@ -400,6 +400,21 @@ def _weights(cfg: dict[str, Any]) -> list[str]:
             fsdp_wrap.load_pretrained(fresh, path + "/ckpt")
         fails += _same_dict(f"{tag} {loader}", _dicts("ours", om, None, "FULL")[0],
                             _dicts("ours", fresh, None, "FULL")[0])
+    # The memory plan of the TP model over the dp group: each rank's parameter
+    # shards as the wrapped model holds them.
+    from tests._two_d_common import Mlp
+
+    planned = fsdp_wrap.plan(tp_model(_meshes(cfg)[0]), world_size=2, device="cpu",
+                             auto_wrap_policy=fsdp_wrap.wrap.ModuleWrapPolicy({Mlp})
+                             if cfg.get("nested") else None,
+                             sharding_strategy=fsdp_wrap.ShardingStrategy[cfg["strategy"]],
+                             use_orig_params=cfg["uop"])
+    held = sum(h.local_shard.numel() * h.local_shard.element_size()
+               for st in om._all_fsdp_states for h in st._handles)
+    by_rank = {m.rank: m.params_device for m in planned.per_rank}
+    dp_rank = dist.get_rank() // 2
+    if by_rank.get(dp_rank, by_rank[0]) != held:
+        fails.append(f"{tag} plan: {by_rank} bytes of parameter shards, the model holds {held}")
     if dist.get_rank() == 0:
         import glob
 
