@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tests._options_common import compare_step, loss_of, rank_tag, run_configs, train_step
-from tests._sweep import Injection, any_rank
+from tests._sweep import Injection, any_rank, injected
 from tests._two_d_common import TPNet, data_gen, make_input, mesh_2d, mesh_3d, tp_model, wrap
 from tests.models import fsdp_api
 
@@ -39,6 +39,10 @@ from tests.models import fsdp_api
 def _same(what: str, a: Any, b: Any) -> str | None:
     """None if ``a`` (torch's) and ``b`` (ours) are the same value, exactly."""
     from torch.distributed.tensor import DTensor
+
+    bad = injected(what)
+    if bad:
+        return bad
 
     if isinstance(a, DTensor) != isinstance(b, DTensor):
         return f"{what}: torch {type(a).__name__} vs ours {type(b).__name__}"
