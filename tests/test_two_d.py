@@ -42,7 +42,7 @@ from tests._two_d_common import (
 )
 from tests.models import fsdp_api
 
-STEPS = 3
+STEPS = 2  # (the second step runs on stepped shards and optimizer state)
 
 
 def _names(model: nn.Module) -> list[str]:
@@ -169,8 +169,29 @@ def _full_locals(model: nn.Module) -> list[torch.Tensor]:
         return [local(p).detach().clone() for p in model.parameters()]  # type: ignore[misc]
 
 
+def _misuse(cfg: dict[str, Any]) -> list[str]:
+    """The whole dp x tp mesh given to FSDP (it would shard over the TP ranks too):
+    torch's FSDP1 fails deep inside; fsdp_wrap refuses at construction, saying
+    what to pass instead."""
+    tag = f"{rank_tag()} {cfg}"
+    mesh = mesh_2d()
+    fails: list[str] = []
+    err = _torch_fails(cfg, mesh["tp"], dict(device_mesh=mesh, sharding_strategy="HYBRID_SHARD"))
+    if err:
+        fails.append(f"{tag}: {err}")
+    try:
+        wrap("ours", tp_model(mesh["tp"]), device_mesh=mesh, sharding_strategy="HYBRID_SHARD")
+        fails.append(f"{tag}: fsdp_wrap accepted the whole mesh")
+    except ValueError as e:
+        if "device_mesh=mesh['dp']" not in str(e) or "is split over ranks" not in str(e):
+            fails.append(f"{tag}: fsdp_wrap's error does not say what to pass: {e}")
+    return fails
+
+
 def _vs_replicated(cfg: dict[str, Any]) -> list[str]:
     tag = f"{rank_tag()} {cfg}"
+    if cfg.get("misuse"):
+        return _misuse(cfg)
     if cfg.get("hybrid"):
         mesh = mesh_3d(cfg["hybrid"])
         tp_mesh, groups = mesh["tp"], dict(device_mesh=mesh["rep", "shard"])
@@ -266,6 +287,7 @@ def _replicated_configs() -> list[dict[str, Any]]:
         dict(strategy="FULL_SHARD", uop=True, pg=True, torch_fails="process_group"),
         dict(strategy="HYBRID_SHARD", uop=True, hybrid=(2, 1, 2), clip=2.0),
         dict(strategy="_HYBRID_SHARD_ZERO2", uop=False, hybrid=(1, 2, 2), clip=2.0, nested=True),
+        dict(misuse=True, torch_fails="process_group"),
     ]
     return [dict(c, idx=i) for i, c in enumerate(out)]
 

@@ -380,6 +380,16 @@ def _weights(cfg: dict[str, Any]) -> list[str]:
                     params["inp.weight"].mul_(2.0)
         fails += _same_dict(f"{tag} after summon(writeback={writeback})",
                             _dicts("torch", tm, None, "FULL")[0], _dicts("ours", om, None, "FULL")[0])
+    if cfg["uop"]:  # with_grads: the gradients gathered over dp, DTensors for TP ones
+        for m in (tm, om):
+            loss_of(m(x)).backward()
+        with tcls.summon_full_params(tm, with_grads=True), \
+                FSDP.summon_full_params(om, with_grads=True):
+            fails += _same_dict(f"{tag} summon_full_params(with_grads=True) gradients",
+                                {n: p.grad for n, p in tm.named_parameters()},
+                                {n: p.grad for n, p in om.named_parameters()})
+        to.zero_grad()
+        oo.zero_grad()
     if any_rank(bool(fails)):
         return fails
     # The whole weights: the FULL state dict's values gathered over TP too.

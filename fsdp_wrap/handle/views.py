@@ -81,6 +81,7 @@ class ParamViews:
         # the runtime with on_view_grads_ready; see _view_grads_ready).
         self.in_nested_backward: Callable[[], bool] | None = None
         self._stale_views: list[torch.Tensor] = []
+        self.shown: list[nn.Parameter] = []  # what register_params registered last
         # use_orig_params=True: where use_sharded_views last put each original
         # parameter (see _registered_as_before).
         self._registered: tuple[int, torch.dtype, list[tuple[Any, ...]]] | None = None
@@ -421,6 +422,14 @@ class ParamViews:
             self._set_param(shared.module, shared.name, shown[shared.index])
         self.module._parameters.pop(self.flat_name, None)
         self.params_registered = True
+        self.shown = shown
+
+    def show_dtensor_grads(self) -> None:
+        """With the originals registered (:meth:`register_params`), the DTensor
+        ones' ``.grad``: their local parameters' gradients, as DTensors (views)."""
+        for i, spec in self._specs.items():
+            grad = self.infos[i].param.grad
+            self.shown[i].grad = None if grad is None else as_dtensor(grad, spec)
 
 
 def _overrides_setattr(module: nn.Module) -> bool:

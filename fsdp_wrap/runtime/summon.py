@@ -155,6 +155,7 @@ def _show_full_grads(handle: FlatParamHandle, full_grad: torch.Tensor | None) ->
             info.param.grad = None
     else:
         handle.grads.set_unsharded_grad_views(full_grad, frozen_too=True)
+    handle.views.show_dtensor_grads()  # (DTensor parameters: registered apart)
 
 
 def _write_back_grad(handle: FlatParamHandle, full_grad: torch.Tensor) -> None:

@@ -29,7 +29,7 @@ _SUBSTITUTIONS = (
     (re.compile(r"""torch\.device\((["'])cuda\1\)"""), 'torch.device("cpu")'),
     (re.compile(r"""device=(["'])cuda\1"""), 'device="cpu"'),
     (re.compile(r"\.cuda\(\)"), ".cpu()"),
-    (re.compile(r"""init_device_mesh\((["'])cuda\1"""), 'init_device_mesh("cpu"'),
+    (re.compile(r"""init_device_mesh\(\s*(["'])cuda\1"""), 'init_device_mesh("cpu"'),
     (re.compile(r"\.to\(self\.rank\)"), '.to("cpu")'),
     (re.compile(r"\.cuda\(self\.rank\)"), ".cpu()"),
 )
