@@ -319,7 +319,6 @@ def _configs() -> list[dict[str, Any]]:
     out = [
         dict(strategy="FULL_SHARD", uop=True, nested=True),
         dict(strategy="FULL_SHARD", uop=False),
-        dict(strategy="SHARD_GRAD_OP", uop=True),
         dict(strategy="HYBRID_SHARD", uop=True, hybrid=True, nested=True),
     ]
     return [dict(c, idx=i) for i, c in enumerate(out)]
