@@ -26,13 +26,20 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
+from torch.distributed import ProcessGroup
 
 import fsdp_wrap.comm.collectives as C
 import fsdp_wrap.comm.reduce as R
-from fsdp_wrap.api import RESHARD_AFTER_FORWARD, SHARDED_STRATEGIES
+from fsdp_wrap.api import ShardingStrategy
 from fsdp_wrap.comm.quant.wire import EXACT, Wire
-from fsdp_wrap.handle.config import HandleConfig
-from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME, FlatParameter, HandleState, _Gathered
+from fsdp_wrap.handle.config import UnitSettings
+from fsdp_wrap.handle.flat_tensor import (
+    FLAT_PARAM_NAME,
+    FlatParameter,
+    HandleState,
+    _Gathered,
+    ensure_storage,
+)
 from fsdp_wrap.handle.grads import FlatGrads
 from fsdp_wrap.handle.layout import (
     PADDING_VALUE,
@@ -41,6 +48,7 @@ from fsdp_wrap.handle.layout import (
     ParamInfo,
     SharedParamInfo,
     alignment,
+    alignment_padding_mask,
     check_flat_group,
     check_unit_params,
     flatten_params,
@@ -48,7 +56,7 @@ from fsdp_wrap.handle.layout import (
     shard_from_params,
 )
 from fsdp_wrap.handle.views import ParamViews
-from fsdp_wrap.handle.writeback import write_back_orig_params
+from fsdp_wrap.handle.writeback import adopt_replaced_data, write_back_orig_params
 
 __all__ = [
     "PADDING_VALUE",
@@ -68,7 +76,7 @@ class FlatParamHandle:
         module: nn.Module,
         params: Sequence[tuple[str, nn.Module, str, nn.Parameter]],
         shared: Sequence[tuple[str, nn.Module, str, int]],
-        config: HandleConfig,
+        config: UnitSettings,
         unit_fqn: str = "",
         flat_name: str = FLAT_PARAM_NAME,
     ) -> None:
@@ -79,13 +87,6 @@ class FlatParamHandle:
         self.flat_name = flat_name
         self.module = module  # the unit's wrapped module
         self.unit_fqn = unit_fqn
-        self.device, self.strategy = config.device, config.strategy
-        self.process_group, self.replicate_group = config.process_group, config.replicate_group
-        self.rank, self.world_size = config.rank, config.world_size
-        self.use_orig_params = config.use_orig_params
-        self.uses_sharded_strategy = config.strategy in SHARDED_STRATEGIES
-        self.reshard_after_forward = config.strategy in RESHARD_AFTER_FORWARD
-        self.offload_params = config.offload_params
         # Accelerators gather asynchronously (overlapping compute on the
         # communication stream).  On CPU an asynchronous prefetch competes with
         # compute for the cores, and gloo's all-gather (used under 1 MiB; larger
@@ -94,7 +95,6 @@ class FlatParamHandle:
         # keeps CPU gathers synchronous.
         self.async_gathers = config.device.type != "cpu" or not config.limit_all_gathers
         self._skip_writeback_check = os.environ.get("FSDP_SKIP_WRITEBACK_CHECK", "") == "1"
-        self._use_full_prec_in_eval = config.use_full_prec_in_eval  # FSDP_USE_FULL_PREC_IN_EVAL
         where = f"(rank {self.rank}, FSDP unit '{unit_fqn or '<root>'}')"
         check_unit_params(params, where, self.use_orig_params)
         check_flat_group(params, where, self.use_orig_params)
@@ -108,6 +108,49 @@ class FlatParamHandle:
         if flat.untyped_storage().data_ptr() != self.local_shard.untyped_storage().data_ptr():
             flat.untyped_storage().resize_(0)
         self.use_sharded_views()
+
+    # ------------------------------------------------- the unit's settings
+    # (read from the one object the unit holds, never copied onto the handle)
+
+    @property
+    def device(self) -> torch.device:
+        return self.config.device
+
+    @property
+    def strategy(self) -> ShardingStrategy:
+        return self.config.strategy
+
+    @property
+    def process_group(self) -> ProcessGroup:
+        return self.config.process_group
+
+    @property
+    def replicate_group(self) -> ProcessGroup | None:
+        return self.config.replicate_group
+
+    @property
+    def rank(self) -> int:
+        return self.config.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.config.world_size
+
+    @property
+    def use_orig_params(self) -> bool:
+        return self.config.use_orig_params
+
+    @property
+    def uses_sharded_strategy(self) -> bool:
+        return self.config.uses_sharded_strategy
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return self.config.reshard_after_forward
+
+    @property
+    def offload_params(self) -> bool:
+        return self.config.offload_params
 
     def _init_layout(
         self, params: Sequence[tuple[str, nn.Module, str, nn.Parameter]],
@@ -156,7 +199,9 @@ class FlatParamHandle:
         self.shard_offset = self.layout.shard_offset(self.rank)
         self.shard_valid_numel = self.layout.shard_valid_numel(self.rank)
         self._shard_slices = self.layout.shard_slices(self.rank)
-        self._pad_mask = self._alignment_padding_mask() if self.wire.weights else None
+        self._pad_mask = (alignment_padding_mask(self.shard_numel, self.shard_valid_numel,
+                                                 self._shard_slices, self.device)
+                          if self.wire.weights else None)
 
     def _init_flat_param(self, params: Sequence[tuple[str, nn.Module, str, nn.Parameter]]
                          ) -> torch.Tensor:
@@ -209,49 +254,9 @@ class FlatParamHandle:
         )
 
     def adopt_flat_param_data(self) -> None:
-        """Take up a ``flat_param.data`` replaced since construction.
-
-        Code written for torch's FSDP1 may swap the flat parameter's data
-        before the first forward (Accelerate upcasts a bf16-loaded model's flat
-        parameters to fp32 master weights: ``flat_param.data =
-        flat_param.data.float()``); torch re-reads it at lazy init.  The new
-        data becomes the local shard and its dtype the original (master) dtype;
-        the compute and reduce dtypes follow unless mixed precision fixed them.
-        """
-        data = self.flat_param.data
-        if data.data_ptr() == self.local_shard.data_ptr() and data.dtype == self.local_shard.dtype:
-            return
-        if data.shape != self.local_shard.shape:
-            raise RuntimeError(
-                f"(rank {self.rank}, FSDP unit '{self.unit_fqn or '<root>'}') the flat "
-                f"parameter's data was replaced by a tensor of shape {tuple(data.shape)}; "
-                f"expected this rank's shard, {tuple(self.local_shard.shape)}. Replace it "
-                "only with a same-shaped tensor (e.g. flat_param.data = flat_param.data.float())"
-            )
-        self.local_shard = data
-        self.views.forget_kept()  # (they view the old data: let it go now)
-        if data.dtype != self.orig_dtype:
-            param_dtype, reduce_dtype = self._mp_dtypes
-            self.orig_dtype = data.dtype
-            self.compute_dtype = param_dtype or data.dtype
-            self.reduce_dtype = reduce_dtype or param_dtype or data.dtype
-            self._dtypes_changed()
-            self._reduce_spec = dataclasses.replace(self._reduce_spec,
-                                                    reduce_dtype=self.reduce_dtype)
-            self.grads.retype((self.orig_dtype, self.compute_dtype, self.reduce_dtype),
-                              self._reduce_spec)
-            self._gathered = {False: _Gathered(), True: _Gathered()}
-            if not self.use_orig_params:
-                # The modules' between-steps views take the new dtype: views of
-                # the data itself where NO_SHARD needs no copy, else shape only.
-                if self._needs_copy:
-                    flat = torch.empty(self.unpadded_numel, dtype=data.dtype, device=self.device)
-                    self.views.install_stale(flat)
-                    flat.untyped_storage().resize_(0)
-                else:
-                    self.views.install_stale(data[: self.unpadded_numel])
-        if self.use_orig_params:
-            self.use_sharded_views()
+        """Take up a ``flat_param.data`` replaced since construction (see
+        :func:`~fsdp_wrap.handle.writeback.adopt_replaced_data`)."""
+        adopt_replaced_data(self)
 
     # ------------------------------------------------------------------ layout
 
@@ -302,7 +307,7 @@ class FlatParamHandle:
         may skip."""
         self._needs_copy = (self.uses_sharded_strategy or self.compute_dtype != self.orig_dtype
                             or self.shard_device != self.device)
-        self._may_skip_mp = self._use_full_prec_in_eval and (
+        self._may_skip_mp = self.config.use_full_prec_in_eval and (
             (self.compute_dtype, self.reduce_dtype) != (self.orig_dtype, self.orig_dtype))
         # A coded compute copy is never the exact one summon and state dicts want.
         self._full_copy_apart = (self.compute_dtype != self.orig_dtype
@@ -367,15 +372,6 @@ class FlatParamHandle:
             src = src.to(self.device, non_blocking=True)
         return src if self._pad_mask is None else src.masked_fill(self._pad_mask, 0)
 
-    def _alignment_padding_mask(self) -> torch.Tensor | None:
-        """The local shard's alignment padding (``None`` where it has none)."""
-        mask = torch.zeros(self.shard_numel, dtype=torch.bool)
-        mask[: self.shard_valid_numel] = True
-        for sl in self._shard_slices:
-            if sl is not None:
-                mask[sl[0] : sl[1]] = False
-        return mask.to(self.device) if bool(mask.any()) else None
-
     def _gather_source(self, dtype: torch.dtype) -> torch.Tensor:
         src = self.local_shard
         if src.device != self.device:
@@ -406,7 +402,7 @@ class FlatParamHandle:
             if slot.buffer is None or slot.buffer.dtype != dtype:
                 slot.buffer = torch.empty(self.unpadded_numel, dtype=dtype, device=self.device)
             else:
-                _ensure_storage(slot.buffer)
+                ensure_storage(slot.buffer)
             slot.buffer.copy_(self.local_shard, non_blocking=True)
             # (checked until its unit uses it, as a gathered slot: a prefetched
             # unit's finish_unshard does not check again; reshard frees it)
@@ -417,7 +413,7 @@ class FlatParamHandle:
         if slot.buffer is None or slot.buffer.dtype != dtype:
             slot.buffer = torch.empty(self.padded_numel, dtype=dtype, device=self.device)
         else:
-            _ensure_storage(slot.buffer)
+            ensure_storage(slot.buffer)
         slot.source = src  # keep the input alive until the gather finishes
         slot.pending = (self.wire if coded else EXACT).all_gather(
             slot.buffer, src, self.process_group, async_op=self.async_gathers
@@ -461,7 +457,7 @@ class FlatParamHandle:
             slot.buffer = torch.empty(self.padded_numel, dtype=self.compute_dtype,
                                       device=self.device)
         else:
-            _ensure_storage(slot.buffer)
+            ensure_storage(slot.buffer)
         slot.buffer.view(self.world_size, self.shard_numel).copy_(rows)
         slot.valid = slot.checked = True  # (gather_input checked)
 
@@ -562,12 +558,6 @@ class FlatParamHandle:
     # (gradients: ``self.grads``, :class:`~fsdp_wrap.handle.grads.FlatGrads`;
     # whole copies for state dicts and exports: :mod:`fsdp_wrap.handle.full_copies`)
 
-    def flat_grad_for_norm(self) -> list[torch.Tensor]:
-        """The gradients ``clip_grad_norm_`` must see for this handle."""
-        if self.use_orig_params:
-            return [info.param.grad for info in self.infos if info.param.grad is not None]
-        return [self.flat_param.grad] if self.flat_param.grad is not None else []
-
     def write_back_from(self, unsharded: torch.Tensor) -> None:
         """Write ``unsharded`` (a full flat copy, e.g. on CPU) into the local shard."""
         with torch.no_grad():
@@ -590,11 +580,4 @@ class FlatParamHandle:
             else:
                 self.local_shard.copy_(slot.buffer[: self.unpadded_numel])
 
-
-def _ensure_storage(buffer: torch.Tensor) -> None:
-    """Give a freed buffer (storage resized to zero) its bytes back, in place."""
-    storage = buffer.untyped_storage()
-    nbytes = buffer.numel() * buffer.element_size()
-    if storage.size() != nbytes:
-        storage.resize_(nbytes)
 

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 import fsdp_wrap.comm.collectives as C
 
-__all__ = ["FLAT_PARAM_NAME", "FlatParameter", "HandleState"]
+__all__ = ["FLAT_PARAM_NAME", "FlatParameter", "HandleState", "ensure_storage", "same_storage"]
 
 #: The name a flat parameter is registered under on its unit's module.
 FLAT_PARAM_NAME = "_flat_param"
@@ -56,6 +56,14 @@ class FlatParameter(nn.Parameter, metaclass=_FlatParameterMeta):
         param._shapes = tuple(i.shape for i in infos)  # type: ignore[attr-defined]
         param._numels = tuple(i.numel for i in infos)  # type: ignore[attr-defined]
         return param
+
+
+def ensure_storage(buffer: torch.Tensor) -> None:
+    """Give a freed buffer (storage resized to zero) its bytes back, in place."""
+    storage = buffer.untyped_storage()
+    nbytes = buffer.numel() * buffer.element_size()
+    if storage.size() != nbytes:
+        storage.resize_(nbytes)
 
 
 def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -329,6 +329,13 @@ class FlatGrads:
         if self.use_orig_params:
             self.set_grad_views()
 
+    def for_norm(self) -> list[torch.Tensor]:
+        """The gradients ``clip_grad_norm_`` must see: the original
+        parameters' (``use_orig_params=True``), else the flat gradient."""
+        if self.use_orig_params:
+            return [info.param.grad for info in self.infos if info.param.grad is not None]
+        return [self.flat_param.grad] if self.flat_param.grad is not None else []
+
     def set_unsharded_grad_views(self, grad: torch.Tensor, frozen_too: bool = False) -> None:
         """The original params' ``.grad`` become full-shape views of ``grad``, an
         unsharded flat gradient: NO_SHARD's reduced one, the local one under

@@ -22,7 +22,7 @@ from fsdp_wrap.api import HYBRID_STRATEGIES, ShardingStrategy
 from fsdp_wrap.handle.layout import walk_unit_modules
 from fsdp_wrap.runtime.capability import check_device_id
 from fsdp_wrap.runtime.names import clean_fqn
-from fsdp_wrap.runtime.state import UnitState
+from fsdp_wrap.runtime.state import UnitState, is_unit, state_of
 
 
 class ProcessGroupState(NamedTuple):
@@ -112,7 +112,7 @@ def resolve_ignored(
                 f"{_sorted_types(roots)}{_rank_tag()}: pass parameters as ignored_states "
                 "instead, or their modules as ignored_modules"
             )
-    if any(isinstance(m, UnitState) for m in roots):
+    if any(is_unit(m) for m in roots):
         raise ValueError("`ignored_modules` should not include FSDP modules")
     if module in roots:
         warnings.warn(
@@ -123,7 +123,7 @@ def resolve_ignored(
     mods: set[nn.Module] = set()
     for root in roots:
         for m in root.modules():
-            if not isinstance(m, UnitState):
+            if not is_unit(m):
                 mods.add(m)
     for m in mods:
         params.update(m.parameters(recurse=False))
@@ -390,8 +390,9 @@ def check_no_cross_unit_sharing(
     """A parameter owned by a nested unit cannot also belong to this unit."""
     owned: dict[nn.Parameter, str] = {}
     for name, sub in module.named_modules():
-        if isinstance(sub, UnitState):
-            for info in (i for h in sub._handles for i in h.infos):
+        unit = state_of(sub)
+        if unit is not None:
+            for info in (i for h in unit._handles for i in h.infos):
                 owned[info.param] = f"{name}.{info.fqn}"
     for fqn, *_, p in params:
         if p in owned:
@@ -402,15 +403,13 @@ def check_no_cross_unit_sharing(
             )
 
 
-def cast_buffers(state: Any) -> dict[str, torch.dtype]:
+def cast_buffers(state: UnitState) -> dict[str, torch.dtype]:
     """Cast the unit's floating buffers to ``buffer_dtype``; return their original dtypes."""
-    dtype = state.mixed_precision.buffer_dtype
+    dtype = state.settings.mixed_precision.buffer_dtype
     if dtype is None:
         return {}
     orig: dict[str, torch.dtype] = dict(state._buffer_orig_dtypes)
-    for mod_fqn, mod in walk_unit_modules(
-        state._fsdp_wrapped_module, lambda m: isinstance(m, UnitState)
-    ):
+    for mod_fqn, mod in walk_unit_modules(state.wrapped_module, is_unit):
         if mod in state._ignored_modules:
             continue  # ignored modules' buffers keep their dtype, as in torch
         for name, b in mod._buffers.items():
@@ -422,13 +421,11 @@ def cast_buffers(state: Any) -> dict[str, torch.dtype]:
     return orig
 
 
-def restore_buffer_dtypes(state: Any) -> None:
+def restore_buffer_dtypes(state: UnitState) -> None:
     """Undo :func:`cast_buffers`: the unit's cast buffers back in their original dtypes."""
     if not state._buffer_orig_dtypes:
         return
-    for mod_fqn, mod in walk_unit_modules(
-        state._fsdp_wrapped_module, lambda m: isinstance(m, UnitState)
-    ):
+    for mod_fqn, mod in walk_unit_modules(state.wrapped_module, is_unit):
         for name, b in mod._buffers.items():
             dtype = state._buffer_orig_dtypes.get(f"{mod_fqn}.{name}" if mod_fqn else name)
             if b is not None and dtype is not None and b.dtype != dtype:

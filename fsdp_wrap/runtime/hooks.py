@@ -128,7 +128,7 @@ def _buffers_for_eval(root: UnitState) -> None:
     """``FSDP_USE_FULL_PREC_IN_EVAL=1``: buffers in their original dtypes while the
     model is in ``eval()``, cast back to ``buffer_dtype`` once it trains again
     (torch decides on the root's unit, or on any unit if the root has none)."""
-    if not root._use_full_prec_in_eval:
+    if not root.settings.use_full_prec_in_eval:
         return  # (the flag is the same on every unit: checked at lazy init)
     handles = root._handles or root._all_handles
     full = any(h.computes_in_full_precision for h in handles)
@@ -168,8 +168,8 @@ def pre_forward(state: UnitState, inputs: Any = None) -> None:
     for handle in handles:
         handle.finish_unshard(full_precision=handle.computes_in_full_precision)
     nxt = (order.next_in_forward(handles[-1])
-           if state.forward_prefetch or batch_bytes else None)
-    if nxt is not None and state.forward_prefetch:
+           if state.settings.forward_prefetch or batch_bytes else None)
+    if nxt is not None and state.settings.forward_prefetch:
         _start_unit_gathers(root._state_of[nxt], batch_bytes, chain)
     elif nxt is not None:
         # The last unit of a batch computes: the next batch is gathered meanwhile
@@ -332,7 +332,7 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor | N
         if not handle.forward_views_reusable():
             with torch.enable_grad():
                 handle.use_unsharded_views()
-    if state.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+    if state.settings.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
         _prefetch_backward(state)
     for handle in handles:
         handle.grads.prepare_gradient_for_backward()
@@ -381,7 +381,7 @@ def _reduce_unit(state: UnitState, handle: FlatParamHandle, prefetch: bool = Tru
     _queue_final_callback(state._root)
     sync = state._sync_gradients
     handle.reshard(free=frees_after_backward(state, handle))
-    if prefetch and state.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+    if prefetch and state.settings.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
         _prefetch_backward(state)
     if sync and state._optims_in_backward:
         # The optimizers step right after this unit's own reduction: alone.

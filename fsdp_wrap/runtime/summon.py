@@ -30,7 +30,7 @@ def check_options(
     """torch's rules for invalid option combinations (same order and text),
     checked on every unit before any collective."""
     for st in states:
-        uop = st._use_orig_params
+        uop = st.settings.use_orig_params
         if with_grads and (offload_to_cpu or not uop):
             raise NotImplementedError(
                 f"with_grads={with_grads}, use_orig_params={uop}, offload_to_cpu={offload_to_cpu} "

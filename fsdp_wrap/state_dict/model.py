@@ -26,7 +26,7 @@ FQNs (no ``_fsdp_wrapped_module.``), exactly the unwrapped model's keys.
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -60,7 +60,7 @@ from fsdp_wrap.api import (
 from fsdp_wrap.comm.collectives import global_rank
 from fsdp_wrap.handle.layout import walk_unit_modules
 from fsdp_wrap.runtime.names import WRAPPED, clean_fqn
-from fsdp_wrap.runtime.state import TrainingState, UnitState
+from fsdp_wrap.runtime.state import TrainingState, UnitState, expect_state, is_unit, state_of
 from fsdp_wrap.runtime.tree import lazy_init, units_under
 from fsdp_wrap.state_dict.buffers import buffers_in_original_dtype
 
@@ -187,10 +187,25 @@ def _group_device(group: ProcessGroup) -> torch.device:
 
 
 def register_hooks(state: UnitState) -> None:
-    state.register_state_dict_pre_hook(_pre_state_dict_hook)
-    _compat.register_state_dict_post_hook(state, _post_state_dict_hook)
-    _compat.register_load_state_dict_pre_hook(state, _pre_load_state_dict_hook)
-    state.register_load_state_dict_post_hook(_post_load_state_dict_hook)
+    """The state-dict hooks on the unit's module (the façade): each finds the
+    unit's state from the module it is called with."""
+    module = state.module
+    module.register_state_dict_pre_hook(_on_state(_pre_state_dict_hook))
+    _compat.register_state_dict_post_hook(module, _on_state(_post_state_dict_hook))
+    _compat.register_load_state_dict_pre_hook(module, _on_state(_pre_load_state_dict_hook))
+    module.register_load_state_dict_post_hook(_on_state(_post_load_state_dict_hook))
+
+
+def _on_state(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook(state, ...)`` called as a module hook ``(module, ...)``."""
+
+    def on_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        state = state_of(module)
+        if state is None:  # (only units register these hooks)
+            raise TypeError(f"{type(module).__name__} is not an FSDP unit")
+        return hook(state, *args, **kwargs)
+
+    return on_module
 
 
 def effective_type(state: UnitState, warn: bool = True) -> StateDictType:
@@ -198,7 +213,7 @@ def effective_type(state: UnitState, warn: bool = True) -> StateDictType:
     sd_type = state._state_dict_type
     if sd_type is StateDictType.FULL_STATE_DICT:
         return sd_type
-    if state.sharding_strategy is ShardingStrategy.NO_SHARD:
+    if state.settings.strategy is ShardingStrategy.NO_SHARD:
         if warn:
             warnings.warn(
                 "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned.",
@@ -212,7 +227,7 @@ def effective_type(state: UnitState, warn: bool = True) -> StateDictType:
 def _refuse_local_with_mesh(state: UnitState) -> None:
     """torch's refusal of LOCAL_STATE_DICT for a unit built with a device mesh
     (model and optimizer state dicts alike)."""
-    if state._state_dict_type is StateDictType.LOCAL_STATE_DICT and state._device_mesh is not None:
+    if state._state_dict_type is StateDictType.LOCAL_STATE_DICT and state.settings.device_mesh is not None:
         raise RuntimeError(
             "Found state_dict_type LOCAL_STATE_DICT. DeviceMesh is not "
             "compatible with LOCAL_STATE_DICT. Please set state_dict_type to SHARDED_STATE_DICT "
@@ -233,11 +248,8 @@ def _shared_rels(state: UnitState) -> list[str]:
 def _pre_state_dict_hook(state: UnitState, prefix: str, keep_vars: bool) -> None:
     lazy_init(state)
     sd_type = effective_type(state)
-    if state.training_state is not TrainingState.IDLE:
-        raise RuntimeError(
-            f"[rank {global_rank()}] state_dict() called on FSDP unit '{prefix.rstrip('.')}' during "
-            f"{state.training_state}; call it outside forward/backward"
-        )
+    expect_state(state, TrainingState.IDLE, action="state_dict()", error=RuntimeError,
+                 fix="call it outside forward/backward and outside summon_full_params")
     if sd_type is StateDictType.LOCAL_STATE_DICT:
         return
     if state._is_root:
@@ -266,9 +278,7 @@ def _pre_state_dict_hook(state: UnitState, prefix: str, keep_vars: bool) -> None
 def _unit_keys(state: UnitState) -> list[str]:
     """Keys (relative, under the wrapped module) that this unit itself emits."""
     keys: list[str] = []
-    for mod_fqn, mod in walk_unit_modules(
-        state._fsdp_wrapped_module, lambda m: isinstance(m, UnitState)
-    ):
+    for mod_fqn, mod in walk_unit_modules(state.wrapped_module, is_unit):
         pre = f"{clean_fqn(mod_fqn)}." if mod_fqn else ""
         pre = clean_fqn(pre)
         keys.extend(pre + n for n, p in mod._parameters.items() if p is not None)
@@ -401,7 +411,7 @@ def _pre_load_state_dict_hook(
             with torch.no_grad():
                 h.local_shard.copy_(value)
         h.module._parameters.pop(h.flat_name, None)
-        state.__dict__["_sd_flat_param_hidden"] = True
+        state._sd_flat_param_hidden = True
 
 
 def _pre_load_for_type(
@@ -499,7 +509,7 @@ def _local_pre_load(
     state: UnitState, state_dict: dict[str, Any], wrapped: str, error_msgs: list[str]
 ) -> None:
     pending: list[tuple[list[str], str | None]] = []
-    state.__dict__["_sd_local_load"] = pending
+    state._sd_local_load = pending
     for h in state._handles:
         _local_pre_load_flat(h, state_dict, wrapped, error_msgs, pending)
 
@@ -553,13 +563,15 @@ def _local_pre_load_flat(
 
 
 def _post_load_state_dict_hook(state: UnitState, incompatible_keys: Any) -> None:
-    if state.__dict__.pop("_sd_flat_param_hidden", False):
+    hidden, state._sd_flat_param_hidden = state._sd_flat_param_hidden, False
+    if hidden:
         for h in state._handles:
             if not h.use_orig_params:
                 h.module._parameters[h.flat_name] = h.flat_param
     sd_type = effective_type(state, warn=False)
     if sd_type is StateDictType.LOCAL_STATE_DICT:
-        for originals, missing_flat in state.__dict__.pop("_sd_local_load", None) or []:
+        pending, state._sd_local_load = state._sd_local_load, None
+        for originals, missing_flat in pending or []:
             # (an inner unit's hook may already have cleaned the shared list)
             handled = {clean_fqn(k) for k in originals}
             incompatible_keys.missing_keys[:] = [
