@@ -20,7 +20,6 @@ in :mod:`fsdp_wrap.handle.layout`; padding holds ``42`` as torch's does.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Sequence
 

@@ -27,9 +27,9 @@ import torch
 import torch.nn as nn
 
 from fsdp_wrap.api import ShardingStrategy
+from fsdp_wrap.comm.reduce import ReduceSpec
 from fsdp_wrap.handle.flat_tensor import HandleState, _Gathered, same_storage
 from fsdp_wrap.handle.grads import FlatGrads, _assign_grad
-from fsdp_wrap.comm.reduce import ReduceSpec
 from fsdp_wrap.handle.layout import ParamInfo, SharedParamInfo
 from fsdp_wrap.handle.views import ParamViews
 
