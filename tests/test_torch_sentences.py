@@ -54,18 +54,13 @@ SENTENCES: dict[str, list[str]] = {
     "demo/launch.py": [
         'The `NO_SHARD` sharding strategy is deprecated',
     ],
-    "fully_sharded_data_parallel.py": [
+    "fully_sharded_data_parallel/facade.py": [
         'A communication hook is already registered',
-        'Called FSDP.clip_grad_norm_() on rank',
         'Communication hook is not supported for hybrid strategies:',
         'FSDP will not all-gather parameters for containers that do not implement forward:',
         'The communication hook must be callable but got',
-        '`clip_grad_norm_()` should only be called on the root FSDP instance',
         '`no_sync()` on inner FSDP instances is not supported. Please call `no_sync()` on root FSDP module.',
-        'but current state is',
-        'expected to be in states',
         'register_comm_hook can only be called on a root instance.',
-        'with no gradients -- returning the total norm in the default dtype',
     ],
     "handle/flat_param.py": [
         'FSDP_USE_FULL_PREC_IN_EVAL',
@@ -116,8 +111,17 @@ SENTENCES: dict[str, list[str]] = {
         'is all-gathering parameters for',
         'to all-gather parameters for',
     ],
+    "runtime/grad_norm.py": [
+        'Called FSDP.clip_grad_norm_() on rank',
+        '`clip_grad_norm_()` should only be called on the root FSDP instance',
+        'with no gradients -- returning the total norm in the default dtype',
+    ],
     "runtime/hooks.py": [
         'FSDP_USE_FULL_PREC_IN_EVAL',
+    ],
+    "runtime/state.py": [
+        'but current state is',
+        'expected to be in states',
     ],
     "runtime/summon.py": [
         'Cannot manually unshard parameters during forward/backward',

@@ -249,14 +249,6 @@ def claim(state_dict: dict[str, Any], key: str, param: torch.Tensor, registered:
         del state_dict[key]
 
 
-def copy_into_shard(h: Any, i: int, value: torch.Tensor) -> None:
-    """Copy this rank's piece of parameter ``i``'s full ``value`` into the local shard."""
-    sl = h.param_shard_slice(i)
-    if sl is not None:
-        start = sl[0] + h.shard_offset - h.infos[i].offset
-        h.local_shard[sl[0] : sl[1]].copy_(value.detach().reshape(-1)[start : start + sl[1] - sl[0]])
-
-
 def claim_shared_and_flat(h: Any, state_dict: dict[str, Any], wrapped: str) -> None:
     """After a unit's parameters were loaded: its shared names go through the
     module too, and without ``use_orig_params`` the flat parameter is loaded

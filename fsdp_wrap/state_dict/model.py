@@ -408,9 +408,8 @@ def _pre_load_state_dict_hook(
         value = state_dict.pop(prefix + WRAPPED + h.flat_name, None)
         if (isinstance(value, torch.Tensor) and value.shape == h.local_shard.shape
                 and value.data_ptr() != h.local_shard.data_ptr()):
-            with torch.no_grad():
-                h.local_shard.copy_(value)
-        h.module._parameters.pop(h.flat_name, None)
+            h.load_shard(value)
+        h.register_flat_param(False)
         state._sd_flat_param_hidden = True
 
 
@@ -484,7 +483,7 @@ def _full_pre_load(
                     f"checkpoint, the shape in current model is {tuple(info.shape)}."
                 )
             else:
-                CH.copy_into_shard(h, i, value)
+                h.load_param(i, value)
             CH.claim(state_dict, key, info.param, h.use_orig_params)
         CH.claim_shared_and_flat(h, state_dict, wrapped)
 
@@ -553,8 +552,7 @@ def _local_pre_load_flat(
             state_dict[key] = h.flat_param.detach()
         return
     if h.use_orig_params:
-        with torch.no_grad():
-            h.local_shard[: h.shard_valid_numel].copy_(local.reshape(-1))
+        h.load_shard(local.reshape(-1))
         state_dict.pop(key)
     else:
         padded = h.flat_param.detach().new_zeros(h.shard_numel)
@@ -567,7 +565,7 @@ def _post_load_state_dict_hook(state: UnitState, incompatible_keys: Any) -> None
     if hidden:
         for h in state._handles:
             if not h.use_orig_params:
-                h.module._parameters[h.flat_name] = h.flat_param
+                h.register_flat_param(True)
     sd_type = effective_type(state, warn=False)
     if sd_type is StateDictType.LOCAL_STATE_DICT:
         pending, state._sd_local_load = state._sd_local_load, None
