@@ -86,7 +86,7 @@ def test_usage_errors_exit_2_and_failures_exit_1_in_one_line(
     for argv, text in usage:
         code, _, err = _run(capsys, *argv)
         assert code == 2 and text in err and "Traceback" not in err, (argv, err)
-    from fsdp_wrap import installer
+    from fsdp_wrap.frameworks import installer
 
     missing = str(tmp_path / "missing")
     failures = [

@@ -31,8 +31,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("checkpoints and planning", ["fsdp_wrap.checkpoint", "fsdp_wrap.planning", "fsdp_wrap.weights"]),
     (
         "the install step and the applications",
-        ["fsdp_wrap.frameworks", "fsdp_wrap.installer", "fsdp_wrap.installer_accelerate",
-         "fsdp_wrap.cli", "fsdp_wrap.demo", "fsdp_wrap.testbed", "fsdp_wrap.__main__", "fsdp_wrap"],
+        ["fsdp_wrap.frameworks", "fsdp_wrap.cli", "fsdp_wrap.demo", "fsdp_wrap.testbed", "fsdp_wrap.__main__", "fsdp_wrap"],
     ),
 ]
 

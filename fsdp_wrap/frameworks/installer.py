@@ -47,7 +47,7 @@ from typing import Any
 import fsdp_wrap.frameworks.accelerate as _accelerate
 import fsdp_wrap.frameworks.peft as _peft
 import fsdp_wrap.frameworks.torch_fsdp as _torch_fsdp
-from fsdp_wrap._compat import __version__
+from fsdp_wrap import __version__
 from fsdp_wrap.frameworks._patches import FunctionWraps, importers, unwrap_everywhere
 
 __all__ = ["ENV_VAR", "PTH_NAME", "install", "install_from_env", "installed",

@@ -23,13 +23,13 @@ import torch
 import torch.nn as nn
 
 import fsdp_wrap.runtime.construct as _init
+import fsdp_wrap.runtime.dynamo as dynamo
 import fsdp_wrap.runtime.guards as guards
 import fsdp_wrap.runtime.hooks as _runtime
 import fsdp_wrap.runtime.setup as setup
 import fsdp_wrap.runtime.summon as _summon
 import fsdp_wrap.runtime.tree as tree
 import fsdp_wrap.state_dict.model as _state_dict
-from fsdp_wrap._compat import coerce_dataclass, coerce_enum, run_eagerly_under_dynamo
 from fsdp_wrap.api import (
     HYBRID_STRATEGIES,
     BackwardPrefetch,
@@ -41,6 +41,8 @@ from fsdp_wrap.api import (
     StateDictConfig,
     StateDictSettings,
     StateDictType,
+    coerce_dataclass,
+    coerce_enum,
 )
 from fsdp_wrap.comm.bucket import resolve_bucket_cap_mb
 from fsdp_wrap.comm.collectives import global_rank
@@ -209,8 +211,8 @@ class FullyShardedDataParallel(TorchAttributes, OptimStateDictMethods, Accumulat
         register_unit(state)
         # 5. State-dict hooks; torch.compile breaks the graph at unit boundaries.
         _state_dict.register_hooks(state)
-        run_eagerly_under_dynamo()
-        _init.annotate_for_dynamo(module, ignored[0], use_orig_params)
+        dynamo.run_eagerly_under_dynamo()
+        dynamo.annotate_for_dynamo(module, ignored[0], use_orig_params)
 
     # ------------------------------------------------------------ module API
 

@@ -430,18 +430,3 @@ def restore_buffer_dtypes(state: UnitState) -> None:
             dtype = state._buffer_orig_dtypes.get(f"{mod_fqn}.{name}" if mod_fqn else name)
             if b is not None and dtype is not None and b.dtype != dtype:
                 b.data = b.to(dtype)
-
-
-def annotate_for_dynamo(module: nn.Module, ignored: set[nn.Module], use_orig_params: bool) -> None:
-    """Mark the modules this unit manages the way TorchDynamo expects of FSDP.
-
-    Dynamo reads ``_is_fsdp_managed_module`` to trace such modules as
-    unspecialized (parameters passed in afresh each call, since FSDP swaps
-    them between views every step) and ``_fsdp_use_orig_params`` to refuse
-    ``use_orig_params=False``, where the modules' parameters are not the ones
-    the optimizer steps.
-    """
-    for m in module.modules():
-        if m not in ignored:
-            m._is_fsdp_managed_module = True  # type: ignore[assignment]
-            m._fsdp_use_orig_params = use_orig_params  # type: ignore[assignment]

@@ -56,6 +56,8 @@ from fsdp_wrap.api import (
     StateDictConfig,
     StateDictSettings,
     StateDictType,
+    coerce_dataclass,
+    coerce_enum,
 )
 from fsdp_wrap.comm.collectives import global_rank
 from fsdp_wrap.handle.layout import walk_unit_modules
@@ -84,14 +86,14 @@ def set_state_dict_type(
     optim_state_dict_config: OptimStateDictConfig | None,
 ) -> StateDictSettings:
     """Set the type and configs on every FSDP unit in ``module``; return the previous ones."""
-    sd_type = _compat.coerce_enum(state_dict_type, StateDictType, "state_dict_type")
+    sd_type = coerce_enum(state_dict_type, StateDictType, "state_dict_type")
     if sd_type is None:
         raise TypeError("state_dict_type must be a StateDictType member, not None")
     cfg_cls, optim_cls = _CONFIG_CLASSES[sd_type]
-    cfg = _compat.coerce_dataclass(state_dict_config, cfg_cls, "state_dict_config") if (
+    cfg = coerce_dataclass(state_dict_config, cfg_cls, "state_dict_config") if (
         state_dict_config is not None and type(state_dict_config).__name__ == cfg_cls.__name__
     ) else state_dict_config
-    optim_cfg = _compat.coerce_dataclass(
+    optim_cfg = coerce_dataclass(
         optim_state_dict_config, optim_cls, "optim_state_dict_config"
     ) if (
         optim_state_dict_config is not None
