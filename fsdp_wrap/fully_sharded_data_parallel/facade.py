@@ -26,6 +26,7 @@ import fsdp_wrap.runtime.construct as _init
 import fsdp_wrap.runtime.dynamo as dynamo
 import fsdp_wrap.runtime.guards as guards
 import fsdp_wrap.runtime.hooks as _runtime
+import fsdp_wrap.runtime.settings as settings_of
 import fsdp_wrap.runtime.setup as setup
 import fsdp_wrap.runtime.summon as _summon
 import fsdp_wrap.runtime.tree as tree
@@ -41,8 +42,6 @@ from fsdp_wrap.api import (
     StateDictConfig,
     StateDictSettings,
     StateDictType,
-    coerce_dataclass,
-    coerce_enum,
 )
 from fsdp_wrap.comm.bucket import resolve_bucket_cap_mb
 from fsdp_wrap.comm.collectives import global_rank
@@ -159,11 +158,8 @@ class FullyShardedDataParallel(TorchAttributes, OptimStateDictMethods, Accumulat
                 stacklevel=2,
             )
         # 1. Arguments, checked before any collective.
-        strategy = coerce_enum(sharding_strategy, ShardingStrategy, "sharding_strategy")
-        backward_prefetch = coerce_enum(backward_prefetch, BackwardPrefetch, "backward_prefetch")
-        cpu_offload = coerce_dataclass(cpu_offload, CPUOffload, "cpu_offload")
-        mixed_precision = coerce_dataclass(mixed_precision, MixedPrecision, "mixed_precision")
-        strategy = strategy or ShardingStrategy.FULL_SHARD
+        strategy, backward_prefetch, cpu_offload, mixed_precision = settings_of.coerce_arguments(
+            sharding_strategy, backward_prefetch, cpu_offload, mixed_precision)
         cap_mb = resolve_bucket_cap_mb(bucket_cap_mb)
         batch_mb = resolve_all_gather_batch_mb(all_gather_batch_mb)
         quant = resolve_quantization(quantize_collectives, f"[rank {global_rank()}] ")
@@ -171,10 +167,10 @@ class FullyShardedDataParallel(TorchAttributes, OptimStateDictMethods, Accumulat
         # ... and what this machine cannot honour (a device it lacks, a dtype).
         device = setup.check_machine(module, device_id, mixed_precision, ignored[1])
         # 2. Process groups (their backends must carry the device's tensors).
-        pg_state, child_group = setup.init_process_groups(
+        pg_state, child_group = settings_of.init_process_groups(
             process_group, device_mesh, strategy, auto_wrap_policy is not None, device
         )
-        wire = setup.init_wire(quant, pg_state, strategy, module)
+        wire = settings_of.init_wire(quant, pg_state, strategy, module)
         # 3. Children the policy picks become units of their own, with the
         # root's arguments (the ignored set resolved to parameters, as torch
         # passes it, so one-shot iterables are safe).
@@ -195,7 +191,7 @@ class FullyShardedDataParallel(TorchAttributes, OptimStateDictMethods, Accumulat
                        FullyShardedDataParallel)
         # 4. This unit: every option resolved once into its settings, its
         # state, its module placed, its handles.
-        settings = setup.resolve_settings(
+        settings = settings_of.resolve_settings(
             module, pg_state, device_mesh, device_id, ignored, strategy=strategy,
             cpu_offload=cpu_offload, mixed_precision=mixed_precision,
             backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
@@ -212,7 +208,7 @@ class FullyShardedDataParallel(TorchAttributes, OptimStateDictMethods, Accumulat
         # 5. State-dict hooks; torch.compile breaks the graph at unit boundaries.
         _state_dict.register_hooks(state)
         dynamo.run_eagerly_under_dynamo()
-        dynamo.annotate_for_dynamo(module, ignored[0], use_orig_params)
+        dynamo.annotate_for_dynamo(module, ignored[0], settings.use_orig_params)
 
     # ------------------------------------------------------------ module API
 
