@@ -121,15 +121,15 @@ class FlatParamHandle:
 
     # -------------------------------------------------------------- phases
 
-    def enter(self, phase: HandleTrainingState,
-              expect: tuple[HandleTrainingState, ...] = ()) -> None:
-        """Move to ``phase``; with ``expect``, first check the handle is in one of
-        those (:meth:`_expect`)."""
-        if expect:
-            self._expect(self.training_state in expect,
-                         f"the handle training to be {' or '.join(p.name for p in expect)}",
-                         self.training_state.name, f"entering {phase.name}")
+    def enter(self, phase: HandleTrainingState) -> None:
+        """Move to ``phase`` (the only writer of :attr:`training_state`)."""
         self.training_state = phase
+
+    def expect_phase(self, allowed: tuple[HandleTrainingState, ...], action: str) -> None:
+        """:meth:`_expect` the handle in one of ``allowed`` before ``action``."""
+        self._expect(self.training_state in allowed,
+                     f"the handle training to be {' or '.join(p.name for p in allowed)}",
+                     self.training_state.name, action)
 
     @property
     def _training_state(self) -> HandleTrainingState:  # (torch's name; frameworks read it)

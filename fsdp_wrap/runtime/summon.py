@@ -71,6 +71,9 @@ def summon(
     check_options(states, writeback, rank0_only, offload_to_cpu, with_grads)
     for st in states:
         for h in st._handles:
+            h.expect_phase((HandleTrainingState.IDLE,), "entering summon_full_params()")
+    for st in states:
+        for h in st._handles:
             if h.use_orig_params:
                 # zero_grad(set_to_none=True) on every original parameter
                 # drops the flat gradient (as torch does here)
@@ -81,29 +84,29 @@ def summon(
     try:
         for st in states:
             enter(st, TrainingState.SUMMON_FULL_PARAMS)
-            if not st._handles:
-                entered.append((st, None, None, False, None))
+            entered.append((st, None, None, False, None))  # (puts the unit back to IDLE)
             for h in st._handles:
-                h.enter(HandleTrainingState.SUMMON_FULL_PARAMS, expect=(HandleTrainingState.IDLE,))
-                entered.append((st, h, *_summon_handle(h, st.rank, rank0_only,
-                                                       offload_to_cpu, with_grads)))
+                h.enter(HandleTrainingState.SUMMON_FULL_PARAMS)
+                entered.append((st, h, None, False, None))  # (resharded even if this fails)
+                entered[-1] = (st, h, *_summon_handle(h, st.rank, rank0_only,
+                                                      offload_to_cpu, with_grads))
         yield
     finally:
         for st, handle, cpu_copy, shown, full_grad in reversed(entered):
-            if handle is not None and shown:
-                if writeback:
-                    if cpu_copy is not None:
-                        handle.write_back_from(cpu_copy)
-                    else:
-                        handle.write_back_unsharded()
-                    if full_grad is not None:
-                        handle.grads.write_back_full(full_grad)
-                handle.reshard(free=True)
-                if with_grads:
-                    handle.grads.show_sharded()
-            if handle is not None:
-                handle.enter(HandleTrainingState.IDLE)
-            enter(st, TrainingState.IDLE)
+            if handle is None:
+                enter(st, TrainingState.IDLE)
+                continue
+            if shown and writeback:
+                if cpu_copy is not None:
+                    handle.write_back_from(cpu_copy)
+                else:
+                    handle.write_back_unsharded()
+                if full_grad is not None:
+                    handle.grads.write_back_full(full_grad)
+            handle.reshard(free=True)  # (idempotent: a rank not shown freed already)
+            if with_grads and shown:
+                handle.grads.show_sharded()
+            handle.enter(HandleTrainingState.IDLE)
 
 
 def _summon_handle(handle: FlatParamHandle, rank: int, rank0_only: bool, offload_to_cpu: bool,
