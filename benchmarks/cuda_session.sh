@@ -54,11 +54,11 @@ fi
 if want tests; then
     echo "==> CPU suite on this torch (background, ${suite_s} s)"
     # shellcheck disable=SC2086
-    ( timeout "$suite_s" $PY -m pytest -q -p no:cacheprovider -x ${SUITE:---ignore=tests/test_cuda.py} \
+    ( timeout "$suite_s" $PY -m pytest -q -p no:cacheprovider -x ${SUITE:---ignore=tests/test_cuda.py --ignore=tests/test_cuda_features.py} \
         >"$OUT/suite.log" 2>&1; echo "suite exit $?" >>"$OUT/suite.log" ) &
     suite=$!
-    echo "==> tests/test_cuda.py"
-    timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py -rfEs \
+    echo "==> tests/test_cuda.py tests/test_cuda_features.py"
+    timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_cuda_features.py -rfEs \
         >"$OUT/cuda.log" 2>&1
     echo "test_cuda exit $?"
     grep -E "passed|failed|FAILED|ERROR|Error" "$OUT/cuda.log" | tail -25
