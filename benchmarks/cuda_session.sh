@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Everything a lent GPU machine is asked in one go (docs/performance.rst, "On a
 # GPU"): the world-size-1 step against torch's FSDP1 and the plain module on a
-# quiet machine first, then tests/test_cuda.py on the GPU while the CPU suite
+# quiet machine first, then tests/test_cuda*.py on the GPU while the CPU suite
 # runs beside it on that machine's torch (an older one than CI's).
 #
 #     OUT=/tmp/cuda bash benchmarks/cuda_session.sh [steps|tests|plan|all|...] [SECONDS]
 #
 # Modes may be joined with commas (steps,tests).  SECONDS bounds the CPU suite
 # (default 300); PROFILE=0 skips the profile; $SUITE names the test files it runs (default: all but
-# test_cuda.py).  plan: benchmarks/plan_accuracy.py on the GPU, where the
+# the two test_cuda files).  plan: benchmarks/plan_accuracy.py on the GPU, where the
 # caching allocator counts tensor bytes only.  Logs go to $OUT.  bitsandbytes
 # is installed from .whl/ where that folder holds its wheel (the machine has
 # no index).
