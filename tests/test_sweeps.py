@@ -131,6 +131,8 @@ SWEEPS: dict[str, tuple[str, str, int, Callable[[], list[Any]]]] = {
                       lambda: importlib.import_module("tests.test_summon_requires_grad")._frozen_configs()[:2]),
     "summon-with-grads": ("tests.test_summon_requires_grad", "_with_grads_sweep", 2,
                           lambda: importlib.import_module("tests.test_summon_requires_grad")._with_grads_configs()[:2]),
+    "framework-private": ("tests.test_framework_private", "_sweep", 2,
+                          lambda: importlib.import_module("tests.test_framework_private")._configs()[:2]),
     "orphan-units": ("tests.test_orphan_units", "_sweep", 2,
                      lambda: importlib.import_module("tests.test_orphan_units")._configs()[:2]),
     "overlap": ("tests.test_overlap", "_sweep", 2, lambda: importlib.import_module("tests.test_overlap")._configs()[:2]),

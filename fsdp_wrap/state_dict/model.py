@@ -233,6 +233,8 @@ def _shared_rels(state: UnitState) -> list[str]:
 def _pre_state_dict_hook(state: UnitState, prefix: str, keep_vars: bool) -> None:
     lazy_init(state)
     sd_type = effective_type(state)
+    if _in_summon(state, sd_type, prefix):
+        return  # (the parameters are full already: torch gathers nothing more)
     if state.training_state is not TrainingState.IDLE:
         raise RuntimeError(
             f"[rank {global_rank()}] state_dict() called on FSDP unit '{prefix.rstrip('.')}' during "
@@ -263,6 +265,26 @@ def _pre_state_dict_hook(state: UnitState, prefix: str, keep_vars: bool) -> None
         handle.register_params(_sharded_io.local_chunks(handle))
 
 
+def _in_summon(state: UnitState, sd_type: StateDictType, prefix: str) -> bool:
+    """Whether ``state_dict()`` runs inside this unit's ``summon_full_params``.
+
+    torch's FSDP1 then takes the full parameters as they are (its unshard is
+    a no-op for a summoned handle) and clones them into a FULL state dict
+    (PEFT's ``get_peft_model_state_dict`` and verl's weight sync rely on it).
+    SHARDED and LOCAL are refused here: fsdp_wrap builds those from the
+    shards, which a summon may have changed without writing back yet.
+    """
+    if state.training_state is not TrainingState.SUMMON_FULL_PARAMS:
+        return False
+    if sd_type is not StateDictType.FULL_STATE_DICT:
+        raise RuntimeError(
+            f"[rank {global_rank()}] state_dict() with {sd_type.name} called on FSDP unit "
+            f"'{prefix.rstrip('.')}' inside summon_full_params; inside it use FULL_STATE_DICT "
+            "(the full parameters as they are), or call it after the context"
+        )
+    return True
+
+
 def _unit_keys(state: UnitState) -> list[str]:
     """Keys (relative, under the wrapped module) that this unit itself emits."""
     keys: list[str] = []
@@ -285,6 +307,9 @@ def _post_state_dict_hook(
     state: UnitState, state_dict: dict[str, Any], prefix: str, local_metadata: Any
 ) -> None:
     sd_type = effective_type(state, warn=False)
+    if state.training_state is TrainingState.SUMMON_FULL_PARAMS:
+        _summoned_post_state_dict(state, state_dict, prefix)
+        return
     try:
         if sd_type is StateDictType.FULL_STATE_DICT:
             _full_post_state_dict(state, state_dict, prefix)
@@ -319,6 +344,25 @@ def _full_post_state_dict(state: UnitState, state_dict: dict[str, Any], prefix: 
             # Buffers stay the modules' own tensors (torch's ``buf.detach()``),
             # moved to CPU if asked.
             state_dict[key] = value.detach().to("cpu")
+
+
+def _summoned_post_state_dict(state: UnitState, state_dict: dict[str, Any], prefix: str) -> None:
+    """FULL inside ``summon_full_params``: the summoned parameters cloned (they
+    are freed at the context's exit), buffers as always, clean keys."""
+    cfg = state._state_dict_config
+    params = set(_param_rels(state)) | set(_shared_rels(state))
+    for rel in _unit_keys(state):
+        key = prefix + WRAPPED + rel
+        value = state_dict.get(key)
+        if isinstance(value, torch.Tensor):
+            value = value.detach()
+            if rel in params:
+                value = value.clone()
+            state_dict[key] = value.to("cpu") if cfg.offload_to_cpu else value
+    buffers_in_original_dtype(state, state_dict, prefix, local=False)
+    old = prefix + WRAPPED
+    for key in [k for k in state_dict if k.startswith(old)]:
+        state_dict[prefix + key[len(old) :]] = state_dict.pop(key)
 
 
 def _sharded_post_state_dict(state: UnitState, state_dict: dict[str, Any], prefix: str) -> None:
