@@ -139,7 +139,7 @@ def _adopt_moved_shard(handle: FlatParamHandle) -> None:
         return
     handle.local_shard = data
     handle.views.forget_kept()
-    handle.flat_param._local_shard = data
+    handle.flat_param._local_shard = data  # type: ignore[attr-defined]
 
 
 # ------------------------------------------------------------------ install
