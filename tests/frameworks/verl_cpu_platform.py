@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from verl.plugin.platform.platform_base import PlatformBase
@@ -58,7 +58,7 @@ class PlatformCPU(PlatformBase):
     def set_device(self, device_index: int) -> None:
         pass
 
-    def synchronize(self, device_index: Optional[int] = None) -> None:
+    def synchronize(self, device_index: int | None = None) -> None:
         pass
 
     def manual_seed(self, seed: int) -> None:
@@ -73,7 +73,7 @@ class PlatformCPU(PlatformBase):
     def empty_cache(self) -> None:
         pass
 
-    def get_device_capability(self, device_index: int = 0) -> tuple[Optional[int], Optional[int]]:
+    def get_device_capability(self, device_index: int = 0) -> tuple[int | None, int | None]:
         return (None, None)
 
     def communication_backend_name(self) -> str:
