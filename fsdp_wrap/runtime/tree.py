@@ -20,7 +20,7 @@ from fsdp_wrap.runtime.exec_order import ForwardOrderCheck
 from fsdp_wrap.runtime.names import clean_fqn
 from fsdp_wrap.runtime.state import UnitState, state_of
 
-__all__ = ["lazy_init", "units_under", "unit_signature", "unit_names"]
+__all__ = ["initialised_units", "lazy_init", "units_under", "unit_signature", "unit_names"]
 
 
 def units_under(module: nn.Module, root_only: bool = False) -> list[UnitState]:
@@ -33,6 +33,21 @@ def units_under(module: nn.Module, root_only: bool = False) -> list[UnitState]:
         for st in found:
             lazy_init(st)
         found = [st for st in found if st._is_root]
+    return found
+
+
+def initialised_units(module: nn.Module) -> list[UnitState]:
+    """Every unit in ``module``'s tree (pre-order), each lazily initialised.
+
+    Unlike ``units_under(module, root_only=True)`` this keeps units whose root
+    is no longer in ``module`` (a wrapper dropped, as Lightning's ``test``
+    after ``fit`` does, or a unit moved under another module): they stay
+    non-roots of the tree they were initialised in, as in torch's FSDP1,
+    whose state-dict and optimizer-state functions need units, not a root.
+    """
+    found = units_under(module)
+    for m in found:
+        lazy_init(m)
     return found
 
 

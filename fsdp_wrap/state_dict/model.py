@@ -60,11 +60,12 @@ from fsdp_wrap.api import (
     coerce_enum,
 )
 from fsdp_wrap.comm.collectives import global_rank
-from fsdp_wrap.handle.layout import walk_unit_modules
 from fsdp_wrap.runtime.names import WRAPPED, clean_fqn
-from fsdp_wrap.runtime.state import TrainingState, UnitState, expect_state, is_unit, state_of
+from fsdp_wrap.runtime.state import TrainingState, UnitState, expect_state, state_of
 from fsdp_wrap.runtime.tree import lazy_init, units_under
 from fsdp_wrap.state_dict.buffers import buffers_in_original_dtype
+from fsdp_wrap.state_dict.keys import param_rels, shared_rels, unit_keys
+from fsdp_wrap.state_dict.summoned import in_summon, summoned_post_state_dict
 
 if TYPE_CHECKING:
     from fsdp_wrap.handle.flat_param import FlatParamHandle
@@ -238,18 +239,11 @@ def _refuse_local_with_mesh(state: UnitState) -> None:
         )
 
 
-def _param_rels(state: UnitState) -> list[str]:
-    """Keys (relative to the wrapped module) of the unit's flattened parameters."""
-    return [clean_fqn(i.fqn) for h in state._handles for i in h.infos]
-
-
-def _shared_rels(state: UnitState) -> list[str]:
-    return [clean_fqn(s.fqn) for h in state._handles for s in h.shared]
-
-
 def _pre_state_dict_hook(state: UnitState, prefix: str, keep_vars: bool) -> None:
     lazy_init(state)
     sd_type = effective_type(state)
+    if in_summon(state, sd_type, prefix):
+        return  # (the parameters are full already: torch gathers nothing more)
     expect_state(state, TrainingState.IDLE, action="state_dict()", error=RuntimeError,
                  fix="call it outside forward/backward and outside summon_full_params")
     if sd_type is StateDictType.LOCAL_STATE_DICT:
@@ -277,26 +271,13 @@ def _pre_state_dict_hook(state: UnitState, prefix: str, keep_vars: bool) -> None
         handle.register_params(_sharded_io.local_chunks(handle))
 
 
-def _unit_keys(state: UnitState) -> list[str]:
-    """Keys (relative, under the wrapped module) that this unit itself emits."""
-    keys: list[str] = []
-    for mod_fqn, mod in walk_unit_modules(state.wrapped_module, is_unit):
-        pre = f"{clean_fqn(mod_fqn)}." if mod_fqn else ""
-        pre = clean_fqn(pre)
-        keys.extend(pre + n for n, p in mod._parameters.items() if p is not None)
-        keys.extend(
-            pre + n
-            for n, b in mod._buffers.items()
-            if b is not None and n not in mod._non_persistent_buffers_set
-        )
-        keys.append(pre + "_extra_state")
-    return keys
-
-
 def _post_state_dict_hook(
     state: UnitState, state_dict: dict[str, Any], prefix: str, local_metadata: Any
 ) -> None:
     sd_type = effective_type(state, warn=False)
+    if state.training_state is TrainingState.SUMMON_FULL_PARAMS:
+        summoned_post_state_dict(state, state_dict, prefix)
+        return
     try:
         if sd_type is StateDictType.FULL_STATE_DICT:
             _full_post_state_dict(state, state_dict, prefix)
@@ -319,8 +300,8 @@ def _full_post_state_dict(state: UnitState, state_dict: dict[str, Any], prefix: 
     cfg = state._state_dict_config
     rank0_only = isinstance(cfg, FullStateDictConfig) and cfg.rank0_only
     drop = rank0_only and state.rank != 0
-    fresh = set(_param_rels(state))  # copied by the pre-hook already
-    for rel in _unit_keys(state):
+    fresh = set(param_rels(state))  # copied by the pre-hook already
+    for rel in unit_keys(state):
         key = prefix + WRAPPED + rel
         if key not in state_dict:
             continue
@@ -383,7 +364,7 @@ def _local_post_state_dict(state: UnitState, state_dict: dict[str, Any], prefix:
     """One ``_flat_param`` key per flat parameter (``_flat_param_1``, ... for a
     split unit's others); the 1-D original views (use_orig_params) are dropped."""
     base = prefix + WRAPPED
-    for rel in [*_param_rels(state), *_shared_rels(state), *(h.flat_name for h in state._handles)]:
+    for rel in [*param_rels(state), *shared_rels(state), *(h.flat_name for h in state._handles)]:
         state_dict.pop(base + rel, None)
     for h in state._handles:
         state_dict[base + h.flat_name] = local_flat_value(

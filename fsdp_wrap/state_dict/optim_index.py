@@ -14,7 +14,7 @@ import fsdp_wrap.state_dict.model as SD
 from fsdp_wrap.api import StateDictType
 from fsdp_wrap.runtime.names import clean_fqn
 from fsdp_wrap.runtime.state import UnitState, state_of
-from fsdp_wrap.runtime.tree import units_under
+from fsdp_wrap.runtime.tree import initialised_units
 
 if TYPE_CHECKING:
     from fsdp_wrap.handle.flat_param import FlatParamHandle
@@ -54,7 +54,7 @@ def _join(prefix: str, name: str) -> str:
 
 
 def _index(model: nn.Module) -> _Index:
-    if not units_under(model, root_only=True):  # (also runs lazy init)
+    if not initialised_units(model):  # (a root may be gone: torch needs none)
         raise ValueError(f"{type(model).__name__} contains no FullyShardedDataParallel unit")
     index = _Index()
     for name, mod in model.named_modules():
