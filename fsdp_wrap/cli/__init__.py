@@ -12,7 +12,7 @@
 * ``fsdp-wrap cluster -- CMD ...``: run a command on N nodes made on this
   machine (network namespaces, a rate-limited link, torchrun's multi-node
   rendezvous) (:mod:`fsdp_wrap.cli.cluster`, the test bed in
-  :mod:`fsdp_wrap.testbed`).
+  :mod:`fsdp_wrap.cli.testbed`).
 
 Exit codes and error lines are shared (:mod:`fsdp_wrap.cli._common`).  This
 package is an application of the library; nothing in the library imports it.
