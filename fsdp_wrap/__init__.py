@@ -4,7 +4,10 @@ Change the import of torch's FSDP package to ``import fsdp_wrap as fsdp``;
 every public FSDP1 name below keeps torch's meaning and defaults.
 """
 
-from fsdp_wrap._compat import __version__ as __version__
+#: fsdp_wrap's own version (setup.py says the same).
+__version__ = "0.1.0"
+
+
 from fsdp_wrap.api import (
     BackwardPrefetch,
     CPUOffload,
@@ -21,12 +24,17 @@ from fsdp_wrap.api import (
     StateDictSettings,
     StateDictType,
 )
+from fsdp_wrap.checkpoint.weights import (
+    PretrainedLoad,
+    iter_full_weights,
+    load_pretrained,
+    pretrained_init,
+)
 from fsdp_wrap.comm.quant.config import CollectiveQuantization
 from fsdp_wrap.frameworks.installer import install, installed, uninstall
 from fsdp_wrap.fully_sharded_data_parallel import FullyShardedDataParallel, OptimStateKeyType
 from fsdp_wrap.handle.flat_tensor import FlatParameter
 from fsdp_wrap.planning import Plan, plan
-from fsdp_wrap.weights import PretrainedLoad, iter_full_weights, load_pretrained, pretrained_init
 
 __all__ = [
     "BackwardPrefetch",

@@ -51,12 +51,7 @@ def load_param(h: Any, i: int, whole: torch.Tensor) -> None:
     """Copy this rank's part of parameter ``i``'s ``whole`` (read from a file)
     into the handle's local shard; no collective."""
     info = h.infos[i]
-    local = local_value(whole, info.spec) if info.spec is not None else whole
-    sl = h.param_shard_slice(i)
-    if sl is None:
-        return
-    start = sl[0] + h.shard_offset - info.offset
-    h.local_shard[sl[0] : sl[1]].copy_(local.reshape(-1)[start : start + sl[1] - sl[0]])
+    h.load_param(i, local_value(whole, info.spec) if info.spec is not None else whole)
 
 
 def refuse_optim(root: Any, what: str) -> None:

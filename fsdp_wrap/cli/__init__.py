@@ -12,7 +12,7 @@
 * ``fsdp-wrap cluster -- CMD ...``: run a command on N nodes made on this
   machine (network namespaces, a rate-limited link, torchrun's multi-node
   rendezvous) (:mod:`fsdp_wrap.cli.cluster`, the test bed in
-  :mod:`fsdp_wrap.testbed`).
+  :mod:`fsdp_wrap.cli.testbed`).
 
 Exit codes and error lines are shared (:mod:`fsdp_wrap.cli._common`).  This
 package is an application of the library; nothing in the library imports it.
@@ -32,7 +32,7 @@ import fsdp_wrap.cli.cluster as cluster_cmd
 import fsdp_wrap.cli.demo as demo_cmd
 import fsdp_wrap.cli.plan as plan_cmd
 import fsdp_wrap.cli.run as run_cmd
-from fsdp_wrap._compat import __version__
+from fsdp_wrap import __version__
 from fsdp_wrap.cli._common import (
     EXIT_FAILURE,
     EXIT_USAGE,

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fsdp_wrap.handle.config import UnitSettings
+
 __all__ = [
     "TPSpec",
     "as_dtensor",
@@ -82,10 +84,12 @@ def _tag(rank: int, unit: str) -> str:
 
 
 def localize(
-    params: Sequence[tuple[str, nn.Module, str, nn.Parameter]], rank: int, unit: str,
-    pending_flag: str, groups: Sequence[Any],
-) -> tuple[list[tuple[str, nn.Module, str, nn.Parameter]], list[TPSpec | None]]:
-    """The parameters as the handle flattens them, and each one's :class:`TPSpec`.
+    params: Sequence[tuple[str, nn.Module, str, nn.Parameter]], settings: UnitSettings,
+    unit: str, pending_flag: str,
+) -> tuple[list[nn.Parameter], list[tuple[str, nn.Module, str, nn.Parameter]],
+           list[TPSpec | None]]:
+    """The user's Parameter objects, the parameters as the handle flattens them,
+    and each one's :class:`TPSpec` (``settings``: the unit's rank and groups).
 
     A DTensor parameter becomes a plain ``Parameter`` of its local tensor (the
     same storage; the flat parameter copies it), with its ``requires_grad``
@@ -96,6 +100,7 @@ def localize(
     and so is a TP mesh that shares ranks with FSDP's ``groups``
     (:func:`check_orthogonal`).
     """
+    rank = settings.rank
     out: list[tuple[str, nn.Module, str, nn.Parameter]] = []
     specs: list[TPSpec | None] = []
     for fqn, mod, name, p in params:
@@ -122,8 +127,9 @@ def localize(
             setattr(plain, pending_flag, True)
         out.append((fqn, mod, name, plain))
         specs.append(TPSpec(mesh, placements, torch.Size(p.shape), tuple(p.stride())))
-    check_orthogonal(specs, [fqn for fqn, *_ in params], groups, rank, unit)
-    return out, specs
+    check_orthogonal(specs, [fqn for fqn, *_ in params],
+                     [settings.process_group, settings.replicate_group], rank, unit)
+    return [p for *_, p in params], out, specs
 
 
 def check_orthogonal(specs: Sequence[TPSpec | None], fqns: Sequence[str], groups: Sequence[Any],

@@ -13,8 +13,8 @@ import torch.nn as nn
 import fsdp_wrap.state_dict.model as SD
 from fsdp_wrap.api import StateDictType
 from fsdp_wrap.runtime.names import clean_fqn
-from fsdp_wrap.runtime.state import UnitState
-from fsdp_wrap.runtime.tree import units_under
+from fsdp_wrap.runtime.state import UnitState, state_of
+from fsdp_wrap.runtime.tree import initialised_units
 from fsdp_wrap.state_dict.two_d import is_two_d
 
 if TYPE_CHECKING:
@@ -55,17 +55,18 @@ def _join(prefix: str, name: str) -> str:
 
 
 def _index(model: nn.Module) -> _Index:
-    if not units_under(model, root_only=True):  # (also runs lazy init)
+    if not initialised_units(model):  # (a root may be gone: torch needs none)
         raise ValueError(f"{type(model).__name__} contains no FullyShardedDataParallel unit")
     index = _Index()
     for name, mod in model.named_modules():
-        if not isinstance(mod, UnitState):
+        unit = state_of(mod)
+        if unit is None:
             continue
         base = clean_fqn(name + ".").rstrip(".")
-        for h in mod._handles:  # (one entry per flat parameter: a unit may hold several)
+        for h in unit._handles:  # (one entry per flat parameter: a unit may hold several)
             fqns = [_join(base, clean_fqn(i.fqn)) for i in h.infos]
             u = len(index.units)
-            index.units.append(_Unit(mod, h, fqns))
+            index.units.append(_Unit(unit, h, fqns))
             index.where[id(h.flat_param)] = (u, -1, fqns)
             for k, info in enumerate(h.infos):
                 index.where[id(info.param)] = (u, k, [fqns[k]])
@@ -106,7 +107,7 @@ def _rank0_group(root: UnitState, group: Any) -> Any:
     """
     if group is not None:
         return group
-    if root._inter_node_pg is not None or is_two_d(root):  # (2-D: as torch, global rank 0)
+    if root.settings.inter_node_pg is not None or is_two_d(root):  # (2-D: as torch, rank 0)
         return dist.group.WORLD
     return root.process_group
 

@@ -47,7 +47,7 @@ __all__ = [
 
 def is_two_d(state: UnitState) -> bool:
     """Whether the unit's mesh is a slice of a larger one (torch's test for 2-D)."""
-    mesh = state._device_mesh
+    mesh = state.settings.device_mesh
     return mesh is not None and root_mesh(mesh) != mesh
 
 
@@ -109,7 +109,7 @@ def to_sharded(full_local: torch.Tensor, spec: TPSpec | None, state: UnitState,
     data)."""
     from torch.distributed.tensor import DTensor
 
-    root = root_mesh(state._device_mesh)
+    root = root_mesh(state.settings.device_mesh)
     shape = spec.shape if spec is not None else full_local.shape
     stride = spec.stride if spec is not None else full_local.stride()
     value = DTensor.from_local(
@@ -129,7 +129,7 @@ def to_full_local(value: Any, spec: TPSpec | None, state: UnitState) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
     if is_dtensor(value):
-        root = root_mesh(state._device_mesh) if state._device_mesh is not None else None
+        root = root_mesh(state.settings.device_mesh) if state.settings.device_mesh is not None else None
         if root is not None and value.device_mesh == root:  # type: ignore[attr-defined]
             want = _gathered_placements(root.ndim, spec)
             if list(value.placements) != want:  # type: ignore[attr-defined]

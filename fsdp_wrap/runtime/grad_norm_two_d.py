@@ -1,17 +1,13 @@
-"""``clip_grad_norm_``: the norm of every gradient element of the model, once.
+"""``clip_grad_norm_`` of a 2-D tree: every gradient element counted once.
 
-Without tensor parallelism a unit's flat gradient shards partition its
-gradients over the unit's group: ``norm ** p`` is summed over that group
-(max for ``inf``) and the gradients of unsharded units (NO_SHARD) and of
-parameters outside FSDP, the same on every rank, are added once (torch's
-rule and order, so the result is torch's bit for bit).
-
-With DTensor parameters (2-D, :mod:`fsdp_wrap.handle.dtensor`) the elements
-of a TP-sharded parameter are spread over the TP group as well, while plain
-and TP-replicated parameters are the same on every TP rank.  Each element
-must count once: the TP-sharded part is summed over the TP group too.  (torch's
-FSDP1 sums over the data-parallel group only, so each TP rank gets the norm of
-its own shard and the TP ranks clip by different factors; docs/two_d.rst.)
+With DTensor parameters (:mod:`fsdp_wrap.handle.dtensor`) the elements of a
+TP-sharded parameter are spread over the TP group as well as over the unit's
+group, while plain and TP-replicated parameters are the same on every TP
+rank.  The TP-sharded part is summed over the TP group too, so the norm is the
+whole model's and the same on every rank.  (torch's FSDP1 sums over the
+data-parallel group only: each TP rank gets the norm of its own shard and the
+TP ranks clip by different factors; docs/two_d.rst.)  Without DTensor
+parameters :mod:`fsdp_wrap.runtime.grad_norm` computes it, as torch does.
 """
 
 from __future__ import annotations
@@ -31,16 +27,7 @@ if TYPE_CHECKING:
     from fsdp_wrap.handle.flat_param import FlatParamHandle
     from fsdp_wrap.runtime.state import UnitState
 
-__all__ = ["clip_grad_norm"]
-
-
-def clip_grad_norm(root: UnitState, max_norm: float, norm_type: float) -> torch.Tensor:
-    """Scale every gradient of ``root``'s tree by ``min(1, max_norm / (total + 1e-6))``;
-    return ``total`` (in the gradients' promoted dtype).  A collective."""
-    tp_group = _tp_group(root)
-    if tp_group is None:
-        return _clip_data_parallel(root, max_norm, norm_type)
-    return _clip_two_d(root, max_norm, norm_type, tp_group)
+__all__ = ["clip_two_d", "tp_group_of"]
 
 
 def _unmanaged_grads(root: UnitState) -> list[torch.Tensor]:
@@ -49,39 +36,17 @@ def _unmanaged_grads(root: UnitState) -> list[torch.Tensor]:
     for h in root._all_handles:
         managed.update(h.params if h.use_orig_params else [h.flat_param])
     out: list[torch.Tensor] = []
-    for p in root.parameters():
+    for p in root.module.parameters():
         if p not in managed and p.grad is not None:
             managed.add(p)
             out.append(p.grad)
     return out
 
 
-def _clip_data_parallel(root: UnitState, max_norm: float, norm_type: float) -> torch.Tensor:
-    sharded: list[torch.Tensor] = []
-    nonsharded: list[torch.Tensor] = []
-    for h in root._all_handles:
-        (sharded if h.uses_sharded_strategy else nonsharded).extend(_grads_of(h))
-    nonsharded += _unmanaged_grads(root)
-    all_grads = sharded + nonsharded
-    if all(not h.uses_sharded_strategy for h in root._all_handles):
-        return torch.nn.utils.clip_grad_norm_(
-            [p for p in root.parameters() if p.grad is not None], max_norm, norm_type
-        )
-    local_sharded = _grad_norm(sharded, norm_type, root.compute_device)
-    local_non = _grad_norm(nonsharded, norm_type, root.compute_device) if nonsharded else None
-    if math.isinf(norm_type):
-        total = local_sharded if local_non is None else torch.maximum(local_sharded, local_non)
-        C.all_reduce(total, root.process_group, dist.ReduceOp.MAX)
-    else:
-        total = local_sharded**norm_type
-        C.all_reduce(total, root.process_group)
-        if local_non is not None:
-            total += local_non**norm_type
-        total = total ** (1.0 / norm_type)
-    return _scale(root, all_grads, max_norm, total)
-
-
-def _clip_two_d(root: UnitState, max_norm: float, norm_type: float, tp_group: Any) -> torch.Tensor:
+def clip_two_d(root: UnitState, max_norm: float, norm_type: float, tp_group: Any) -> torch.Tensor:
+    """Scale every gradient by ``min(1, max_norm / (total + 1e-6))``; return
+    ``total``, the whole model's norm (a collective over the unit's group and
+    the TP group)."""
     # [data-parallel sharded?][TP sharded?]
     parts: dict[tuple[bool, bool], list[torch.Tensor]] = {
         (a, b): [] for a in (True, False) for b in (True, False)}
@@ -149,7 +114,7 @@ def _scale(root: UnitState, all_grads: list[torch.Tensor], max_norm: float,
         warnings.warn(
             f"Called FSDP.clip_grad_norm_() on rank {root.rank} with no gradients -- "
             "returning the total norm in the default dtype torch.float32",
-            stacklevel=5,  # (the caller of FullyShardedDataParallel.clip_grad_norm_)
+            stacklevel=6,  # (the caller of FullyShardedDataParallel.clip_grad_norm_)
         )
         return total
     dtype = all_grads[0].dtype
@@ -158,7 +123,7 @@ def _scale(root: UnitState, all_grads: list[torch.Tensor], max_norm: float,
     return total.to(dtype)
 
 
-def _tp_group(root: UnitState) -> Any:
+def tp_group_of(root: UnitState) -> Any:
     """The TP mesh's group of the tree's DTensor parameters (``None`` without any)."""
     found: list[tuple[Any, str]] = []
     for h in root._all_handles:
@@ -172,13 +137,6 @@ def _tp_group(root: UnitState) -> Any:
                     )
                 found.append((info.spec.mesh, info.fqn))
     return found[0][0].get_group() if found else None
-
-
-def _grads_of(h: FlatParamHandle) -> list[torch.Tensor]:
-    """The gradients ``clip_grad_norm_`` sees of one handle (no TP)."""
-    if h.use_orig_params:
-        return [info.param.grad for info in h.infos if info.param.grad is not None]
-    return [h.flat_param.grad] if h.flat_param.grad is not None else []
 
 
 def _grad_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
