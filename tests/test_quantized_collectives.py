@@ -85,10 +85,10 @@ def _train_vs_emulation(cfg: dict[str, Any]) -> list[str]:
         got, want = full_params(ours), dict(emu.master.named_parameters())
         for name, p in want.items():
             fails.append(cmp(f"step {step} param {name}", p, got[name], 0.0))
-    coded = ours._all_handles[0].wire  # type: ignore[union-attr]
-    if coded.weights is not None and not emu.moved["weights"] > 0:
+    # (what the documentation says is coded, not what fsdp_wrap decided)
+    if any(u.wire.weights for u in emu.units) and not emu.moved["weights"] > 0:
         fails.append("coding the weights changed no value")
-    if (coded.grads or coded.replicas) is not None and not emu.moved["grads"] > 0:
+    if any(u.wire.grads or u.wire.replicas for u in emu.units) and not emu.moved["grads"] > 0:
         fails.append("coding the gradients changed no value")
     found = [f for f in fails if f]
     return [f"{tag}: " + "; ".join(found[:4])] if found else []
@@ -104,6 +104,67 @@ def test_equal_to_emulation_2_ranks(pool2: Any) -> None:
 
 def test_equal_to_emulation_2_nodes_x_2(pool4: Any) -> None:
     assert pool4.run(_sweep, _configs(4)) == [[]] * 4
+
+
+# ------------------------------------------------ the decision, against the docs
+
+
+def _coding_cases() -> list[tuple[int, str, str]]:
+    """(ranks per node, strategy, setting): 2 nodes x 2 and one node of 4."""
+    strategies = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
+    settings = ["weights", "grads=int4,block=64", "both,block=32,where=all", "weights,where=all",
+                "off"]
+    return ([(2, s, q) for s in strategies for q in settings]
+            + [(4, s, q) for s in strategies for q in ("both", "grads,where=all")])
+
+
+def _coding_of_every_unit() -> list[str]:
+    """Each unit's wire (which collectives fsdp_wrap codes, routed or flat)
+    against :func:`tests._quant_rules.documented_coding`: the decision itself,
+    checked against the documentation (the emulation sweeps above check the
+    numbers that follow from it)."""
+    import fsdp_wrap
+    from tests._quant_rules import documented_coding
+    from tests.models import LoraNet, TinyTransformer, lora_policy, transformer_policy
+
+    me, fails, compared = dist.get_rank(), [], 0
+    for per_node, strategy, quant in _coding_cases():
+        hybrid = "HYBRID" in strategy
+        kw: dict[str, Any] = dict(sharding_strategy=fsdp_wrap.ShardingStrategy[strategy],
+                                  quantize_collectives=quant)
+        shard, replicas = list(range(4)), None
+        if hybrid:
+            kw["device_mesh"] = mesh_2x2()  # (shard groups {0, 1} and {2, 3})
+            shard = [me - me % 2, me - me % 2 + 1]
+            replicas = [me % 2, me % 2 + 2]
+        models = [(TinyTransformer(), transformer_policy("ours"))]
+        if per_node == 2 and quant.startswith("both"):  # (frozen and trainable flat parameters)
+            models.append((LoraNet(), lora_policy("ours")))
+        for model, policy in models:
+            with nodes_of(per_node):
+                try:
+                    ours = fsdp_wrap.FullyShardedDataParallel(model, auto_wrap_policy=policy, **kw)
+                except ValueError as e:
+                    fails.append(f"{per_node}/node {strategy} {quant}: refused: {e}")
+                    continue
+                want = documented_coding(quant, strategy, shard, replicas, per_node)
+            units = fsdp_wrap.FullyShardedDataParallel.fsdp_modules(ours)
+            for h in (h for unit in units for h in unit._handles):  # type: ignore[union-attr]
+                compared += 1
+                w = h.wire
+                got = (w.weights, w.grads, w.replicas, w.hierarchy is not None)
+                if got != (want.weights, want.grads, want.replicas, want.routed):
+                    fails.append(f"[rank {me}] {per_node}/node {strategy} {quant!r} "
+                                 f"{type(model).__name__} unit {h.unit_fqn!r}: codes "
+                                 f"{got} but the docs say {want}")
+        progress()
+    if compared < len(_coding_cases()) * 3:  # (TinyTransformer: 3 flat parameters)
+        fails.append(f"[rank {me}] only {compared} flat parameters compared")
+    return fails
+
+
+def test_each_unit_codes_what_the_docs_say(pool4: Any) -> None:
+    assert pool4.run(_coding_of_every_unit) == [[]] * 4
 
 
 # ------------------------------------------------------- the collectives alone

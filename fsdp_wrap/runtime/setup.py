@@ -107,7 +107,8 @@ def init_wire(state: UnitState, quant: QuantSpec | None, pg_state: construct.Pro
     state._wire = build_wire(
         quant, pg_state.group,
         pg_state.replicate_group if pg_state.replicate_size > 1 else None,
-        hybrid=strategy in HYBRID_STRATEGIES, label=label)
+        hybrid=strategy in HYBRID_STRATEGIES, label=label,
+        gathers=strategy is not ShardingStrategy.NO_SHARD)
 
 
 def init_settings(

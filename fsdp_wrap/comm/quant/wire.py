@@ -110,10 +110,12 @@ EXACT = Wire()
 
 
 def build_wire(spec: QuantSpec | None, group: ProcessGroup,
-               replicate_group: ProcessGroup | None, *, hybrid: bool, label: str) -> Wire:
+               replicate_group: ProcessGroup | None, *, hybrid: bool, label: str,
+               gathers: bool = True) -> Wire:
     """The wire of a unit over ``group`` (its shard group) and, for hybrid
     strategies, ``replicate_group``.  ``label`` (rank and unit) starts every
-    error message.
+    error message.  ``gathers=False`` (NO_SHARD): the unit all-gathers
+    nothing, so its weights are never coded.
 
     ``where='cross_node'`` (the default of :class:`CollectiveQuantization`):
     with a hybrid strategy the replicas' all-reduce is coded where the
@@ -127,7 +129,7 @@ def build_wire(spec: QuantSpec | None, group: ProcessGroup,
         return EXACT
     shard_ws = dist.get_world_size(group)
     rep_ws = dist.get_world_size(replicate_group) if replicate_group is not None else 1
-    weights = spec.weights if shard_ws > 1 else None
+    weights = spec.weights if shard_ws > 1 and gathers else None
     grads = spec.grads if shard_ws > 1 else None
     replicas = spec.grads if rep_ws > 1 else None
     if spec.where == "all":
