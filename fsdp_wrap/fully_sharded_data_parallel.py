@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp_wrap.comm.collectives as C
+import fsdp_wrap.runtime.agreement as agreement
 import fsdp_wrap.runtime.construct as _init
 import fsdp_wrap.runtime.guards as guards
 import fsdp_wrap.runtime.hooks as _runtime
@@ -160,6 +161,12 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI, AccumulationAPI):
         self._ignored_modules, self._ignored_params = ignored_mods, ignored_params
         # ... and what this machine cannot honour (a device it lacks, a dtype).
         device = setup.check_machine(module, device_id, mixed_precision, ignored_params)
+        # ... and, before the first collective, that every rank was given the same.
+        if not agreement.in_auto_wrap():
+            agreement.check_ranks_agree(agreement.construction_settings(
+                strategy, quant, cap_mb, batch_mb, backward_prefetch, forward_prefetch,
+                limit_all_gathers, mixed_precision, use_orig_params, sync_module_states,
+                auto_wrap_policy is not None), process_group, device_mesh, device)
         # 2. Process groups (their backends must carry the device's tensors).
         pg_state, child_group = setup.init_process_groups(
             self, process_group, device_mesh, strategy, auto_wrap_policy is not None, device

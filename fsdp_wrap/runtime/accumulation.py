@@ -11,12 +11,14 @@ partial sums.  What each one does, and how it meets FSDP1's own knobs
 from __future__ import annotations
 
 import warnings
-from typing import cast
+from typing import Any, cast
+
+import torch.distributed as dist
 
 from fsdp_wrap.comm.collectives import global_rank
 from fsdp_wrap.runtime.state import TrainingState, UnitState, is_unit
 
-__all__ = ["AccumulationAPI", "warn_if_partial"]
+__all__ = ["AccumulationAPI", "warn_if_partial", "warn_step_with_partial"]
 
 
 def _units(state: UnitState, recurse: bool) -> list[UnitState]:
@@ -75,9 +77,11 @@ class AccumulationAPI:
         FSDP2)."""
         me = cast(UnitState, self)
         _check(me, "requires_all_reduce", requires_all_reduce)
-        for st in _units(me, recurse):
-            for h in st._handles:
-                h.grads.requires_all_reduce = requires_all_reduce
+        handles = [h for st in _units(me, recurse) for h in st._handles]
+        for h in handles:
+            h.grads.requires_all_reduce = requires_all_reduce
+        if not requires_all_reduce:
+            _warn_if_no_replicas(handles)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward is the last before the optimizer step
@@ -105,6 +109,44 @@ class AccumulationAPI:
         _check(me, "reshard_after_backward", reshard_after_backward)
         for st in _units(me, recurse):
             st._reshard_after_backward = reshard_after_backward
+
+
+def _warn_if_no_replicas(handles: list[Any]) -> None:
+    """``set_requires_all_reduce(False)`` changes nothing where no trainable
+    flat parameter has replicas (as in FSDP2): say so, with what would help."""
+    trainable = [h for h in handles if h.flat_param.requires_grad]
+    if not trainable or any(h.replicate_group is not None
+                            and dist.get_world_size(h.replicate_group) > 1 for h in trainable):
+        return
+    warnings.warn(
+        f"[rank {global_rank()}] set_requires_all_reduce(False) has no effect here: no FSDP "
+        "unit it applies to has replicas (only HYBRID_SHARD and _HYBRID_SHARD_ZERO2 with "
+        "more than one replicate rank all-reduce across replicas), so every backward still "
+        "reduces the gradients in full. To skip the reduction of a micro-batch, use no_sync() "
+        "or set_requires_gradient_sync(False)",
+        stacklevel=3,
+    )
+
+
+def warn_step_with_partial(optimizer: object, units: list[UnitState]) -> None:
+    """At ``optimizer.step()``: warn if the optimizer's units hold gradients in
+    sharded partial sums (``set_requires_all_reduce(False)`` left set at the
+    step: they are not in ``.grad``, and they outlive the step and
+    ``zero_grad()`` into the next all-reducing backward)."""
+    pending = [h for st in units for h in st._handles if h.grads.holds_partial]
+    if not pending:
+        return
+    names = sorted({h.unit_fqn or "<root>" for h in pending})
+    warnings.warn(
+        f"{type(optimizer).__name__}.step() [rank {global_rank()}] with "
+        f"set_requires_all_reduce(False) still in effect: the gradients of {len(pending)} flat "
+        f"parameter(s) (units {names[:4]}{'...' if len(names) > 4 else ''}) wait in sharded "
+        "partial sums for the replicas' all-reduce, so this step does not see them, and they "
+        "survive step() and zero_grad() into the next step's gradients. Call "
+        "set_requires_all_reduce(True) before the last micro-batch's backward of each "
+        "optimizer step",
+        stacklevel=4,
+    )
 
 
 def warn_if_partial(root: UnitState, what: str) -> None:

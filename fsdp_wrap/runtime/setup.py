@@ -9,6 +9,7 @@ live in :mod:`fsdp_wrap.runtime.construct`.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from fsdp_wrap.api import (
 )
 from fsdp_wrap.comm.bucket import GradBuckets
 from fsdp_wrap.comm.quant.config import QuantSpec
-from fsdp_wrap.comm.quant.wire import build_wire
+from fsdp_wrap.comm.quant.wire import build_wire, ineffective
 from fsdp_wrap.handle.config import HandleConfig
 from fsdp_wrap.handle.flat_param import FlatParamHandle
 from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME
@@ -41,6 +42,7 @@ from fsdp_wrap.handle.layout import (
     keep_quantized_layout,
     split_unit_params,
 )
+from fsdp_wrap.runtime.agreement import in_auto_wrap
 from fsdp_wrap.runtime.exec_order import ExecOrder
 from fsdp_wrap.runtime.state import TrainingState, UnitState, is_unit
 
@@ -104,11 +106,14 @@ def init_wire(state: UnitState, quant: QuantSpec | None, pg_state: construct.Pro
     the unit (it may create sub-groups for a group spanning nodes)."""
     label = f"[rank {C.global_rank()}] FSDP unit of {type(module).__name__}: "
     state._quantize = quant
-    state._wire = build_wire(
-        quant, pg_state.group,
-        pg_state.replicate_group if pg_state.replicate_size > 1 else None,
-        hybrid=strategy in HYBRID_STRATEGIES, label=label,
-        gathers=strategy is not ShardingStrategy.NO_SHARD)
+    replicas = pg_state.replicate_group if pg_state.replicate_size > 1 else None
+    kinds = dict(hybrid=strategy in HYBRID_STRATEGIES,
+                 gathers=strategy is not ShardingStrategy.NO_SHARD)
+    state._wire = build_wire(quant, pg_state.group, replicas, label=label, **kinds)
+    if not in_auto_wrap():  # (once per tree: the children share the root's groups)
+        for why in ineffective(quant, state._wire, pg_state.group, replicas, **kinds):
+            warnings.warn(f"{label}quantize_collectives (or $FSDP_WRAP_QUANTIZE_COLLECTIVES) "
+                          f"{quant}: {why}", stacklevel=3)
 
 
 def init_settings(
