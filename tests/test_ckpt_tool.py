@@ -239,9 +239,11 @@ def test_damaged_and_foreign_inputs_get_one_clear_error(tmp_path: Any) -> None:
     rc, _, err = _ckpt_here("convert", hf, str(tmp_path / "x"))
     # (the conversion's marker records each file's size and CRC-32)
     assert rc == 1 and "model-00001-of-00001.safetensors holds" in err and "truncated" in err
-    os.remove(os.path.join(hf, "fsdp_wrap_checkpoint.json"))  # a directory from elsewhere
+    # without the marker, the file's own seal (its CRC-32 in its header) still says it
+    os.remove(os.path.join(hf, "fsdp_wrap_checkpoint.json"))
     rc, _, err = _ckpt_here("convert", hf, str(tmp_path / "x"))
-    assert rc == 1 and "truncated or corrupt" in err
+    assert rc == 1 and "model-00001-of-00001.safetensors does not hold what fsdp_wrap wrote" \
+        in err and "truncated" in err, err
     # a .safetensors name for a torch.save file (the default format) is refused up front
     named = tmp_path / "model.safetensors"
     rc, _, err = _ckpt_here("consolidate", good, str(named))
