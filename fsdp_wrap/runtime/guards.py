@@ -216,7 +216,11 @@ def meta_mismatch(state: UnitState, unit: str, built_from_meta: list[bool]) -> N
 
 
 def _fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """An exact fingerprint of ``t``'s bits: their sum as integers (int64 scalar)."""
+    """A fingerprint of ``t``'s bits: their sum as integers (an int64 scalar,
+    wrapping).  Order-insensitive, so not exact: any one element that differs
+    changes it, but a permutation of the elements, or differences that cancel
+    in the sum, do not (replicas built differently differ in many elements
+    at once, which a sum tells apart but for a 2**-64 chance)."""
     flat = t.detach().reshape(-1)
     if flat.numel() == 0:
         return torch.zeros((), dtype=torch.int64, device=t.device)
