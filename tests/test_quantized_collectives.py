@@ -345,6 +345,31 @@ def test_settings_with_no_effect_warn_on_every_rank(pool4: Any) -> None:
                 assert want in message, (want, message)
 
 
+def _one_replica_warning() -> list[str]:
+    """HYBRID_SHARD on one node of 2 ranks (the default groups: a shard group of
+    2, replicate groups of 1), gradients coded between nodes: nothing crosses."""
+    import warnings
+
+    import fsdp_wrap
+    from tests.models import TinyTransformer, transformer_policy
+
+    with nodes_of(2), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fsdp_wrap.FullyShardedDataParallel(
+            TinyTransformer(), auto_wrap_policy=transformer_policy("ours"),
+            sharding_strategy=fsdp_wrap.ShardingStrategy.HYBRID_SHARD,
+            quantize_collectives="grads")
+    return [str(w.message) for w in seen if "quantize_collectives" in str(w.message)]
+
+
+def test_one_replica_warns_that_nothing_crosses(pool2: Any) -> None:
+    """(Found by mutation testing: the case of one replica had no test.)"""
+    for rank, got in enumerate(pool2.run(_one_replica_warning)):
+        assert len(got) == 1 and got[0].startswith(f"[rank {rank}] "), got
+        assert "'grads' codes nothing: the hybrid strategy has one replica (one node)" \
+            in got[0], got
+
+
 def _disagreements() -> list[str]:
     """Ranks 2 and 3 (node 1) quantize, ranks 0 and 1 do not: the error each
     rank raised (FULL_SHARD over every rank, coded between nodes, where node 1
