@@ -20,7 +20,7 @@ import pytest
 from tests._proc import run_bounded
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COUNT, BUDGET_S = 4, 180
+COUNT, BUDGET_S = 3, 120
 
 
 @pytest.mark.slow
