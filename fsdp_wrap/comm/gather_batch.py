@@ -57,7 +57,7 @@ from torch.distributed import ProcessGroup
 import fsdp_wrap.comm.collectives as C
 from fsdp_wrap.comm.bucket import resolve_mb
 from fsdp_wrap.comm.quant.wire import Wire
-from fsdp_wrap.comm.schedule import GatherItem, by_member_pays, gather_batch
+from fsdp_wrap.comm.schedule import GatherItem, by_member_pays, gather_batch, starts_batch
 
 
 class GatherUnit(Protocol):
@@ -126,6 +126,9 @@ def _plan(
 ) -> list[H]:
     """``handle`` and the units ``next_of`` chains to that one gather takes
     (the rule: :func:`fsdp_wrap.comm.schedule.gather_batch`)."""
+    first = _describe(handle)
+    if not starts_batch(first, cap_bytes):
+        return [handle]  # (the rule's first test, before any follower is looked at)
     chained: list[H] = []
 
     def followers() -> Iterator[GatherItem]:
@@ -133,7 +136,7 @@ def _plan(
             chained.append(h)
             yield _describe(h)
 
-    count = gather_batch(_describe(handle), followers(), cap_bytes)
+    count = gather_batch(first, followers(), cap_bytes)
     return [handle, *chained[: count - 1]]
 
 

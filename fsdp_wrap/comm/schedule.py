@@ -31,6 +31,7 @@ __all__ = [
     "gather_batch",
     "issue_bucket",
     "place_gradient",
+    "starts_batch",
 ]
 
 
@@ -58,17 +59,24 @@ class GatherItem(NamedTuple):
     key: Hashable
 
 
+def starts_batch(first: GatherItem, cap_bytes: int) -> bool:
+    """Whether a batch may start at ``first``: a cap above 0, and ``first``
+    batchable and in need of its gather (else it gathers on its own, or not
+    at all)."""
+    return cap_bytes > 0 and first.batchable and first.needs_gather
+
+
 def gather_batch(first: GatherItem, followers: Iterable[GatherItem], cap_bytes: int) -> int:
     """How many flat parameters one all-gather takes: ``first`` and the run of
     ``followers`` (the ones gathered after it, in order) that joins it.
 
-    1 means ``first`` alone (no batch).  A batch starts only at a batchable
-    ``first`` that needs its gather, with a cap above 0; followers join while
+    1 means ``first`` alone (no batch).  A batch starts only where
+    :func:`starts_batch` says so; followers join while
     each needs its gather, is batchable, shares ``first``'s key and keeps the
     batch's bytes within the cap (``first`` alone may be larger: then nothing
     joins).  ``followers`` is read lazily, up to the first that does not join.
     """
-    if cap_bytes <= 0 or not first.batchable or not first.needs_gather:
+    if not starts_batch(first, cap_bytes):
         return 1
     count, total = 1, first.nbytes
     for nxt in followers:
