@@ -103,7 +103,8 @@ class BucketModel:
         reduced on its own after the open bucket is issued."""
         placed = place_gradient(self.open.shape, self.describe(u), self.cap)
         if not placed.joins:
-            self.issue()
+            if placed.issue_open:
+                self.issue()
             self.note(self.alone(u))
             self.released += self.done_bytes(u)
             return
