@@ -154,9 +154,14 @@ def _describe(h: GatherUnit) -> GatherItem:
     """What the batching rule reads of a unit.  (A unit computing in full
     precision, ``FSDP_USE_FULL_PREC_IN_EVAL``, gathers its full-precision
     parameters, not the compute copies a batch holds.)"""
-    return GatherItem(h.gather_nbytes, h.needs_gather(),
+    if not h.needs_gather():
+        return _GATHERS_NOTHING  # (NO_SHARD, or gathered: read no further, every step)
+    return GatherItem(h.gather_nbytes, True,
                       not h.async_gathers and not h.computes_in_full_precision,
                       (h.process_group, h.compute_dtype, h.wire, h.device))
+
+
+_GATHERS_NOTHING = GatherItem(0, False, False, None)
 
 
 def _gather(batch: list[H], async_op: bool = False, each_at_its_turn: bool = False) -> None:

@@ -47,7 +47,9 @@ class GatherItem(NamedTuple):
     and not computing in full precision (``FSDP_USE_FULL_PREC_IN_EVAL``, whose
     gather is not of the compute copy);
     ``key``: what the members of one batch share (process group, compute
-    dtype, wire, device: one collective, one receive buffer).
+    dtype, wire, device: one collective, one receive buffer).  Where
+    ``needs_gather`` is False nothing else is read (the runtime leaves the
+    other fields empty).
 
     (A NamedTuple: the runtime builds one per flat parameter it looks at, in
     every forward and backward.)
