@@ -76,6 +76,8 @@ SWEEPS: dict[str, tuple[str, str, int, Callable[[], list[Any]]]] = {
                        lambda: importlib.import_module("tests.test_gather_batch")._configs()[:2]),
     "gather-batch-3": ("tests.test_gather_batch", "_sweep", 3,
                        lambda: importlib.import_module("tests.test_gather_batch")._configs()[:2]),
+    "schedule-2": ("tests.test_schedule", "_sweep", 2,
+                   lambda: importlib.import_module("tests.test_schedule")._configs()[:2]),
     "comm-hooks-2": ("tests.test_comm_hooks", "_sweep", 2,
                      lambda: importlib.import_module("tests.test_comm_hooks")._configs()[:2]),
     "comm-hook-errors-4": ("tests.test_comm_hooks", "_errors", 4, lambda: ["twice", "hybrid"]),
