@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 import fsdp_wrap.comm.collectives as C
+import fsdp_wrap.comm.labels as L
 import fsdp_wrap.comm.reduce as R
 from fsdp_wrap.api import RESHARD_AFTER_FORWARD, SHARDED_STRATEGIES
 from fsdp_wrap.comm.quant.wire import EXACT, Wire
@@ -78,7 +79,7 @@ class FlatParamHandle:
         # the others ``_flat_param_1``, ...).
         self.flat_name = flat_name
         self.module = module  # the unit's wrapped module
-        self.unit_fqn = unit_fqn
+        self._unit_fqn = unit_fqn
         self.device, self.strategy = config.device, config.strategy
         self.process_group, self.replicate_group = config.process_group, config.replicate_group
         self.rank, self.world_size = config.rank, config.world_size
@@ -202,6 +203,7 @@ class FlatParamHandle:
             dtypes=(self.orig_dtype, self.compute_dtype, self.reduce_dtype),
             keep_low_precision_grads=self.config.keep_low_precision_grads,
         )
+        self.grads.unit_name = self._unit_fqn
         self.views = ParamViews(
             self.module, self.infos, self.shared, self.layout, self._shard_slices,
             use_orig_params=self.use_orig_params, sharded=self.uses_sharded_strategy,
@@ -252,6 +254,16 @@ class FlatParamHandle:
                     self.views.install_stale(data[: self.unpadded_numel])
         if self.use_orig_params:
             self.use_sharded_views()
+
+    @property
+    def unit_fqn(self) -> str:
+        """The unit's clean FQN under its root (set at lazy init; ``""``: the root)."""
+        return self._unit_fqn
+
+    @unit_fqn.setter
+    def unit_fqn(self, fqn: str) -> None:
+        self._unit_fqn = fqn
+        self.grads.unit_name = fqn  # (named in profiler labels of its reductions)
 
     # ------------------------------------------------------------------ layout
 
@@ -419,9 +431,14 @@ class FlatParamHandle:
         else:
             _ensure_storage(slot.buffer)
         slot.source = src  # keep the input alive until the gather finishes
-        slot.pending = (self.wire if coded else EXACT).all_gather(
-            slot.buffer, src, self.process_group, async_op=self.async_gathers
-        )
+        wire = self.wire if coded else EXACT
+        if L.profiler_enabled():
+            with L.span(L.ALL_GATHER, L.names((self.unit_fqn,))):
+                slot.pending = wire.all_gather(slot.buffer, src, self.process_group,
+                                               async_op=self.async_gathers)
+        else:
+            slot.pending = wire.all_gather(slot.buffer, src, self.process_group,
+                                           async_op=self.async_gathers)
         slot.checked = True
         if slot.pending is None:  # completed synchronously
             slot.source, slot.valid = None, True
@@ -477,12 +494,18 @@ class FlatParamHandle:
         whether any parameter was."""
         if (self.use_orig_params and self.state is HandleState.SHARDED
                 and not self.views.params_registered and not self._skip_writeback_check
-                and write_back_orig_params(self)):
+                and self._write_back_orig_params()):
             for slot in self._gathered.values():
                 slot.wait()
                 slot.free()
             return True
         return False
+
+    def _write_back_orig_params(self) -> bool:
+        if L.profiler_enabled():
+            with L.span(L.WRITEBACK, L.names((self.unit_fqn,))):
+                return write_back_orig_params(self)
+        return write_back_orig_params(self)
 
     def pre_unshard_for_forward(self) -> bool:
         """:meth:`pre_unshard` at the root's pre-forward, which checks every
@@ -497,7 +520,11 @@ class FlatParamHandle:
         """Wait for the gather and point ``flat_param`` at the unsharded data."""
         self.start_unshard(full_precision)
         slot = self._slot(full_precision)
-        slot.wait()
+        if slot.pending is not None and L.profiler_enabled():
+            with L.span(L.ALL_GATHER_WAIT, L.names((self.unit_fqn,))):
+                slot.wait()
+        else:
+            slot.wait()
         slot.checked = False  # (the next unshard checks again)
         if self._needs_copy and slot.buffer is not None:
             self.flat_param.data = slot.buffer[: self.unpadded_numel]

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch.autograd import Variable
 
+import fsdp_wrap.comm.labels as L
 import fsdp_wrap.runtime.construct as _init
 import fsdp_wrap.runtime.guards as guards
 import fsdp_wrap.runtime.tree as tree
@@ -78,9 +79,15 @@ def register_handle_hooks(state: UnitState) -> None:
             handle.views.in_nested_backward = handle.grads.is_partial
 
 
+def unit_label(state: UnitState, *_: Any) -> str:
+    """The unit's name in profiler labels (``fsdp_wrap.comm.labels``)."""
+    return L.names(h.unit_fqn for h in state._handles)
+
+
 # ----------------------------------------------------------------- forward
 
 
+@L.labelled(L.ROOT_PRE_FORWARD)
 def root_pre_forward(state: UnitState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
     """Lazy-init the tree; at the root, finish any forward that saw no backward.
 
@@ -142,6 +149,7 @@ def _buffers_for_eval(root: UnitState) -> None:
     root._buffers_in_full_precision = full
 
 
+@L.labelled(L.PRE_FORWARD, unit_label)
 def pre_forward(state: UnitState, inputs: Any = None) -> None:
     """Gather this unit's parameters (all its flat parameters) and expose them
     as unsharded views; ``inputs`` (the forward's arguments) tell when a
@@ -192,6 +200,7 @@ def _next_in_forward(root: UnitState, handle: FlatParamHandle) -> FlatParamHandl
     return root._exec_order.next_in_forward(handle)
 
 
+@L.labelled(L.FORWARD_PREFETCH, unit_label)
 def _start_unit_gathers(state: UnitState, batch_bytes: int,
                         chain: Callable[[FlatParamHandle], FlatParamHandle | None]) -> None:
     """Start gathering every flat parameter of ``state`` (a prefetch: a batch
@@ -254,6 +263,7 @@ def _once_inputs_done(state: UnitState, tensors: list[torch.Tensor],
     registered.append(torch.autograd.graph.register_multi_grad_hook(tensors, done))
 
 
+@L.labelled(L.POST_FORWARD, unit_label)
 def post_forward(state: UnitState, output: Any) -> Any:
     """Reshard as the strategy says and hook the outputs for backward."""
     grad_enabled = torch.is_grad_enabled()
@@ -290,6 +300,7 @@ def _register_pre_backward_hooks(state: UnitState, output: Any) -> Any:
 # ---------------------------------------------------------------- backward
 
 
+@L.labelled(L.PRE_BACKWARD, unit_label)
 def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor | None:
     """Runs when the gradient of one of the unit's outputs is ready.
 
@@ -367,6 +378,10 @@ def make_post_backward_hook(state: UnitState, handle: FlatParamHandle) -> Callab
             # the outer backward or the next checkpoint's recomputation then
             # reads freed parameters).
             handle.grads.note_nested_part()
+            return
+        if L.profiler_enabled():
+            with L.span(L.POST_BACKWARD, unit_label(state)):
+                _reduce_unit(state, handle)
             return
         _reduce_unit(state, handle)
 
@@ -465,13 +480,19 @@ def _prefetch_backward(state: UnitState) -> None:
     root = state._root
     nxt = _next_backward_pending(root, state._handles[0])
     if nxt is not None:
-        unit = root._state_of[nxt]
-        # (a batch stays in flight while this unit's backward computes)
-        gather_ahead(unit._handles[-1], root._all_gather_batch_bytes,
-                     functools.partial(_next_backward_pending, root), async_op=True,
-                     each_at_its_turn=True)
-        for h in unit._handles:
-            h.start_unshard(full_precision=h.computes_in_full_precision)
+        start_backward_gathers(root._state_of[nxt])
+
+
+@L.labelled(L.BACKWARD_PREFETCH, unit_label)
+def start_backward_gathers(unit: UnitState) -> None:
+    """Start gathering every flat parameter of ``unit`` for its backward (a
+    prefetch: a batch stays in flight while the current unit's backward computes)."""
+    root = unit._root
+    gather_ahead(unit._handles[-1], root._all_gather_batch_bytes,
+                 functools.partial(_next_backward_pending, root), async_op=True,
+                 each_at_its_turn=True)
+    for h in unit._handles:
+        h.start_unshard(full_precision=h.computes_in_full_precision)
 
 
 def _queue_final_callback(root: UnitState) -> None:
@@ -480,6 +501,7 @@ def _queue_final_callback(root: UnitState) -> None:
         Variable._execution_engine.queue_callback(functools.partial(_final_callback, root))
 
 
+@L.labelled(L.ROOT_POST_BACKWARD)
 def _final_callback(root: UnitState) -> None:
     """End of backward: every unit resharded, every state IDLE."""
     finalize_units(root, free_all=False)
