@@ -46,6 +46,7 @@ from fsdp_wrap.comm.collectives import global_rank
 from fsdp_wrap.comm.gather_batch import resolve_all_gather_batch_mb
 from fsdp_wrap.comm.quant.config import CollectiveQuantization, resolve_quantization
 from fsdp_wrap.runtime.accumulation import AccumulationAPI, warn_if_partial
+from fsdp_wrap.runtime.explicit.api import ExplicitAPI
 from fsdp_wrap.runtime.names import clean_fqn
 from fsdp_wrap.runtime.state import TrainingState, UnitState, register_unit
 from fsdp_wrap.runtime.tensors import cast_floating
@@ -53,7 +54,7 @@ from fsdp_wrap.state_dict.optim_api import OptimStateDictAPI
 
 __all__ = ["FullyShardedDataParallel", "OptimStateKeyType"]
 
-class FullyShardedDataParallel(UnitState, OptimStateDictAPI, AccumulationAPI):
+class FullyShardedDataParallel(UnitState, OptimStateDictAPI, AccumulationAPI, ExplicitAPI):
     """Shard a module's parameters across data-parallel ranks (FSDP1 semantics).
 
     The wrapped module's parameters (except those of nested FSDP units and
@@ -237,6 +238,12 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI, AccumulationAPI):
         Hooks on the outputs make backward gather the parameters again (where
         they were freed) and reduce the gradients.
         """
+        return self._forward_with(self._fsdp_wrapped_module, args, kwargs)
+
+    def _forward_with(self, fn: Callable[..., Any], args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> Any:
+        """``fn(*args, **kwargs)`` as this unit's forward (``forward`` itself, and
+        the methods of ``register_fsdp_forward_method``)."""
         args, kwargs = _runtime.root_pre_forward(self, args, kwargs)
         mp = self.mixed_precision
         # The root casts for cast_root_forward_inputs; every unit, the root
@@ -247,7 +254,7 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI, AccumulationAPI):
         ):
             args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
         _runtime.pre_forward(self, (args, kwargs))
-        output = self._fsdp_wrapped_module(*args, **kwargs)
+        output = fn(*args, **kwargs)
         return _runtime.post_forward(self, output)
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:

@@ -394,12 +394,14 @@ class FlatParamHandle:
             src = src.to(self.device, non_blocking=True)
         return src if src.dtype == dtype else src.to(dtype)
 
-    def start_unshard(self, full_precision: bool = True) -> None:
+    def start_unshard(self, full_precision: bool = True, async_op: bool | None = None) -> None:
         """Issue the all-gather (asynchronously) unless the data is already there.
 
         ``full_precision=False`` gathers the compute-dtype copy forward and
         backward use; everything else (state dicts, summon) wants the
-        original dtype, which is the default.
+        original dtype, which is the default.  ``async_op``: whether the
+        gather stays in flight (``None``: as the unit gathers, see
+        ``async_gathers``; an explicit ``unshard(async_op=True)`` says ``True``).
         """
         slot = self._slot(full_precision)
         if not slot.checked:
@@ -432,13 +434,15 @@ class FlatParamHandle:
             _ensure_storage(slot.buffer)
         slot.source = src  # keep the input alive until the gather finishes
         wire = self.wire if coded else EXACT
+        if async_op is None:
+            async_op = self.async_gathers
         if L.profiler_enabled():
             with L.span(L.ALL_GATHER, L.names((self.unit_fqn,))):
                 slot.pending = wire.all_gather(slot.buffer, src, self.process_group,
-                                               async_op=self.async_gathers)
+                                               async_op=async_op)
         else:
             slot.pending = wire.all_gather(slot.buffer, src, self.process_group,
-                                           async_op=self.async_gathers)
+                                           async_op=async_op)
         slot.checked = True
         if slot.pending is None:  # completed synchronously
             slot.source, slot.valid = None, True
@@ -494,18 +498,12 @@ class FlatParamHandle:
         whether any parameter was."""
         if (self.use_orig_params and self.state is HandleState.SHARDED
                 and not self.views.params_registered and not self._skip_writeback_check
-                and self._write_back_orig_params()):
+                and write_back_orig_params(self)):
             for slot in self._gathered.values():
                 slot.wait()
                 slot.free()
             return True
         return False
-
-    def _write_back_orig_params(self) -> bool:
-        if L.profiler_enabled():
-            with L.span(L.WRITEBACK, L.names((self.unit_fqn,))):
-                return write_back_orig_params(self)
-        return write_back_orig_params(self)
 
     def pre_unshard_for_forward(self) -> bool:
         """:meth:`pre_unshard` at the root's pre-forward, which checks every
@@ -550,6 +548,11 @@ class FlatParamHandle:
         if self.state is HandleState.UNSHARDED:
             self.state = HandleState.SHARDED
             self.use_sharded_views()
+
+    def set_gradient_divide(self, divide: C.DivideFactors) -> None:
+        """Gradients divided by ``divide.pre`` before, ``.post`` after their sum."""
+        self._reduce_spec = dataclasses.replace(self._reduce_spec, divide=divide)
+        self.grads.reduce_spec = self._reduce_spec
 
     def _shard_version(self) -> int:
         """Grows whenever the shard is written in place between steps (an

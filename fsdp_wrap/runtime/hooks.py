@@ -106,6 +106,8 @@ def root_pre_forward(state: UnitState, args: tuple[Any, ...], kwargs: dict[str, 
         return args, kwargs
     if not state._replicas_checked:
         guards.check_replicas(state)  # once: replicas must start alike (a collective if any)
+    if state._explicit is not None and state._explicit.post_optim_event is not None:
+        _wait_post_optim_event(state)
     training = torch.is_grad_enabled()
     for handle in state._all_handles:
         if handle.use_orig_params:
@@ -129,6 +131,19 @@ def root_pre_forward(state: UnitState, args: tuple[Any, ...], kwargs: dict[str, 
     if state.compute_device.type != "cpu":
         args, kwargs = to_device((args, kwargs), state.compute_device)
     return args, kwargs
+
+
+def _wait_post_optim_event(root: UnitState) -> None:
+    """``set_post_optim_event``: the gathers of this forward are issued on the
+    compute stream, which waits for the event first (then it is dropped, as
+    FSDP2 drops it).  On the CPU there is no stream: the host ran the
+    optimizer step before this forward was called, so nothing waits."""
+    explicit = root._explicit
+    if explicit is None:
+        return
+    event, explicit.post_optim_event = explicit.post_optim_event, None
+    if root.compute_device.type != "cpu":
+        event.wait()
 
 
 def _buffers_for_eval(root: UnitState) -> None:
@@ -175,9 +190,18 @@ def pre_forward(state: UnitState, inputs: Any = None) -> None:
     gather_ahead(handles[0], batch_bytes, chain)
     for handle in handles:
         handle.finish_unshard(full_precision=handle.computes_in_full_precision)
+    explicit = state._explicit
     nxt = (order.next_in_forward(handles[-1])
            if state.forward_prefetch or batch_bytes else None)
-    if nxt is not None and state.forward_prefetch:
+    if explicit is not None and explicit.forward_prefetch:
+        # (set_modules_to_forward_prefetch: these, and only these; not without
+        # grad nor in a recomputation, where nothing would free one that then
+        # does not run, as for batches above)
+        if torch.is_grad_enabled() and not in_backward():
+            for unit in explicit.forward_prefetch:
+                if unit._handles:
+                    _start_unit_gathers(unit, batch_bytes, chain)
+    elif nxt is not None and state.forward_prefetch:
         _start_unit_gathers(root._state_of[nxt], batch_bytes, chain)
     elif nxt is not None:
         # The last unit of a batch computes: the next batch is gathered meanwhile
@@ -271,7 +295,7 @@ def post_forward(state: UnitState, output: Any) -> Any:
         state._root._exec_order.record_post_forward(handle)
         if not grad_enabled or handle.frees_copy_after_forward:
             handle.reshard(free=True)
-        elif handle.reshard_after_forward and not state._is_root:
+        elif _reshards_after_forward(state, handle):
             handle.reshard(free=True)
         elif handle.use_orig_params and handle.strategy not in KEEP_VIEWS_AFTER_FORWARD:
             # The root of FULL_SHARD / HYBRID_SHARD and every NO_SHARD unit keep
@@ -284,6 +308,15 @@ def post_forward(state: UnitState, output: Any) -> Any:
         output = _register_pre_backward_hooks(state, output)
     _set_flag(state, "training_state", TrainingState.IDLE)
     return output
+
+
+def _reshards_after_forward(state: UnitState, handle: FlatParamHandle) -> bool:
+    """FSDP1's rule (the strategy's, the root kept), unless
+    ``set_reshard_after_forward`` said otherwise for this unit."""
+    explicit = state._explicit
+    if explicit is not None and explicit.reshard_after_forward is not None:
+        return explicit.reshard_after_forward and handle.uses_sharded_strategy
+    return handle.reshard_after_forward and not state._is_root
 
 
 def _register_pre_backward_hooks(state: UnitState, output: Any) -> Any:
@@ -330,12 +363,16 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor | N
     if nested_only:
         _watch_unit_end(state)
     root = state._root
+    explicit = state._explicit
     # (backward order: the unit's flat parameters last to first, then the unit before)
     # (in backward a batch's members copy their parts out each at its own turn
     # where that holds less than all at once: see gather_batch.by_member_pays)
-    gather_ahead(handles[-1], root._all_gather_batch_bytes,
-                 functools.partial(_next_backward_pending, root), each_at_its_turn=True)
+    if _unshards_in_backward(state):
+        gather_ahead(handles[-1], root._all_gather_batch_bytes,
+                     functools.partial(_next_backward_pending, root), each_at_its_turn=True)
     for handle in handles:
+        if not handle.is_unsharded and not _unshards_in_backward(state):
+            continue  # (set_unshard_in_backward(False): its backward reads no parameter)
         handle.finish_unshard(full_precision=handle.computes_in_full_precision)
         # Hooks run with grad disabled; reentrant activation checkpointing
         # recomputes the forward through these views and needs them tracked:
@@ -343,7 +380,11 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor | N
         if not handle.forward_views_reusable():
             with torch.enable_grad():
                 handle.use_unsharded_views()
-    if state.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+    if explicit is not None and explicit.backward_prefetch:
+        for unit in explicit.backward_prefetch:  # (these, and only these)
+            if unit._handles and not unit._ran_pre_backward and _unshards_in_backward(unit):
+                start_backward_gathers(unit)
+    elif state.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
         _prefetch_backward(state)
     for handle in handles:
         handle.grads.prepare_gradient_for_backward()
@@ -396,7 +437,8 @@ def _reduce_unit(state: UnitState, handle: FlatParamHandle, prefetch: bool = Tru
     _queue_final_callback(state._root)
     sync = state._sync_gradients
     handle.reshard(free=frees_after_backward(state, handle))
-    if prefetch and state.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+    if (prefetch and state.backward_prefetch is BackwardPrefetch.BACKWARD_POST
+            and (state._explicit is None or not state._explicit.backward_prefetch)):
         _prefetch_backward(state)
     if sync and state._optims_in_backward:
         # The optimizers step right after this unit's own reduction: alone.
@@ -470,9 +512,15 @@ def _next_backward_pending(root: UnitState, handle: FlatParamHandle) -> FlatPara
     if nxt is None:
         return None
     unit = root._state_of[nxt]
-    if unit is not root._state_of[handle] and unit._ran_pre_backward:
+    if unit is not root._state_of[handle] and (unit._ran_pre_backward
+                                               or not _unshards_in_backward(unit)):
         return None
     return nxt
+
+
+def _unshards_in_backward(state: UnitState) -> bool:
+    """Whether the unit is gathered for its backward (``set_unshard_in_backward``)."""
+    return state._explicit is None or state._explicit.unshard_in_backward
 
 
 def _prefetch_backward(state: UnitState) -> None:

@@ -108,6 +108,9 @@ class UnitState(nn.Module):
     _is_last_backward: bool  # (the root's counts)
     _replicas_checked: bool  # (root) replicas compared at the first forward (runtime.guards)
     _built_from_meta: bool  # this rank materialised the unit from the meta device
+    # FSDP2's explicit controls, once one is set: an ExplicitControls of
+    # fsdp_wrap.runtime.explicit.controls (which imports this module)
+    _explicit: Any = None
     # the tree (root bookkeeping)
     _is_root: bool | None  # None until lazy init
     _root: UnitState
