@@ -87,7 +87,6 @@ def unit_label(state: UnitState, *_: Any) -> str:
 # ----------------------------------------------------------------- forward
 
 
-@L.labelled(L.ROOT_PRE_FORWARD)
 def root_pre_forward(state: UnitState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
     """Lazy-init the tree; at the root, finish any forward that saw no backward.
 
@@ -104,6 +103,15 @@ def root_pre_forward(state: UnitState, args: tuple[Any, ...], kwargs: dict[str, 
         if state._is_root and state.compute_device.type != "cpu":
             args, kwargs = to_device((args, kwargs), state.compute_device)
         return args, kwargs
+    if L.profiler_enabled():
+        with L.span(L.ROOT_PRE_FORWARD):
+            return _root_pre_forward(state, args, kwargs)
+    return _root_pre_forward(state, args, kwargs)
+
+
+def _root_pre_forward(state: UnitState, args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """The root's part of :func:`root_pre_forward`."""
     if not state._replicas_checked:
         guards.check_replicas(state)  # once: replicas must start alike (a collective if any)
     if state._explicit is not None and state._explicit.post_optim_event is not None:

@@ -15,6 +15,7 @@ import torch.nn as nn
 import fsdp_wrap.comm.collectives as C
 import fsdp_wrap.runtime.construct as construct
 import fsdp_wrap.runtime.guards as guards
+import fsdp_wrap.runtime.step_trace as step_trace
 from fsdp_wrap.comm.collectives import global_rank
 from fsdp_wrap.runtime.exec_order import ForwardOrderCheck
 from fsdp_wrap.runtime.explicit.controls import check_schedules, schedule_signature
@@ -79,6 +80,7 @@ def lazy_init(state: UnitState) -> None:
         h.adopt_flat_param_data()
     for st in states:
         st._buffer_orig_dtypes = construct.cast_buffers(st)
+    step_trace.attach_if_asked(state)  # ($FSDP_WRAP_TRACE: fsdp-wrap trace)
 
 
 def unit_signature(state: UnitState) -> tuple[Any, ...]:
