@@ -25,10 +25,10 @@ waits are stream events; its write-back is unlabelled); the others are
 FSDP2's names (``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py``).
 
 Cost: nothing is made unless a profiler records
-(:func:`fsdp_wrap._compat.profiler_enabled`, one C call): ``record_function``
+(``fsdp_wrap._compat.profiler_enabled``, one C call): ``record_function``
 costs ~50 us a label even with no profiler running, the check ~0.1 us.  Call
 sites test ``profiler_enabled()`` themselves (no wrapper frame on the hot
-path) or use :func:`labelled` on a whole function.
+path) or use ``labelled`` on a whole function.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Profile a few training steps of an unchanged script: ``$FSDP_WRAP_TRACE``.
 
-``fsdp-wrap trace -- CMD`` (:mod:`fsdp_wrap.cli.trace`) runs a training
+``fsdp-wrap trace -- CMD`` (``fsdp_wrap.cli.trace``) runs a training
 script with ``FSDP_WRAP_TRACE=DIR`` (and ``FSDP_WRAP_TRACE_STEPS=W,N``, default
 ``2,3``); in every process, the first FSDP root to initialise then profiles
 its steps ``W+1 .. W+N`` with ``torch.profiler`` and writes
 ``DIR/trace_rank{R}.json`` (Chrome/Perfetto JSON; ``R`` the global rank).  A
 step runs from one forward with grad of the root to the next (backward, the
 optimizer step and the data loading between them included); forwards
-without grad (evaluation) are not counted.  :mod:`fsdp_wrap.timeline` reads
+without grad (evaluation) are not counted.  ``fsdp_wrap.timeline`` reads
 the files and draws the steps.
 
 Without the variable nothing is attached: the root's forward carries no

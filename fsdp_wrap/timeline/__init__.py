@@ -1,11 +1,11 @@
 """See the overlap: a picture of a few training steps, per rank and per unit.
 
-``fsdp-wrap trace`` (:mod:`fsdp_wrap.cli.trace`) profiles a few steps of a
+``fsdp-wrap trace`` (``fsdp_wrap.cli.trace``) profiles a few steps of a
 training script, or of the demo's GPT, and writes, in its output directory:
 
 * ``trace_rank{R}.json``: each rank's ``torch.profiler`` trace (Chrome /
   Perfetto JSON, TensorBoard's profiler plugin reads it too), in which
-  fsdp_wrap's labels (:mod:`fsdp_wrap.comm.labels`) name every unit's
+  fsdp_wrap's labels (``fsdp_wrap.comm.labels``) name every unit's
   all-gathers, reductions and hooks;
 * ``trace.json``: the ranks' traces merged on one clock (a process per rank);
 * ``timeline.png``: per rank, the phases of each step, the all-gathers and
@@ -24,8 +24,16 @@ In a script, the same from Python::
 This package is a tool above the library; nothing in the library imports it.
 """
 
-from fsdp_wrap.timeline.analysis import Comm, RankTimeline, StepStats, Timeline, load, merge_traces
+from fsdp_wrap.timeline.analysis import (
+    Comm,
+    Phase,
+    RankTimeline,
+    StepStats,
+    Timeline,
+    load,
+    merge_traces,
+)
 from fsdp_wrap.timeline.plot import plot_timeline
 
-__all__ = ["Comm", "RankTimeline", "StepStats", "Timeline", "load", "merge_traces",
+__all__ = ["Comm", "Phase", "RankTimeline", "StepStats", "Timeline", "load", "merge_traces",
            "plot_timeline"]

@@ -32,9 +32,9 @@ import os
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["Comm", "RankTimeline", "StepStats", "Timeline", "load", "merge_traces"]
+__all__ = ["Comm", "Phase", "RankTimeline", "StepStats", "Timeline", "load", "merge_traces"]
 
 GATHER_LABELS = ("FSDP::all_gather", "FSDP::all_gather_wait")
 REDUCE_LABELS = ("FSDP::post_backward_reduce", "FSDP::post_backward_rs_wait")
@@ -69,12 +69,22 @@ class StepStats:
         return self.end - self.start
 
 
+class Phase(NamedTuple):
+    """Part of a step: ``name`` "forward", "backward" or "other" (the rest)."""
+
+    name: str
+    start: float
+    end: float
+
+
 @dataclass
 class RankTimeline:
+    """One rank's steps, collectives and phases."""
+
     rank: int
     steps: list[StepStats] = field(default_factory=list)
     comms: list[Comm] = field(default_factory=list)
-    phases: list[tuple[str, float, float]] = field(default_factory=list)  # (name, start, end)
+    phases: list[Phase] = field(default_factory=list)
 
 
 @dataclass
@@ -199,8 +209,8 @@ def _rank_timeline(rank: int, events: list[dict[str, Any]], origin: float,
         fwd_end, bwd_end = _phase_ends(labels, e["t0"], e["t1"], origin)
         out.steps.append(StepStats(i + 1, s, t, _union(mine, s, t), fwd_end - s,
                                    bwd_end - fwd_end))
-        out.phases += [("forward", s, fwd_end), ("backward", fwd_end, bwd_end),
-                       ("other", bwd_end, t)]
+        out.phases += [Phase("forward", s, fwd_end), Phase("backward", fwd_end, bwd_end),
+                       Phase("other", bwd_end, t)]
     return out
 
 

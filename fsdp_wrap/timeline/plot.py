@@ -55,6 +55,7 @@ def plot_timeline(timeline: Timeline, path: str, title: str = "") -> None:
             ticks.append(y[lane])
             names.append(f"rank {r.rank}  {lane}")
     ax.set_yticks(ticks, names, fontsize=8)
+    _legend(ax, colours)
     ax.set_xlabel("ms")
     ax.set_xlim(0, span)
     step_ms, exposed_ms = timeline.mean_per_step()
@@ -72,10 +73,20 @@ def _unit_colours(units: list[str]) -> dict[str, str]:
 
 
 def _name(ax: object, c: Comm, lane: float, span: float) -> None:
-    """The unit's name on a bar wide enough to hold it."""
-    width = max(c.end, c.in_flight_until) - c.start
-    if width < span / 60 or not c.units:
+    """The unit's name on a solid bar wide enough to hold it."""
+    width = c.end - c.start
+    if width < span / 40 or not c.units:
         return
     text = c.units[0] if len(c.units) == 1 else f"{c.units[0]}+{len(c.units) - 1}"
     ax.text(c.start + width / 2, lane, text, ha="center", va="center",  # type: ignore[attr-defined]
             fontsize=6, clip_on=True)
+
+
+def _legend(ax: object, colours: dict[str, str]) -> None:
+    """The phases' and the units' colours, outside the plot on the right."""
+    from matplotlib.patches import Patch
+
+    handles = [Patch(facecolor=c, label=name) for name, c in _PHASE_COLOURS.items()]
+    handles += [Patch(facecolor=c, label=unit) for unit, c in colours.items()]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0),  # type: ignore[attr-defined]
+              fontsize=7, frameon=False, ncols=1 + len(handles) // 14)
