@@ -32,7 +32,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     (
         "the install step and the applications",
         ["fsdp_wrap.frameworks", "fsdp_wrap.installer", "fsdp_wrap.installer_accelerate",
-         "fsdp_wrap.cli", "fsdp_wrap.demo", "fsdp_wrap.testbed", "fsdp_wrap.__main__", "fsdp_wrap"],
+         "fsdp_wrap.cli", "fsdp_wrap.demo", "fsdp_wrap.testbed", "fsdp_wrap.timeline",
+         "fsdp_wrap.__main__", "fsdp_wrap"],
     ),
 ]
 
