@@ -119,6 +119,9 @@ def _set(mode: str, model: nn.Module) -> None:
     elif mode == "backward_two_ahead":
         for i in range(1, 5):
             u[i].set_modules_to_backward_prefetch(list(reversed(u[max(0, i - 2) : i])))
+    elif mode == "root_lists":  # (a root without parameters of its own)
+        model.set_modules_to_forward_prefetch(u[:2])
+        model.set_modules_to_backward_prefetch([u[4], u[3]])
     elif mode == "keep_one_after_forward":
         u[1].set_reshard_after_forward(False)
     elif mode == "keep_all_after_forward":
@@ -130,7 +133,8 @@ def _set(mode: str, model: nn.Module) -> None:
             unit.set_gradient_divide_factor(3.0)
 
 
-FSDP2_MODES = ["default", "forward_two_ahead", "backward_two_ahead", "keep_one_after_forward",
+FSDP2_MODES = ["default", "forward_two_ahead", "backward_two_ahead", "root_lists",
+               "keep_one_after_forward",
                "keep_all_after_forward", "no_unshard_in_backward", "divide_factor_fp16",
                "unshard_then_forward", "forward_method"]
 

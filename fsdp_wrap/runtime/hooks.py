@@ -31,6 +31,7 @@ from torch.autograd import Variable
 
 import fsdp_wrap.comm.labels as L
 import fsdp_wrap.runtime.construct as _init
+import fsdp_wrap.runtime.explicit.controls as explicit_controls
 import fsdp_wrap.runtime.guards as guards
 import fsdp_wrap.runtime.tree as tree
 from fsdp_wrap._compat import in_backward
@@ -114,8 +115,8 @@ def _root_pre_forward(state: UnitState, args: tuple[Any, ...],
     """The root's part of :func:`root_pre_forward`."""
     if not state._replicas_checked:
         guards.check_replicas(state)  # once: replicas must start alike (a collective if any)
-    if state._explicit is not None and state._explicit.post_optim_event is not None:
-        _wait_post_optim_event(state)
+    if state._explicit is not None:
+        explicit_controls.wait_post_optim_event(state)
     training = torch.is_grad_enabled()
     for handle in state._all_handles:
         if handle.use_orig_params:
@@ -139,19 +140,6 @@ def _root_pre_forward(state: UnitState, args: tuple[Any, ...],
     if state.compute_device.type != "cpu":
         args, kwargs = to_device((args, kwargs), state.compute_device)
     return args, kwargs
-
-
-def _wait_post_optim_event(root: UnitState) -> None:
-    """``set_post_optim_event``: the gathers of this forward are issued on the
-    compute stream, which waits for the event first (then it is dropped, as
-    FSDP2 drops it).  On the CPU there is no stream: the host ran the
-    optimizer step before this forward was called, so nothing waits."""
-    explicit = root._explicit
-    if explicit is None:
-        return
-    event, explicit.post_optim_event = explicit.post_optim_event, None
-    if root.compute_device.type != "cpu":
-        event.wait()
 
 
 def _buffers_for_eval(root: UnitState) -> None:
@@ -180,6 +168,8 @@ def pre_forward(state: UnitState, inputs: Any = None) -> None:
     _set_flag(state, "training_state", TrainingState.FORWARD_BACKWARD)
     handles = state._handles
     if not handles:
+        if state._explicit is not None:
+            _forward_prefetch_listed(state)
         return
     root = state._root
     if torch.is_grad_enabled():
@@ -198,17 +188,10 @@ def pre_forward(state: UnitState, inputs: Any = None) -> None:
     gather_ahead(handles[0], batch_bytes, chain)
     for handle in handles:
         handle.finish_unshard(full_precision=handle.computes_in_full_precision)
-    explicit = state._explicit
     nxt = (order.next_in_forward(handles[-1])
            if state.forward_prefetch or batch_bytes else None)
-    if explicit is not None and explicit.forward_prefetch:
-        # (set_modules_to_forward_prefetch: these, and only these; not without
-        # grad nor in a recomputation, where nothing would free one that then
-        # does not run, as for batches above)
-        if torch.is_grad_enabled() and not in_backward():
-            for unit in explicit.forward_prefetch:
-                if unit._handles:
-                    _start_unit_gathers(unit, batch_bytes, chain)
+    if state._explicit is not None and _forward_prefetch_listed(state):
+        pass  # (set_modules_to_forward_prefetch: these, and only these)
     elif nxt is not None and state.forward_prefetch:
         _start_unit_gathers(root._state_of[nxt], batch_bytes, chain)
     elif nxt is not None:
@@ -220,6 +203,21 @@ def pre_forward(state: UnitState, inputs: Any = None) -> None:
         handle.use_unsharded_views(track_graph=True)
     if torch.is_grad_enabled():
         _note_inputs(state, inputs)
+
+
+def _forward_prefetch_listed(state: UnitState) -> bool:
+    """Start the gathers of the units ``set_modules_to_forward_prefetch`` listed
+    for ``state``; whether it listed any (the default is then skipped).  Not
+    without grad nor in a recomputation, where nothing would free a listed
+    unit that then does not run (as for batches)."""
+    units = state._explicit.forward_prefetch
+    if units and torch.is_grad_enabled() and not in_backward():
+        root = state._root
+        chain = functools.partial(_next_in_forward, root)
+        for unit in units:
+            if unit._handles:
+                _start_unit_gathers(unit, root._all_gather_batch_bytes, chain)
+    return bool(units)
 
 
 def _next_in_forward(root: UnitState, handle: FlatParamHandle) -> FlatParamHandle | None:
@@ -303,7 +301,7 @@ def post_forward(state: UnitState, output: Any) -> Any:
         state._root._exec_order.record_post_forward(handle)
         if not grad_enabled or handle.frees_copy_after_forward:
             handle.reshard(free=True)
-        elif _reshards_after_forward(state, handle):
+        elif explicit_controls.reshards_after_forward(state, handle):
             handle.reshard(free=True)
         elif handle.use_orig_params and handle.strategy not in KEEP_VIEWS_AFTER_FORWARD:
             # The root of FULL_SHARD / HYBRID_SHARD and every NO_SHARD unit keep
@@ -316,15 +314,6 @@ def post_forward(state: UnitState, output: Any) -> Any:
         output = _register_pre_backward_hooks(state, output)
     _set_flag(state, "training_state", TrainingState.IDLE)
     return output
-
-
-def _reshards_after_forward(state: UnitState, handle: FlatParamHandle) -> bool:
-    """FSDP1's rule (the strategy's, the root kept), unless
-    ``set_reshard_after_forward`` said otherwise for this unit."""
-    explicit = state._explicit
-    if explicit is not None and explicit.reshard_after_forward is not None:
-        return explicit.reshard_after_forward and handle.uses_sharded_strategy
-    return handle.reshard_after_forward and not state._is_root
 
 
 def _register_pre_backward_hooks(state: UnitState, output: Any) -> Any:
@@ -358,6 +347,8 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor | N
     _set_flag(state, "training_state", TrainingState.FORWARD_BACKWARD)
     handles = state._handles
     if not handles:
+        if state._explicit is not None:
+            _backward_prefetch_listed(state)
         return None
     for handle in handles:
         if (handle.use_orig_params and handle.is_unsharded and handle.uses_sharded_strategy
@@ -375,11 +366,11 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor | N
     # (backward order: the unit's flat parameters last to first, then the unit before)
     # (in backward a batch's members copy their parts out each at its own turn
     # where that holds less than all at once: see gather_batch.by_member_pays)
-    if _unshards_in_backward(state):
+    if explicit_controls.unshards_in_backward(state):
         gather_ahead(handles[-1], root._all_gather_batch_bytes,
                      functools.partial(_next_backward_pending, root), each_at_its_turn=True)
     for handle in handles:
-        if not handle.is_unsharded and not _unshards_in_backward(state):
+        if not handle.is_unsharded and not explicit_controls.unshards_in_backward(state):
             continue  # (set_unshard_in_backward(False): its backward reads no parameter)
         handle.finish_unshard(full_precision=handle.computes_in_full_precision)
         # Hooks run with grad disabled; reentrant activation checkpointing
@@ -388,10 +379,8 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor | N
         if not handle.forward_views_reusable():
             with torch.enable_grad():
                 handle.use_unsharded_views()
-    if explicit is not None and explicit.backward_prefetch:
-        for unit in explicit.backward_prefetch:  # (these, and only these)
-            if unit._handles and not unit._ran_pre_backward and _unshards_in_backward(unit):
-                start_backward_gathers(unit)
+    if explicit is not None and _backward_prefetch_listed(state):
+        pass  # (set_modules_to_backward_prefetch: these, and only these)
     elif state.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
         _prefetch_backward(state)
     for handle in handles:
@@ -521,14 +510,19 @@ def _next_backward_pending(root: UnitState, handle: FlatParamHandle) -> FlatPara
         return None
     unit = root._state_of[nxt]
     if unit is not root._state_of[handle] and (unit._ran_pre_backward
-                                               or not _unshards_in_backward(unit)):
+                                               or not explicit_controls.unshards_in_backward(unit)):
         return None
     return nxt
 
 
-def _unshards_in_backward(state: UnitState) -> bool:
-    """Whether the unit is gathered for its backward (``set_unshard_in_backward``)."""
-    return state._explicit is None or state._explicit.unshard_in_backward
+def _backward_prefetch_listed(state: UnitState) -> bool:
+    """Start the gathers of the units ``set_modules_to_backward_prefetch``
+    listed for ``state`` (not one whose backward began); whether it listed any."""
+    units = state._explicit.backward_prefetch
+    for unit in units:
+        if unit._handles and not unit._ran_pre_backward and explicit_controls.unshards_in_backward(unit):
+            start_backward_gathers(unit)
+    return bool(units)
 
 
 def _prefetch_backward(state: UnitState) -> None:

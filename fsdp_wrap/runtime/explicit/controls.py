@@ -17,7 +17,7 @@ the first forward are not compared (as ``no_sync`` and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -25,8 +25,12 @@ from fsdp_wrap.comm.collectives import global_rank
 from fsdp_wrap.runtime.names import clean_fqn
 from fsdp_wrap.runtime.state import UnitState, live_units
 
-__all__ = ["ExplicitControls", "check_schedules", "controls_of", "schedule_signature",
-           "tree_of", "unit_name"]
+if TYPE_CHECKING:
+    from fsdp_wrap.handle.flat_param import FlatParamHandle
+
+__all__ = ["ExplicitControls", "check_schedules", "controls_of", "reshards_after_forward",
+           "schedule_signature", "tree_of", "unit_name", "unshards_in_backward",
+           "wait_post_optim_event"]
 
 
 @dataclass
@@ -53,6 +57,39 @@ def controls_of(state: UnitState) -> ExplicitControls:
         object.__setattr__(state, "_explicit", controls)  # (not a module attribute)
     return controls
 
+
+# ------------------------------------------------- what the hooks ask
+
+def reshards_after_forward(state: UnitState, handle: FlatParamHandle) -> bool:
+    """Whether ``handle`` is freed after its unit's forward: FSDP1's rule (the
+    strategy's, the root kept), unless ``set_reshard_after_forward`` said
+    otherwise for this unit."""
+    explicit = state._explicit
+    if explicit is not None and explicit.reshard_after_forward is not None:
+        return bool(explicit.reshard_after_forward and handle.uses_sharded_strategy)
+    return handle.reshard_after_forward and not state._is_root
+
+
+def unshards_in_backward(state: UnitState) -> bool:
+    """Whether the unit is gathered for its backward (``set_unshard_in_backward``)."""
+    return state._explicit is None or bool(state._explicit.unshard_in_backward)
+
+
+def wait_post_optim_event(root: UnitState) -> None:
+    """``set_post_optim_event``, at the root's pre-forward: the gathers of this
+    forward are issued on the compute stream, which waits for the event first
+    (then it is dropped, as FSDP2 drops it).  On the CPU there is no stream:
+    the host ran the optimizer step before this forward was called, so
+    nothing waits."""
+    explicit = root._explicit
+    if explicit is None or explicit.post_optim_event is None:
+        return
+    event, explicit.post_optim_event = explicit.post_optim_event, None
+    if root.compute_device.type != "cpu":
+        event.wait()
+
+
+# ------------------------------------------------------------- names
 
 def tree_of(state: UnitState) -> UnitState:
     """The root of ``state``'s tree: known once the tree is initialised, else
