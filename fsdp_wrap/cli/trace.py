@@ -79,6 +79,9 @@ def run(args: argparse.Namespace) -> int:
     if args.warmup < 0 or args.steps < 1:
         usage_error(f"--warmup {args.warmup} --steps {args.steps}: need 0 or more warm-up "
                     "steps and at least 1 profiled step")
+    if args.out is None and os.environ.get("RANK") and not args.cmd:
+        usage_error("under torchrun every rank must write to one directory: give --out DIR "
+                    "(on a file system every node sees)")
     out = os.path.abspath(args.out or tempfile.mkdtemp(prefix="fsdp_wrap_trace_"))
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else list(args.cmd)
     os.makedirs(out, exist_ok=True)
