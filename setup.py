@@ -13,7 +13,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PTH_NAME = "fsdp_wrap-install.pth"
 PTH_LINE = (
     "import os; os.environ.get('FSDP_WRAP_INSTALL', '').strip().lower() in "
-    "('1', 'true', 'yes', 'on') and __import__('importlib').import_module('fsdp_wrap.installer').install_from_env()\n"
+    "('1', 'true', 'yes', 'on') and __import__('importlib').import_module('fsdp_wrap.frameworks.installer').install_from_env()\n"
 )
 
 

@@ -102,7 +102,10 @@ def grad_bytes(model: nn.Module) -> int:
     torch's FSDP1 ``_handle``), views of one flat gradient counted once."""
     tensors: list[Any] = [p.grad for p in model.parameters()]
     for m in model.modules():
-        tensors += [h.flat_param.grad for h in m.__dict__.get("_handles", None) or []]
+        # (fsdp_wrap's handles are a property of the unit; torch's FSDP1 sets _handle)
+        fsdp_wrap_handles = getattr(type(m), "_handles", None)
+        if fsdp_wrap_handles is not None:
+            tensors += [h.flat_param.grad for h in m._handles]
         handle = m.__dict__.get("_handle")
         tensors.append(getattr(getattr(handle, "flat_param", None), "grad", None))
         tensors += [p.grad for p in m._parameters.values() if p is not None]

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Everything a lent GPU machine is asked in one go (docs/performance.rst, "On a
 # GPU"): the world-size-1 step against torch's FSDP1 and the plain module on a
-# quiet machine first, then tests/test_cuda.py on the GPU while the CPU suite
+# quiet machine first, then tests/test_cuda*.py on the GPU while the CPU suite
 # runs beside it on that machine's torch (an older one than CI's).
 #
 #     OUT=/tmp/cuda bash benchmarks/cuda_session.sh [steps|tests|plan|all|...] [SECONDS]
 #
 # Modes may be joined with commas (steps,tests).  SECONDS bounds the CPU suite
 # (default 300); PROFILE=0 skips the profile; $SUITE names the test files it runs (default: all but
-# test_cuda.py).  plan: benchmarks/plan_accuracy.py on the GPU, where the
+# the two test_cuda files).  plan: benchmarks/plan_accuracy.py on the GPU, where the
 # caching allocator counts tensor bytes only.  Logs go to $OUT.  bitsandbytes
 # is installed from .whl/ where that folder holds its wheel (the machine has
 # no index).
@@ -54,11 +54,11 @@ fi
 if want tests; then
     echo "==> CPU suite on this torch (background, ${suite_s} s)"
     # shellcheck disable=SC2086
-    ( timeout "$suite_s" $PY -m pytest -q -p no:cacheprovider -x ${SUITE:---ignore=tests/test_cuda.py} \
+    ( timeout "$suite_s" $PY -m pytest -q -p no:cacheprovider -x ${SUITE:---ignore=tests/test_cuda.py --ignore=tests/test_cuda_features.py} \
         >"$OUT/suite.log" 2>&1; echo "suite exit $?" >>"$OUT/suite.log" ) &
     suite=$!
-    echo "==> tests/test_cuda.py"
-    timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py -rfEs \
+    echo "==> tests/test_cuda.py tests/test_cuda_features.py"
+    timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_cuda_features.py -rfEs \
         >"$OUT/cuda.log" 2>&1
     echo "test_cuda exit $?"
     grep -E "passed|failed|FAILED|ERROR|Error" "$OUT/cuda.log" | tail -25

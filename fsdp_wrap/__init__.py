@@ -4,7 +4,10 @@ Change the import of torch's FSDP package to ``import fsdp_wrap as fsdp``;
 every public FSDP1 name below keeps torch's meaning and defaults.
 """
 
-from fsdp_wrap._compat import __version__ as __version__
+#: fsdp_wrap's own version (setup.py says the same).
+__version__ = "0.1.0"
+
+
 from fsdp_wrap.api import (
     BackwardPrefetch,
     CPUOffload,

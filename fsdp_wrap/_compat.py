@@ -1,4 +1,6 @@
-"""Every torch-version difference fsdp_wrap cares about, in one place.
+"""Every difference in what is installed that fsdp_wrap cares about, in one place:
+torch's version (its private entry points, names and wordings that changed
+between releases) and whether an optional package is there.
 
 Most helpers are called at construction or lazy-init time, or resolve a
 name once at import.  The autograd-engine queries run per unit and step:
@@ -11,20 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.abc
-import importlib.util
-import sys
-from enum import Enum
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from packaging.version import Version
 from torch.autograd.graph import get_gradient_edge
-
-#: fsdp_wrap's own version (``fsdp_wrap.__version__``; setup.py says the same).
-__version__ = "0.1.0"
 
 TORCH_VERSION = Version(torch.__version__.split("+")[0])
 
@@ -131,8 +126,6 @@ REDUCE_SCATTER_SINGLE = (
     "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 )
 
-E = TypeVar("E", bound=Enum)
-D = TypeVar("D")
 
 
 def register_state_dict_post_hook(module: nn.Module, hook: Callable[..., Any]) -> Any:
@@ -144,38 +137,6 @@ def register_state_dict_post_hook(module: nn.Module, hook: Callable[..., Any]) -
 def register_load_state_dict_pre_hook(module: nn.Module, hook: Callable[..., Any]) -> Any:
     """``hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors)``."""
     return module._register_load_state_dict_pre_hook(hook, with_module=True)
-
-
-def coerce_enum(value: Any, enum_cls: type[E], arg_name: str) -> E | None:
-    """Accept our enum member, or torch's member of the same-named enum.
-
-    A script that swapped only the wrapper import may still pass
-    torch's own ``ShardingStrategy.FULL_SHARD`` (from torch's FSDP package); members are matched
-    by class name and member name, never by importing torch's FSDP.
-    """
-    if value is None or isinstance(value, enum_cls):
-        return value
-    if isinstance(value, Enum) and type(value).__name__ == enum_cls.__name__:
-        try:
-            return enum_cls[value.name]
-        except KeyError:
-            pass
-    raise TypeError(
-        f"{arg_name} expects a {enum_cls.__name__} member (from fsdp_wrap or "
-        f"torch's FSDP) but got {value!r} of type {type(value).__name__}"
-    )
-
-
-def coerce_dataclass(value: Any, cls: type[D], arg_name: str) -> D | None:
-    """Accept our config dataclass, or torch's dataclass of the same name."""
-    if value is None or isinstance(value, cls):
-        return value
-    if dataclasses.is_dataclass(value) and type(value).__name__ == cls.__name__:
-        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}  # type: ignore[arg-type]
-        return cls(**fields)
-    raise TypeError(
-        f"{arg_name} expects a {cls.__name__} but got {value!r} of type {type(value).__name__}"
-    )
 
 
 #: ``torch.serialization.skip_data(materialize_fake_tensors=...)`` (torch 2.5+) lets
@@ -192,92 +153,6 @@ def require_torch_save_skip_data() -> None:
             f"writing torch.save files tensor by tensor needs torch >= 2.5 (this is "
             f"{torch.__version__}); write safetensors instead (--format safetensors)"
         )
-
-
-def _load_malloc_trim() -> Callable[[], None]:
-    """glibc's ``malloc_trim(0)``, or a no-op where the C library has none."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError, TypeError):
-        return lambda: None
-
-    def release() -> None:
-        trim(0)
-
-    return release
-
-
-#: Hand freed heap memory back to the OS.  glibc serves large allocations from the
-#: heap once a large block has been freed (its mmap threshold adapts), so a loop
-#: that allocates and frees one big tensor after another keeps every freed block
-#: resident; the streaming checkpoint code calls this between tensors so that
-#: its peak stays about one tensor.
-release_freed_memory: Callable[[], None] = _load_malloc_trim()
-
-
-# ----------------------------------------------------------------- TorchDynamo
-
-_DYNAMO_RULES = "torch._dynamo.trace_rules"
-_dynamo_skip_requested = False
-
-
-def run_eagerly_under_dynamo() -> None:
-    """Make ``torch.compile`` run fsdp_wrap's own frames eagerly.
-
-    TorchDynamo skips torch's FSDP1 code (its files are torch's) and so
-    graph-breaks at every unit boundary, compiling the wrapped modules'
-    forward in between while the all-gathers, lazy init and hooks stay eager.
-    fsdp_wrap's package gets the same treatment through Dynamo's skip list
-    (``trace_rules.add``).  Importing Dynamo costs about a second, so if it is
-    not loaded yet the registration waits for its import (a one-shot
-    post-import hook) instead of forcing it.  Called at every FSDP
-    construction; cheap after the first.
-    """
-    global _dynamo_skip_requested
-    if _dynamo_skip_requested:
-        return
-    _dynamo_skip_requested = True
-    rules = sys.modules.get(_DYNAMO_RULES)
-    if rules is not None:
-        _skip_package(rules)
-    else:
-        sys.meta_path.insert(0, _AfterImport(_DYNAMO_RULES, _skip_package))
-
-
-def _skip_package(rules: Any) -> None:
-    add = getattr(rules, "add", None)  # torch >= 2.2
-    if add is not None:
-        add(__name__.split(".")[0])
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Run ``callback(module)`` right after ``name`` is first imported."""
-
-    def __init__(self, name: str, callback: Callable[[Any], None]) -> None:
-        self.name, self.callback = name, callback
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)  # one shot; the lookup below must not find us
-        spec = importlib.util.find_spec(fullname)
-        loader = getattr(spec, "loader", None)
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        exec_module = loader.exec_module
-        callback = self.callback
-
-        def exec_then_call(module: Any) -> None:
-            exec_module(module)
-            callback(module)
-
-        loader.exec_module = exec_then_call
-        return spec
-
 
 
 # ------------------------------------------------------------ torch's sentences

@@ -10,9 +10,11 @@ is what decides the memory/communication trade-off a user is choosing.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import Any, TypeVar
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -272,3 +274,41 @@ class OptimStateKeyType(Enum):
 
     PARAM_NAME = auto()
     PARAM_ID = auto()
+
+
+# ------------------------------------------- torch's own enums and configs
+
+E = TypeVar("E", bound=Enum)
+D = TypeVar("D")
+
+
+def coerce_enum(value: Any, enum_cls: type[E], arg_name: str) -> E | None:
+    """Accept our enum member, or torch's member of the same-named enum.
+
+    A script that swapped only the wrapper import may still pass
+    torch's own ``ShardingStrategy.FULL_SHARD`` (from torch's FSDP package); members are matched
+    by class name and member name, never by importing torch's FSDP.
+    """
+    if value is None or isinstance(value, enum_cls):
+        return value
+    if isinstance(value, Enum) and type(value).__name__ == enum_cls.__name__:
+        try:
+            return enum_cls[value.name]
+        except KeyError:
+            pass
+    raise TypeError(
+        f"{arg_name} expects a {enum_cls.__name__} member (from fsdp_wrap or "
+        f"torch's FSDP) but got {value!r} of type {type(value).__name__}"
+    )
+
+
+def coerce_dataclass(value: Any, cls: type[D], arg_name: str) -> D | None:
+    """Accept our config dataclass, or torch's dataclass of the same name."""
+    if value is None or isinstance(value, cls):
+        return value
+    if dataclasses.is_dataclass(value) and type(value).__name__ == cls.__name__:
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}  # type: ignore[arg-type]
+        return cls(**fields)
+    raise TypeError(
+        f"{arg_name} expects a {cls.__name__} but got {value!r} of type {type(value).__name__}"
+    )

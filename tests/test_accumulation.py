@@ -355,8 +355,9 @@ def _errors_and_warning() -> list[str]:
 def test_errors_and_the_clip_warning(pool4: Any) -> None:
     for rank, (not_bool, warned, finite, left, in_forward) in enumerate(pool4.run(_errors_and_warning)):
         assert not_bool.startswith("requires_all_reduce should be a bool, got <class 'int'>"), not_bool
-        assert f"[rank {rank}] set_reshard_after_backward() was called during forward/backward" \
-            in in_forward, in_forward
+        assert in_forward.startswith("expected to be in states") and f"[rank {rank}, " in in_forward \
+            and "set_reshard_after_backward() expects IDLE or SUMMON_FULL_PARAMS, the unit is in " \
+            "FORWARD_BACKWARD" in in_forward and "call it between iterations" in in_forward, in_forward
         assert "clip_grad_norm_() sees gradients without the micro-batches held in sharded " \
             "partial sums" in warned and "set_requires_all_reduce(False)" in warned, warned
         assert finite == "True" and left == "False"

@@ -103,8 +103,8 @@ def _sent_bytes(fn: Any, *args: Any, **kwargs: Any) -> int:
 def _trainable_shard_bytes(model: nn.Module) -> int:
     """Bytes of real (not padding) trainable elements in this rank's shards."""
     total = 0
-    for m in model.modules():
-        for h in m.__dict__.get("_handles", []):
+    for m in FSDP.fsdp_modules(model):
+        for h in m._handles:
             if h.flat_param.requires_grad:
                 for i in range(len(h.infos)):
                     sl = h.param_shard_slice(i)

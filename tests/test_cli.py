@@ -23,8 +23,9 @@ import torch
 import fsdp_wrap as fw
 from fsdp_wrap.cli import build_parser, main
 from fsdp_wrap.wrap import ModuleWrapPolicy
+from tests._plan_common import make_stack
 from tests._proc import run_bounded
-from tests.test_plan import Block, make_stack
+from tests.models import Block
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -79,19 +80,19 @@ def test_usage_errors_exit_2_and_failures_exit_1_in_one_line(
         (("run",), "give the command to run"),
         (("plan", "--world-size", "two"), "invalid int value"),
         (("demo", "--steps", "1"), "--steps must be at least 2"),
-        (("plan", "--world-size", "2", "--compare", "--plot", "x.png", "tests.test_plan:make_stack"),
+        (("plan", "--world-size", "2", "--compare", "--plot", "x.png", "tests._plan_common:make_stack"),
          "--plot draws one configuration"),
         (("nope",), "invalid choice"),
     ]
     for argv, text in usage:
         code, _, err = _run(capsys, *argv)
         assert code == 2 and text in err and "Traceback" not in err, (argv, err)
-    from fsdp_wrap import installer
+    from fsdp_wrap.frameworks import installer
 
     missing = str(tmp_path / "missing")
     failures = [
         (("ckpt", "inspect", missing), "missing"),
-        (("plan", "--world-size", "2", "tests.test_plan:no_such_factory"), "has no function"),
+        (("plan", "--world-size", "2", "tests._plan_common:no_such_factory"), "has no function"),
         # (not exec'd: no such command; without the start-up hook, that is the failure)
         (("run", "--", "no-such-command-anywhere-xyz"),
          "command not found" if installer.startup_hook_path() else "start-up hook"),
@@ -119,7 +120,7 @@ def test_plan_plot_shows_the_plans_peak(capsys: pytest.CaptureFixture[str], tmp_
     from fsdp_wrap.planning.plot import plot_plan
 
     path = str(tmp_path / "plan.png")
-    code, out, _ = _run(capsys, "plan", "tests.test_plan:make_stack", "--world-size", "4",
+    code, out, _ = _run(capsys, "plan", "tests._plan_common:make_stack", "--world-size", "4",
                         "--policy", "transformer:Block", "--plot", path, "--gpu-memory", "0.01")
     assert code == 0 and f"wrote {path}" in out
     assert os.path.getsize(path) > 10_000  # a real PNG, not an empty file
@@ -142,6 +143,6 @@ def test_without_matplotlib_the_error_says_how_to_get_it(
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    code, _, err = _run(capsys, "plan", "tests.test_plan:make_stack", "--world-size", "2",
+    code, _, err = _run(capsys, "plan", "tests._plan_common:make_stack", "--world-size", "2",
                         "--plot", str(tmp_path / "x.png"))
     assert code == 1 and "needs matplotlib" in err and "pip install" in err, err

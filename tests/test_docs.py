@@ -260,14 +260,18 @@ def _documented() -> set[str]:
 
 
 def _fsdp_public_attrs() -> dict[str, object]:
-    """The public attributes FullyShardedDataParallel defines: its own and the
-    optimizer-state API it inherits (``state_dict/optim_api.py``), not nn.Module's."""
+    """The public attributes FullyShardedDataParallel defines: its own and its
+    parts' (the classes of ``fsdp_wrap/fully_sharded_data_parallel/`` it
+    inherits), not nn.Module's."""
     import fsdp_wrap
-    from fsdp_wrap.state_dict.optim_api import OptimStateDictAPI
 
     FSDP = fsdp_wrap.FullyShardedDataParallel
-    assert issubclass(FSDP, OptimStateDictAPI)
-    own = {**vars(OptimStateDictAPI), **vars(FSDP)}
+    parts = [c for c in reversed(FSDP.__mro__)
+             if c.__module__.startswith("fsdp_wrap.fully_sharded_data_parallel")]
+    assert len(parts) >= 4, parts  # the class, torch's attributes, optimizer state, accumulation
+    own: dict[str, object] = {}
+    for cls in parts:
+        own.update(vars(cls))
     return {n: v for n, v in own.items() if not n.startswith("_")}
 
 

@@ -350,7 +350,8 @@ def _misuse() -> dict[str, str]:
     u[0].set_modules_to_forward_prefetch([u[1]])
     out["cycle"] = _raises(lambda: u[1].set_modules_to_forward_prefetch([u[0]]), ValueError,
                            "cycle", "'layers.1' -> 'layers.0' -> 'layers.1'")
-    out["cycle left unset"] = "" if not u[1]._explicit.forward_prefetch else "the cycle was kept"
+    kept = u[1]._fsdp_state._explicit.forward_prefetch
+    out["cycle left unset"] = "the cycle was kept" if kept else ""
     fw.register_fsdp_forward_method(nn.Linear(2, 2), "forward")  # not a unit: nothing (FSDP2's)
     # Phases: a setting changed, or reshard(), while a unit runs forward/backward.
     seen: dict[str, str] = {}
@@ -359,7 +360,7 @@ def _misuse() -> dict[str, str]:
         seen["set in forward"] = _raises(lambda: u[3].set_modules_to_backward_prefetch([u[2]]),
                                          ValueError, "during forward/backward")
         seen["reshard in forward"] = _raises(lambda: u[1].reshard(), ValueError,
-                                             "during its forward or backward")
+                                             "reshard() expects IDLE", "'layers.1'")
 
     hook = u[1].module.register_forward_pre_hook(in_forward)
     model(torch.randn(2, WIDTHS[0])).sum().backward()
@@ -370,7 +371,7 @@ def _misuse() -> dict[str, str]:
     # A CPU event is taken and dropped by the next forward, which runs as before.
     model.set_post_optim_event(torch.Event(device="cpu"))
     model(torch.randn(2, WIDTHS[0])).sum().backward()
-    out["event dropped"] = "" if model._explicit.post_optim_event is None else "event kept"
+    out["event dropped"] = "" if model._fsdp_state._explicit.post_optim_event is None else "event kept"
     bad = injected("misuse")
     if bad:
         out["injected"] = bad

@@ -23,7 +23,7 @@ from torch.distributed.fsdp._flat_param import HandleShardingStrategy
 
 from fsdp_wrap import FlatParameter, ShardingStrategy
 from fsdp_wrap.comm.collectives import divide_factors
-from fsdp_wrap.handle.config import HandleConfig
+from fsdp_wrap.handle.config import UnitSettings
 from fsdp_wrap.handle.flat_param import PADDING_VALUE, FlatParamHandle
 from fsdp_wrap.handle.layout import collect_unit_params
 from tests.models import Block, TinyTransformer
@@ -75,7 +75,7 @@ def units() -> dict[str, nn.Module]:
 
 def ours_handle(module: nn.Module, rank: int, ws: int, strategy: str, uop: bool) -> FlatParamHandle:
     params, shared = collect_unit_params(module, lambda m: False, set())
-    config = HandleConfig(
+    config = UnitSettings(
         device=CPU,
         strategy=ShardingStrategy[strategy],
         process_group=FakeGroup(rank, ws),  # type: ignore[arg-type]

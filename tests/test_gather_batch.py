@@ -230,7 +230,8 @@ def _copied_before_their_turn(batch_mb: float, uop: bool, bp: Any) -> list[str]:
         def take_gathered(rows: torch.Tensor) -> None:
             take(rows)
             if in_backward():
-                copies.append((j, bool(blocks[j]._ran_pre_backward)))
+                began = blocks[j]._handle._training_state.name.startswith("BACKWARD")
+                copies.append((j, began))
         return take_gathered
 
     for j, b in enumerate(blocks):

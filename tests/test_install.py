@@ -206,7 +206,7 @@ def test_startup_hook_and_fsdp_wrap_run() -> None:
     later, where PEFT is installed); ``fsdp-wrap run`` sets it."""
     import importlib.util
 
-    from fsdp_wrap import installer
+    from fsdp_wrap.frameworks import installer
 
     if installer.startup_hook_path() is None:
         pytest.skip(f"{installer.PTH_NAME} is not installed (fsdp_wrap not pip-installed here)")
@@ -272,23 +272,18 @@ def test_import_loads_neither_torchs_fsdp1_nor_dcp() -> None:
     assert out.strip().endswith("OK")
 
 
-def test_the_old_module_names_keep_their_public_names() -> None:
-    """``fsdp_wrap.installer`` (the start-up hook imports it) and
-    ``fsdp_wrap.installer_accelerate`` still hold every public name they had;
-    the objects are the frameworks package's."""
+def test_the_start_up_hook_imports_the_frameworks_installer() -> None:
+    """The line setup.py writes into the start-up hook imports
+    ``fsdp_wrap.frameworks.installer`` (the old shims ``fsdp_wrap.installer``
+    and ``fsdp_wrap.installer_accelerate`` are gone: CHANGELOG), and that
+    module holds the installer ``fsdp_wrap`` exports."""
     import fsdp_wrap
-    import fsdp_wrap.frameworks.accelerate as acc
-    import fsdp_wrap.frameworks.installer as new
-    import fsdp_wrap.installer as old
-    import fsdp_wrap.installer_accelerate as old_acc
+    import fsdp_wrap.frameworks.installer as installer
 
-    for name in ("ENV_VAR", "PTH_NAME", "install", "installed", "startup_hook_path",
-                 "uninstall", "install_from_env"):
-        assert getattr(old, name) is getattr(new, name), name
-    assert fsdp_wrap.install is new.install and fsdp_wrap.uninstall is new.uninstall
-    for name in ("MODULE", "FUNCTION", "original_in", "wrap"):
-        assert getattr(old_acc, name) is getattr(acc, name), name
-    assert callable(old_acc.unwrap_everywhere)
-    # the line setup.py writes into the start-up hook names the old module
     setup_py = open(os.path.join(ROOT, "setup.py"), encoding="utf-8").read()
-    assert "import_module('fsdp_wrap.installer').install_from_env()" in setup_py
+    assert "import_module('fsdp_wrap.frameworks.installer').install_from_env()" in setup_py
+    assert fsdp_wrap.install is installer.install and fsdp_wrap.uninstall is installer.uninstall
+    assert callable(installer.install_from_env)
+    package = os.path.dirname(fsdp_wrap.__file__)
+    for old in ("installer.py", "installer_accelerate.py"):
+        assert not os.path.exists(os.path.join(package, old)), old

@@ -6,13 +6,12 @@ with the same flat, padded and shard sizes and strategies, and after a few
 training steps every rank must hold exactly the planned bytes of sharded
 parameters, gradients and optimizer state (measured as distinct storages).
 Single-process tests cover the meta-device path, warnings, errors and the
-table.
+table; the command line is in ``tests/test_plan_cli.py``.
 """
 
 from __future__ import annotations
 
 import copy
-import sys
 import warnings
 from typing import Any
 
@@ -24,208 +23,20 @@ import torch.nn as nn
 import fsdp_wrap as fw
 from fsdp_wrap.planning import _memory
 from fsdp_wrap.wrap import (
-    CustomPolicy,
     ModuleWrapPolicy,
-    size_based_auto_wrap_policy,
-    transformer_auto_wrap_policy,
 )
-from tests.models import Block, FrozenModel, Mlp, TinyTransformer
-from tests.test_mixed_precision import BNBlock, BNNet
-
-# ---------------------------------------------------------------------------
-# configurations: (model, policy, FSDP kwargs, optimizer)
-# ---------------------------------------------------------------------------
-
-
-class Stack(nn.Module):
-    """Blocks of odd sizes plus an untied head: padding on every world size."""
-
-    def __init__(self, n: int = 4, d: int = 13) -> None:
-        super().__init__()
-        self.inp = nn.Linear(5, d)
-        self.blocks = nn.Sequential(*(Block(d, 2 * d + 1) for _ in range(n)))
-        self.head = nn.Linear(d, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(self.inp(x).unsqueeze(1))).squeeze(1)
-
-
-class MixedBlock(Block):
-    """A Block whose norm and mixing are a frozen bf16 base, its MLP's up
-    weight frozen fp32, the rest trainable fp32 (LoRA-like): three flat
-    parameters of different dtypes and ``requires_grad``."""
-
-    def __init__(self, d: int, h: int) -> None:
-        super().__init__(d, h)
-        self.norm.to(torch.bfloat16).requires_grad_(False)
-        self.mix.to(torch.bfloat16).requires_grad_(False)
-        self.mlp.up.weight.requires_grad_(False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mix = self.mix(self.norm(x.to(torch.bfloat16))).to(x.dtype)
-        return x + mix + self.mlp(x.to(self.mlp.up.weight.dtype)).to(x.dtype)
-
-
-class MixedDtype(nn.Module):
-    """MixedBlocks; in the root a frozen fp32 input layer beside a trainable head."""
-
-    def __init__(self, n: int = 2, d: int = 13) -> None:
-        super().__init__()
-        self.inp = nn.Linear(5, d)
-        self.inp.requires_grad_(False)
-        self.blocks = nn.Sequential(*(MixedBlock(d, 2 * d + 1) for _ in range(n)))
-        self.head = nn.Linear(d, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(self.inp(x).unsqueeze(1))).squeeze(1)
-
-
-MODELS: dict[str, Any] = {
-    "stack": (Stack, lambda g: torch.randn(3, 5, generator=g)),
-    "transformer": (TinyTransformer, lambda g: torch.randint(0, 11, (2, 5), generator=g)),
-    "frozen_mixed": (lambda: FrozenModel(mixed=True), lambda g: torch.randn(2, 4, 5, generator=g)),
-    "bn": (BNNet, lambda g: torch.randn(4, 5, generator=g)),
-    "mixed_dtype": (MixedDtype, lambda g: torch.randn(3, 5, generator=g)),
-}
-
-
-def _policy(name: str) -> Any:
-    if name == "blocks":
-        return ModuleWrapPolicy({Block})
-    if name == "nested":
-        return ModuleWrapPolicy({Block, Mlp})
-    if name == "transformer_fn":
-        import functools
-
-        return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
-    if name == "size":
-        import functools
-
-        return functools.partial(size_based_auto_wrap_policy, min_num_params=200)
-    if name == "custom":
-        # Blocks are units; the first one keeps its parameters after forward.
-        def decide(m: nn.Module) -> Any:
-            if not isinstance(m, Block):
-                return False
-            return {"sharding_strategy": fw.ShardingStrategy.SHARD_GRAD_OP} if m.first else True
-
-        return CustomPolicy(decide)
-    if name == "bn":
-        return ModuleWrapPolicy({BNBlock})
-    if name == "none":
-        return None
-    raise ValueError(name)
-
-
-def _configs() -> list[dict[str, Any]]:
-    out = []
-
-    def add(model: str, policy: str, opt: str = "adam", **kw: Any) -> None:
-        out.append(dict(model=model, policy=policy, opt=opt, kw=kw, idx=len(out)))
-
-    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
-        for uop in (False, True):
-            add("stack", "blocks", "adam", sharding_strategy=strategy, use_orig_params=uop)
-    add("stack", "nested", "sgd-momentum", use_orig_params=True)
-    add("stack", "transformer_fn", "sgd")
-    add("stack", "size", "adam", sharding_strategy="SHARD_GRAD_OP")
-    add("stack", "custom", "adam", use_orig_params=True)
-    add("stack", "none", "adam")
-    add("transformer", "blocks", "adam", use_orig_params=True)  # tied weights, a buffer
-    add("transformer", "blocks", "adam", ignored_modules="blocks.1")
-    add("frozen_mixed", "nested", "adam", use_orig_params=True)  # frozen params: no state
-    # Units split into frozen and trainable flat parameters (and dtypes): frozen
-    # ones hold no gradient or optimizer state (issue 20 item 6).
-    add("frozen_mixed", "blocks", "adam")
-    add("frozen_mixed", "none", "sgd-momentum", sharding_strategy="SHARD_GRAD_OP")
-    for strategy in ("FULL_SHARD", "NO_SHARD"):
-        for uop in (False, True):
-            add("mixed_dtype", "blocks", "adam", sharding_strategy=strategy, use_orig_params=uop)
-    add("mixed_dtype", "blocks", "adam", mixed_precision=dict(param_dtype=torch.bfloat16))
-    add("stack", "blocks", "adam", mixed_precision=dict(param_dtype=torch.bfloat16))
-    # fp16 gradients next to fp32 parameters: Adam refuses them, SGD takes them.
-    add("stack", "blocks", "sgd-momentum", use_orig_params=True,
-        mixed_precision=dict(param_dtype=torch.float16, keep_low_precision_grads=True))
-    add("bn", "bn", "adam", mixed_precision=dict(param_dtype=torch.bfloat16))  # BN units added
-    add("stack", "blocks", "adam", cpu_offload=True, use_orig_params=True)
-    return out
-
-
-def _kwargs(cfg: dict[str, Any], model: nn.Module) -> dict[str, Any]:
-    kw = dict(cfg["kw"])
-    if "sharding_strategy" in kw:
-        kw["sharding_strategy"] = fw.ShardingStrategy[kw["sharding_strategy"]]
-    if "mixed_precision" in kw:
-        kw["mixed_precision"] = fw.MixedPrecision(**kw["mixed_precision"])
-    if kw.pop("cpu_offload", False):
-        kw["cpu_offload"] = fw.CPUOffload(offload_params=True)
-    if "ignored_modules" in kw:
-        kw["ignored_modules"] = [model.get_submodule(kw["ignored_modules"])]
-    kw["auto_wrap_policy"] = _policy(cfg["policy"])
-    return kw
-
-
-def _new_model(cfg: dict[str, Any]) -> nn.Module:
-    torch.manual_seed(cfg["idx"])
-    model = MODELS[cfg["model"]][0]()
-    for i, m in enumerate(x for x in model.modules() if isinstance(x, Block)):
-        m.first = i == 0  # type: ignore[assignment]
-    return model
-
-
-def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
-    if kind in ("adam", "adamw"):
-        return torch.optim.Adam(params, lr=1e-3)
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9 if kind == "sgd-momentum" else 0.0)
-
-
-# ---------------------------------------------------------------------------
-# measuring what a rank holds
-# ---------------------------------------------------------------------------
-
-
-def _bytes(tensors: Any) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views counted once)."""
-    seen: dict[tuple[int, str], int] = {}
-    for t in tensors:
-        if t is None:
-            continue
-        st = t.untyped_storage()
-        key = (st.data_ptr(), str(t.device)) if st.nbytes() else (id(st), str(t.device))
-        seen[key] = st.nbytes()
-    return sum(seen.values())
-
-
-def held(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
-    """Sharded parameters, gradients and optimizer state this rank holds for FSDP's units."""
-    handles = [h for u in fw.FullyShardedDataParallel.fsdp_modules(model) for h in u._handles]
-    params = [h.flat_param for h in handles] + [i.param for h in handles for i in h.infos]
-    managed = set(params)
-    state = [v for p, st in opt.state.items() if p in managed for v in st.values()
-             if torch.is_tensor(v)]
-    return {
-        "params": _bytes(p.data for p in params),
-        "grads": _bytes(p.grad for p in params),
-        "optimizer": _bytes(state),
-    }
-
-
-def _real_units(model: nn.Module) -> dict[str, tuple[Any, ...]]:
-    """Per unit, per flat parameter in order: sizes, strategy, dtype, requires_grad."""
-    out = {}
-    for st in fw.FullyShardedDataParallel.fsdp_modules(model):
-        if st._handles:
-            out[st._handles[0].unit_fqn] = tuple(
-                (h.unpadded_numel, h.padded_numel, h.shard_numel, st.sharding_strategy.name,
-                 str(h.orig_dtype), h.flat_param.requires_grad) for h in st._handles)
-    return out
-
-
-def _planned_units(p: fw.Plan) -> dict[str, tuple[Any, ...]]:
-    return {u.fqn: tuple((f.layout.unpadded_numel, f.layout.padded_numel, f.layout.shard_numel,
-                          f.strategy.name, str(f.dtype), f.requires_grad) for f in u.flats)
-            for u in p.units}
-
+from tests._plan_common import (
+    MODELS,
+    Stack,
+    _configs,
+    _kwargs,
+    _new_model,
+    _optimizer,
+    _planned_units,
+    _real_units,
+    held,
+)
+from tests.models import Block
 
 # ---------------------------------------------------------------------------
 # worker: plan vs real, every config
@@ -549,141 +360,3 @@ def test_torch_enums_and_configs_are_accepted() -> None:
                      sharding_strategy=tfsdp.ShardingStrategy.SHARD_GRAD_OP,
                      mixed_precision=tfsdp.MixedPrecision(param_dtype=torch.bfloat16))
     assert ours.memory == theirs.memory and ours.units == theirs.units
-
-
-# ---------------------------------------------------------------------------
-# the command line
-# ---------------------------------------------------------------------------
-
-
-def make_stack(n: int = 4, d: int = 64) -> nn.Module:
-    """A factory for ``fsdp-wrap plan tests.test_plan:make_stack``."""
-    return Stack(n=n, d=d)
-
-
-def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
-    from fsdp_wrap.cli import main
-
-    assert main(["plan", *argv]) == 0
-    return capsys.readouterr().out
-
-
-def test_cli_table_json_and_compare(capsys: pytest.CaptureFixture[str]) -> None:
-    import json
-
-    out = _cli(capsys, "tests.test_plan:make_stack", "--factory-kwargs", '{"n": 3}',
-               "--world-size", "8", "--policy", "transformer:Block")
-    assert "blocks.0 .. blocks.2 (3 units)" in out and "peak, without activations" in out
-    data = json.loads(_cli(capsys, "tests.test_plan:make_stack", "--world-size", "4",
-                           "--policy", "transformer:Block", "--mixed-precision", "bf16",
-                           "--offload", "--json"))
-    want = fw.plan(make_stack(), 4, auto_wrap_policy=ModuleWrapPolicy({Block}),
-                   mixed_precision=fw.MixedPrecision(param_dtype=torch.bfloat16),
-                   cpu_offload=fw.CPUOffload(True))
-    assert data == json.loads(json.dumps(want.to_dict()))
-    out = _cli(capsys, "tests.test_plan:make_stack", "--world-size", "8", "--policy",
-               "size:1000", "--compare", "--gpu-memory", "0.0001")
-    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
-        assert out.count(strategy) == 4  # offload x precision
-    assert "fits" in out and " no" in out
-
-
-def test_cli_hf_config_and_auto_policy(capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("transformers")
-    import json
-
-    cfg = json.dumps({"model_type": "gpt2", "n_layer": 3, "n_embd": 64, "n_head": 4,
-                      "vocab_size": 1000, "n_positions": 32})
-    data = json.loads(_cli(capsys, "--hf-config", cfg, "--world-size", "4", "--json"))
-    # auto: transformers' _no_split_modules (GPT2Block) become the units.
-    assert [u["fqn"] for u in data["units"]] == ["", "transformer.h.0", "transformer.h.1",
-                                                 "transformer.h.2"]
-    assert data["units"][1]["module"] == "GPT2Block"
-
-
-def test_cli_llama_7b_config_plans_on_the_meta_device(capsys: pytest.CaptureFixture[str]) -> None:
-    """A 7B-class model is planned without allocating it (the docs' worked example)."""
-    pytest.importorskip("transformers")
-    import json
-
-    cfg = json.dumps({"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
-                      "num_hidden_layers": 32, "num_attention_heads": 32,
-                      "num_key_value_heads": 32, "vocab_size": 32000})
-    data = json.loads(_cli(capsys, "--hf-config", cfg, "--world-size", "64", "--json",
-                           "--mixed-precision", "bf16"))
-    assert data["total_params"] == 6_738_415_616
-    assert len(data["units"]) == 33
-    # Parameters fp32, sharded over 64 ranks; Adam: two states of the same size.
-    assert data["memory"]["params_device"] == sum(u["shard_bytes"] for u in data["units"])
-    assert data["memory"]["optimizer_device"] == 2 * data["memory"]["params_device"]
-
-
-def test_cli_peft_lora(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """``--peft lora:...``: the adapters are the only trainable parameters; the
-    plan equals ``fw.plan`` of the same PEFT model built by hand; a bad spec is a
-    usage error before anything is built; without peft the error names the extra."""
-    pytest.importorskip("transformers")
-    pytest.importorskip("peft")
-    import json
-
-    from fsdp_wrap.cli import main
-
-    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
-           "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100}
-    data = json.loads(_cli(capsys, "--hf-config", json.dumps(cfg), "--world-size", "2",
-                           "--json", "--peft", "lora:r=4,targets=q_proj,v_proj,alpha=8"))
-    # Per layer: q_proj and v_proj (64 -> 64) each get A (4 x 64) and B (64 x 4).
-    assert [u["trainable_params"] for u in data["units"]] == [0, 2 * 2 * 4 * 64, 2 * 2 * 4 * 64]
-    assert [[f["requires_grad"] for f in u["flat_params"]] for u in data["units"]] == [
-        [False], [True, False], [True, False]]
-    layer = data["units"][1]["flat_params"][0]
-    assert data["memory"]["grads_device"] == 2 * layer["shard_numel"] * 4
-    assert data["memory"]["optimizer_device"] == 2 * data["memory"]["grads_device"]
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8,
-                                                 target_modules=["q_proj", "v_proj"]))
-    want = fw.plan(model, 2, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}))
-    assert data == json.loads(json.dumps(want.to_dict()))
-
-    for spec, text in (("lora:r=0", "r must be at least 1"), ("ia3:r=4", "supports lora"),
-                       ("lora:r=4,bogus=1", "unknown key 'bogus'"),
-                       ("lora:q_proj", "is not KEY=VALUE"), ("lora:r=four", "is not int")):
-        assert main(["plan", "tests.test_plan:no_such_factory", "--world-size", "2",
-                     "--peft", spec]) == 2, spec  # before the factory is looked up
-        assert text in capsys.readouterr().err, spec
-    monkeypatch.setitem(sys.modules, "peft", None)  # as if not installed
-    assert main(["plan", "tests.test_plan:make_stack", "--world-size", "2",
-                 "--peft", "lora:r=4,targets=mix"]) == 1
-    err = capsys.readouterr().err
-    assert "pip install 'fsdp_wrap[finetune]'" in err and err.count("\n") == 1, err
-
-
-def test_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    """Usage errors exit 2, failures 1, each one line on stderr (tests/test_cli.py: the rest)."""
-    from fsdp_wrap.cli import main
-
-    cases = [
-        (1, "no module class named", ["tests.test_plan:make_stack", "--policy", "transformer:Nope"]),
-        (2, "either MODULE:FACTORY or --hf-config", []),
-        (2, "unknown --policy", ["tests.test_plan:make_stack", "--policy", "bogus"]),
-        (1, "cannot import 'no_such_module_here'", ["no_such_module_here:build"]),
-        (2, "expected MODULE:FACTORY", ["tests.test_plan"]),
-    ]
-    for code, text, argv in cases:
-        assert main(["plan", "--world-size", "2", *argv]) == code, argv
-        err = capsys.readouterr().err
-        assert text in err and "Traceback" not in err and err.count("\n") == 1, err
-
-
-def test_plan_refuses_what_the_constructor_refuses_without_a_policy() -> None:
-    """The handle's own checks run for every planned unit, not only the wrap pass's."""
-    with torch.device("meta"):
-        scalar = Stack()
-        scalar.register_parameter("gain", nn.Parameter(torch.tensor(1.0)))
-    with pytest.raises(ValueError, match="doesn't support scalar parameters. Change gain"):
-        fw.plan(scalar, 2)

@@ -154,7 +154,7 @@ def test_cli_takes_the_batch_cap(capsys: pytest.CaptureFixture[str],
     monkeypatch.delenv(ALL_GATHER_BATCH_ENV, raising=False)
     forward = {}
     for cap in ("0", "1"):
-        assert main(["plan", "tests.test_plan:make_stack", "--world-size", "2", "--device",
+        assert main(["plan", "tests._plan_common:make_stack", "--world-size", "2", "--device",
                      "cpu", "--policy", "transformer:Block", "--all-gather-batch-mb", cap,
                      "--json"]) == 0
         data = json.loads(capsys.readouterr().out)

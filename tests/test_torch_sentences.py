@@ -56,18 +56,13 @@ SENTENCES: dict[str, list[str]] = {
     "demo/launch.py": [
         'The `NO_SHARD` sharding strategy is deprecated',
     ],
-    "fully_sharded_data_parallel.py": [
+    "fully_sharded_data_parallel/facade.py": [
         'A communication hook is already registered',
-        'Called FSDP.clip_grad_norm_() on rank',
         'Communication hook is not supported for hybrid strategies:',
         'FSDP will not all-gather parameters for containers that do not implement forward:',
         'The communication hook must be callable but got',
-        '`clip_grad_norm_()` should only be called on the root FSDP instance',
         '`no_sync()` on inner FSDP instances is not supported. Please call `no_sync()` on root FSDP module.',
-        'but current state is',
-        'expected to be in states',
         'register_comm_hook can only be called on a root instance.',
-        'with no gradients -- returning the total norm in the default dtype',
     ],
     "handle/flat_param.py": [
         'FSDP_USE_FULL_PREC_IN_EVAL',
@@ -90,22 +85,11 @@ SENTENCES: dict[str, list[str]] = {
     ],
     "runtime/construct.py": [
         'Cannot pass both ignored_modules and ignored_states at the same time. Please just pass ignored_states.',
-        'Cannot pass both process_group and device_mesh at the same time. Please just pass only one of them.',
-        'Default process group has not been initialized, please make sure to call init_process_group.',
-        'Expected device_mesh to have ndim=2 but got',
-        'Expected process_group to be passed in as either None or Tuple[dist.ProcessGroup, dist.ProcessGroup] but got',
-        'FSDP is switching to use `NO_SHARD` instead of',
-        'FSDP only supports single device modules but got params on',
-        'Manual wrapping with',
-        'The `NO_SHARD` sharding strategy is deprecated. If having issues, please use `DistributedDataParallel` instead.',
-        'To support a module with both CPU and GPU params, please pass in device_id argument.',
         'Trying to ignore the top-level module passed into the FSDP constructor itself will result in all parameters being ignored and is not well-supported',
         '`ignored_modules` should be an iterable of `torch.nn.Module`s',
         '`ignored_modules` should not include FSDP modules',
         'ignored_modules expects nn.Module list elements but got types',
         'ignored_states expects all nn.Parameter or all nn.Module list elements but got types',
-        'requires explicit specification of process group or device_mesh.',
-        'since the world size is 1.',
         'to be callable but got',
     ],
     "runtime/exec_order.py": [
@@ -123,8 +107,30 @@ SENTENCES: dict[str, list[str]] = {
         'does not have a method',
         'reshard_after_forward should be a bool, got',
     ],
+    "runtime/grad_norm.py": [
+        'Called FSDP.clip_grad_norm_() on rank',
+        '`clip_grad_norm_()` should only be called on the root FSDP instance',
+        'with no gradients -- returning the total norm in the default dtype',
+    ],
     "runtime/hooks.py": [
         'FSDP_USE_FULL_PREC_IN_EVAL',
+    ],
+    "runtime/settings.py": [
+        'Cannot pass both process_group and device_mesh at the same time. Please just pass only one of them.',
+        'Default process group has not been initialized, please make sure to call init_process_group.',
+        'Expected device_mesh to have ndim=2 but got',
+        'Expected process_group to be passed in as either None or Tuple[dist.ProcessGroup, dist.ProcessGroup] but got',
+        'FSDP is switching to use `NO_SHARD` instead of',
+        'FSDP only supports single device modules but got params on',
+        'Manual wrapping with',
+        'The `NO_SHARD` sharding strategy is deprecated. If having issues, please use `DistributedDataParallel` instead.',
+        'To support a module with both CPU and GPU params, please pass in device_id argument.',
+        'requires explicit specification of process group or device_mesh.',
+        'since the world size is 1.',
+    ],
+    "runtime/state.py": [
+        'but current state is',
+        'expected to be in states',
     ],
     "runtime/summon.py": [
         'Cannot manually unshard parameters during forward/backward',

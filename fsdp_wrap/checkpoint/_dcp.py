@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 import fsdp_wrap._compat as _compat
+from fsdp_wrap.checkpoint._memory import release_freed_memory
 
 METADATA_FILE = ".metadata"
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
@@ -104,7 +105,7 @@ class DcpCheckpoint:
         """Read ``t`` whole (DCP assembles its chunks) into fresh memory."""
         out = torch.empty(t.shape, dtype=t.dtype)
         self._load({t.fqn: out})
-        _compat.release_freed_memory()  # DCP's per-chunk temporaries
+        release_freed_memory()  # DCP's per-chunk temporaries
         return out
 
     def load_object(self, e: DcpEntry) -> Any:

@@ -161,7 +161,7 @@ def load(
     objects: dict[str, Any],
 ) -> None:
     """Read this rank's chunks, then ``optim_state_dict_to_load`` (a collective, no gather)."""
-    layout = CH.chunk_layout(root, False)
+    layout = CH.chunk_layout(root._fsdp_state, False)
     state: dict[str, dict[str, Any]] = {}
     files: dict[str, Any] = {}
     try:

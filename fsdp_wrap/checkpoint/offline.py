@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-import fsdp_wrap._compat as _compat
 import fsdp_wrap.checkpoint._atomic as _atomic
 import fsdp_wrap.checkpoint._safetensors as _safetensors
+from fsdp_wrap.checkpoint._memory import release_freed_memory
 from fsdp_wrap.checkpoint._offline_sources import (
     Leaf,
     Source,
@@ -277,7 +277,7 @@ def _write_torch(path: str, leaves: Sequence[Leaf], bar: Progress) -> None:
     for ph in writer.write_skeleton(obj):
         lf = of_placeholder[id(ph)]
         writer.fill(lf.load())
-        _compat.release_freed_memory()
+        release_freed_memory()
         bar.step(lf.nbytes)
     writer.finish(fsync=True)
 
@@ -328,7 +328,7 @@ def _write_safetensors(
         try:
             for lf in tensors:
                 writer.write(names[id(lf)], lf.load())
-                _compat.release_freed_memory()
+                release_freed_memory()
                 bar.step(lf.nbytes)
             writer.close()
         finally:

@@ -36,7 +36,7 @@ import fsdp_wrap.cli.demo as demo_cmd
 import fsdp_wrap.cli.plan as plan_cmd
 import fsdp_wrap.cli.run as run_cmd
 import fsdp_wrap.cli.trace as trace_cmd
-from fsdp_wrap._compat import __version__
+from fsdp_wrap import __version__
 from fsdp_wrap.cli._common import (
     EXIT_FAILURE,
     EXIT_USAGE,

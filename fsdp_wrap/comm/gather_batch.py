@@ -60,14 +60,18 @@ class GatherUnit(Protocol):
     (``fsdp_wrap.handle.flat_param.FlatParamHandle``; the layer above)."""
 
     flat_param: torch.nn.Parameter
-    unit_fqn: str
-    world_size: int
-    device: torch.device
-    process_group: ProcessGroup
     compute_dtype: torch.dtype
     async_gathers: bool
     wire: Wire
 
+    @property
+    def unit_fqn(self) -> str: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def process_group(self) -> ProcessGroup: ...
     @property
     def computes_in_full_precision(self) -> bool: ...
     @property

@@ -10,6 +10,6 @@
   and the function wrapper the framework modules share.
 
 Nothing in the library imports this package; ``fsdp_wrap.install`` is
-re-exported by ``fsdp_wrap/__init__``, and ``fsdp_wrap.installer`` (what the
-start-up hook imports) keeps the public names where they were.
+re-exported by ``fsdp_wrap/__init__``, and the start-up hook imports
+:mod:`fsdp_wrap.frameworks.installer`.
 """

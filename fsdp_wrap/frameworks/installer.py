@@ -25,6 +25,10 @@ one module of this package per framework:
   FSDP`` done before ``install()``) is rebound to fsdp_wrap's, torch's own
   FSDP1 internals (``torch.distributed.fsdp._*``) excepted, so torch's FSDP1
   keeps working for anyone holding it directly;
+* torch's private FSDP1 names that RL trainers use
+  (:mod:`fsdp_wrap.frameworks.torch_private`): ``_lazy_init``, a unit's
+  ``_device_handle``, a handle's ``_offload_params`` and ``flat_param_to``,
+  a flat parameter's ``_local_shard``, with torch's behaviour;
 * Accelerate (:mod:`fsdp_wrap.frameworks.accelerate`): its sharded optimizer
   load is made exact for fsdp_wrap's units;
 * PEFT (:mod:`fsdp_wrap.frameworks.peft`): its adapter state-dict functions
@@ -47,7 +51,8 @@ from typing import Any
 import fsdp_wrap.frameworks.accelerate as _accelerate
 import fsdp_wrap.frameworks.peft as _peft
 import fsdp_wrap.frameworks.torch_fsdp as _torch_fsdp
-from fsdp_wrap._compat import __version__
+import fsdp_wrap.frameworks.torch_private as _torch_private
+from fsdp_wrap import __version__
 from fsdp_wrap.frameworks._patches import FunctionWraps, importers, unwrap_everywhere
 
 __all__ = ["ENV_VAR", "PTH_NAME", "install", "install_from_env", "installed",
@@ -87,6 +92,7 @@ def install(verbose: bool = True) -> None:
         originals: dict[int, Any] = {}
         modules = _torch_fsdp.module_patches(patches, originals)
         _torch_fsdp.dcp_patches(patches, originals)
+        _torch_private.patches(patches, originals)
         for wraps in _FUNCTION_WRAPS:
             wraps.plan(patches, originals, applied_later=_applied.append)
         skip = set(modules) | {w.module_name for w in _FUNCTION_WRAPS}

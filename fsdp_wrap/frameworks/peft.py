@@ -91,8 +91,9 @@ def _placement(module: nn.Module) -> tuple[nn.Module, str] | None:
         elif "_fsdp_wrapped_module" in m._modules:  # torch's FSDP1: not ours to change
             return None
     best: tuple[nn.Module, str] | None = None
-    for unit in live_units():
-        if unit.__dict__.get("_is_root") is False or unit is module:
+    for state in live_units():
+        unit = state.module
+        if state._is_root is False or unit is module:
             continue  # (a nested unit: its root is searched instead)
         for name, m in unit.named_modules():
             if m is module and (best is None or len(name) > len(best[1])):

@@ -23,17 +23,27 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
+from typing import Callable
 
 import torch
 import torch.nn as nn
+from torch.distributed import ProcessGroup
 
 import fsdp_wrap.comm.collectives as C
 import fsdp_wrap.comm.labels as L
 import fsdp_wrap.comm.reduce as R
-from fsdp_wrap.api import RESHARD_AFTER_FORWARD, SHARDED_STRATEGIES
+from fsdp_wrap.api import ShardingStrategy
 from fsdp_wrap.comm.quant.wire import EXACT, Wire
-from fsdp_wrap.handle.config import HandleConfig
-from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME, FlatParameter, HandleState, _Gathered
+from fsdp_wrap.handle.config import UnitSettings
+from fsdp_wrap.handle.flat_tensor import (
+    FLAT_PARAM_NAME,
+    FlatParameter,
+    HandleState,
+    HandleTrainingState,
+    _Gathered,
+    gather_source,
+    to_cpu,
+)
 from fsdp_wrap.handle.grads import FlatGrads
 from fsdp_wrap.handle.layout import (
     PADDING_VALUE,
@@ -42,6 +52,7 @@ from fsdp_wrap.handle.layout import (
     ParamInfo,
     SharedParamInfo,
     alignment,
+    alignment_padding_mask,
     check_flat_group,
     check_unit_params,
     flatten_params,
@@ -49,7 +60,12 @@ from fsdp_wrap.handle.layout import (
     shard_from_params,
 )
 from fsdp_wrap.handle.views import ParamViews
-from fsdp_wrap.handle.writeback import write_back_orig_params
+from fsdp_wrap.handle.writeback import (
+    adopt_replaced_data,
+    check_still_frozen,
+    check_unchanged_since_forward,
+    write_back_orig_params,
+)
 
 __all__ = [
     "PADDING_VALUE",
@@ -60,16 +76,19 @@ __all__ = [
 class FlatParamHandle:
     """Owns one unit's flat parameter: layout, shard, unshard, reshard, reduce.
 
-    Nothing outside this class mutates ``flat_param``, the local shard or the
-    unsharded buffer; the runtime calls the methods below.
+    Nothing outside this class and its parts mutates ``flat_param``, the local
+    shard, the unsharded buffers or the gradient; the runtime, state dicts and
+    summon call the methods below.
     """
+
+    training_state: HandleTrainingState
 
     def __init__(
         self,
         module: nn.Module,
         params: Sequence[tuple[str, nn.Module, str, nn.Parameter]],
         shared: Sequence[tuple[str, nn.Module, str, int]],
-        config: HandleConfig,
+        config: UnitSettings,
         unit_fqn: str = "",
         flat_name: str = FLAT_PARAM_NAME,
     ) -> None:
@@ -80,13 +99,6 @@ class FlatParamHandle:
         self.flat_name = flat_name
         self.module = module  # the unit's wrapped module
         self._unit_fqn = unit_fqn
-        self.device, self.strategy = config.device, config.strategy
-        self.process_group, self.replicate_group = config.process_group, config.replicate_group
-        self.rank, self.world_size = config.rank, config.world_size
-        self.use_orig_params = config.use_orig_params
-        self.uses_sharded_strategy = config.strategy in SHARDED_STRATEGIES
-        self.reshard_after_forward = config.strategy in RESHARD_AFTER_FORWARD
-        self.offload_params = config.offload_params
         # Accelerators gather asynchronously (overlapping compute on the
         # communication stream).  On CPU an asynchronous prefetch competes with
         # compute for the cores, and gloo's all-gather (used under 1 MiB; larger
@@ -95,20 +107,68 @@ class FlatParamHandle:
         # keeps CPU gathers synchronous.
         self.async_gathers = config.device.type != "cpu" or not config.limit_all_gathers
         self._skip_writeback_check = os.environ.get("FSDP_SKIP_WRITEBACK_CHECK", "") == "1"
-        self._use_full_prec_in_eval = config.use_full_prec_in_eval  # FSDP_USE_FULL_PREC_IN_EVAL
         where = f"(rank {self.rank}, FSDP unit '{unit_fqn or '<root>'}')"
         check_unit_params(params, where, self.use_orig_params)
         check_flat_group(params, where, self.use_orig_params)
         self._init_layout(params, shared)
         flat = self._init_flat_param(params)
         self._init_parts()
-        self._release_original_storage()
+        self.views.release_originals(self.device)  # (the flat parameter holds the data now)
         if not self.use_orig_params:
-            module._parameters[self.flat_name] = self.flat_param
+            self.register_flat_param(True)
             self.views.install_stale(flat)
         if flat.untyped_storage().data_ptr() != self.local_shard.untyped_storage().data_ptr():
             flat.untyped_storage().resize_(0)
         self.use_sharded_views()
+
+    # -------------------------------------------------------------- phases
+
+    def enter(self, phase: HandleTrainingState) -> None:
+        """Move to ``phase`` (the only writer of :attr:`training_state`)."""
+        self.training_state = phase
+
+    def expect_phase(self, allowed: tuple[HandleTrainingState, ...], action: str) -> None:
+        """:meth:`_expect` the handle in one of ``allowed`` before ``action``."""
+        self._expect(self.training_state in allowed,
+                     f"the handle training to be {' or '.join(p.name for p in allowed)}",
+                     self.training_state.name, action)
+
+    @property
+    def _training_state(self) -> HandleTrainingState:  # (torch's name; frameworks read it)
+        return self.training_state
+
+    def _expect(self, holds: bool, expected: str, got: str, action: str) -> None:
+        """The handle's one check: ``AssertionError`` (torch's type for these)
+        unless ``holds``, naming the rank, the unit, the flat parameter, what was
+        expected and what was found."""
+        if not holds:
+            raise AssertionError(
+                f"Expects {expected} but got {got} [rank {self.rank}, FSDP unit "
+                f"'{self.unit_fqn or '<root>'}', {self.flat_name}]: {action}")
+
+    # ------------------------------------------------- the unit's settings
+    # (read from the one object the unit holds, never copied onto the handle)
+
+    @property
+    def device(self) -> torch.device: return self.config.device
+    @property
+    def strategy(self) -> ShardingStrategy: return self.config.strategy
+    @property
+    def process_group(self) -> ProcessGroup: return self.config.process_group
+    @property
+    def replicate_group(self) -> ProcessGroup | None: return self.config.replicate_group
+    @property
+    def rank(self) -> int: return self.config.rank
+    @property
+    def world_size(self) -> int: return self.config.world_size
+    @property
+    def use_orig_params(self) -> bool: return self.config.use_orig_params
+    @property
+    def uses_sharded_strategy(self) -> bool: return self.config.uses_sharded_strategy
+    @property
+    def reshard_after_forward(self) -> bool: return self.config.reshard_after_forward
+    @property
+    def offload_params(self) -> bool: return self.config.offload_params
 
     def _init_layout(
         self, params: Sequence[tuple[str, nn.Module, str, nn.Parameter]],
@@ -157,7 +217,9 @@ class FlatParamHandle:
         self.shard_offset = self.layout.shard_offset(self.rank)
         self.shard_valid_numel = self.layout.shard_valid_numel(self.rank)
         self._shard_slices = self.layout.shard_slices(self.rank)
-        self._pad_mask = self._alignment_padding_mask() if self.wire.weights else None
+        self._pad_mask = (alignment_padding_mask(self.shard_numel, self.shard_valid_numel,
+                                                 self._shard_slices, self.device)
+                          if self.wire.weights else None)
 
     def _init_flat_param(self, params: Sequence[tuple[str, nn.Module, str, nn.Parameter]]
                          ) -> torch.Tensor:
@@ -180,7 +242,7 @@ class FlatParamHandle:
             for info in self.infos:
                 info.param.__dict__.pop(VALUES_PENDING, None)
             if self.offload_params:
-                self.local_shard = self._to_shard_device(self.local_shard, pin=True)
+                self.local_shard = to_cpu(self.local_shard, pin=self.device.type == "cuda")
         self.flat_param = FlatParameter.make(self.local_shard, requires_grad, self.infos)
         # The shard as ``.data`` (torch's ``_local_shard``): same memory, its own
         # version counter, so writing into it (summon write-back between a
@@ -191,7 +253,8 @@ class FlatParamHandle:
         # precision for summon_full_params and state dicts.
         self._gathered = {False: _Gathered(), True: _Gathered()}
         self._current: _Gathered | None = None
-        self.state = HandleState.SHARDED
+        self.state = HandleState.SHARDED  # (changed by finish_unshard / reshard only)
+        self.training_state = HandleTrainingState.IDLE  # (set through enter())
         return flat
 
     def _init_parts(self) -> None:
@@ -199,11 +262,12 @@ class FlatParamHandle:
         self.grads = FlatGrads(
             self.flat_param, self.infos, self.layout, self._shard_slices,
             self._reduce_spec, use_orig_params=self.use_orig_params, device=self.device,
-            to_shard_device=self._to_shard_device, shard_device=self.shard_device,
+            to_shard_device=to_cpu, shard_device=self.shard_device,
             dtypes=(self.orig_dtype, self.compute_dtype, self.reduce_dtype),
             keep_low_precision_grads=self.config.keep_low_precision_grads,
+            shard_offset=self.shard_offset,
         )
-        self.grads.unit_name = self._unit_fqn
+        self.grads.unit_name = self._unit_fqn  # (named in profiler labels of its reductions)
         self.views = ParamViews(
             self.module, self.infos, self.shared, self.layout, self._shard_slices,
             use_orig_params=self.use_orig_params, sharded=self.uses_sharded_strategy,
@@ -211,49 +275,9 @@ class FlatParamHandle:
         )
 
     def adopt_flat_param_data(self) -> None:
-        """Take up a ``flat_param.data`` replaced since construction.
-
-        Code written for torch's FSDP1 may swap the flat parameter's data
-        before the first forward (Accelerate upcasts a bf16-loaded model's flat
-        parameters to fp32 master weights: ``flat_param.data =
-        flat_param.data.float()``); torch re-reads it at lazy init.  The new
-        data becomes the local shard and its dtype the original (master) dtype;
-        the compute and reduce dtypes follow unless mixed precision fixed them.
-        """
-        data = self.flat_param.data
-        if data.data_ptr() == self.local_shard.data_ptr() and data.dtype == self.local_shard.dtype:
-            return
-        if data.shape != self.local_shard.shape:
-            raise RuntimeError(
-                f"(rank {self.rank}, FSDP unit '{self.unit_fqn or '<root>'}') the flat "
-                f"parameter's data was replaced by a tensor of shape {tuple(data.shape)}; "
-                f"expected this rank's shard, {tuple(self.local_shard.shape)}. Replace it "
-                "only with a same-shaped tensor (e.g. flat_param.data = flat_param.data.float())"
-            )
-        self.local_shard = data
-        self.views.forget_kept()  # (they view the old data: let it go now)
-        if data.dtype != self.orig_dtype:
-            param_dtype, reduce_dtype = self._mp_dtypes
-            self.orig_dtype = data.dtype
-            self.compute_dtype = param_dtype or data.dtype
-            self.reduce_dtype = reduce_dtype or param_dtype or data.dtype
-            self._dtypes_changed()
-            self._reduce_spec = dataclasses.replace(self._reduce_spec,
-                                                    reduce_dtype=self.reduce_dtype)
-            self.grads.retype((self.orig_dtype, self.compute_dtype, self.reduce_dtype),
-                              self._reduce_spec)
-            self._gathered = {False: _Gathered(), True: _Gathered()}
-            if not self.use_orig_params:
-                # The modules' between-steps views take the new dtype: views of
-                # the data itself where NO_SHARD needs no copy, else shape only.
-                if self._needs_copy:
-                    flat = torch.empty(self.unpadded_numel, dtype=data.dtype, device=self.device)
-                    self.views.install_stale(flat)
-                    flat.untyped_storage().resize_(0)
-                else:
-                    self.views.install_stale(data[: self.unpadded_numel])
-        if self.use_orig_params:
-            self.use_sharded_views()
+        """Take up a ``flat_param.data`` replaced since construction (see
+        :func:`~fsdp_wrap.handle.writeback.adopt_replaced_data`)."""
+        adopt_replaced_data(self)
 
     @property
     def unit_fqn(self) -> str:
@@ -265,19 +289,6 @@ class FlatParamHandle:
         self._unit_fqn = fqn
         self.grads.unit_name = fqn  # (named in profiler labels of its reductions)
 
-    # ------------------------------------------------------------------ layout
-
-    def _release_original_storage(self) -> None:
-        """The flat parameter now holds the data; drop the originals' storage."""
-        for info in self.infos:
-            info.param.data = torch.empty(0, dtype=info.param.dtype, device=self.device)
-            info.param.grad = None
-        if not self.use_orig_params:
-            for info in self.infos:
-                info.module._parameters.pop(info.name, None)
-            for shared in self.shared:
-                shared.module._parameters.pop(shared.name, None)
-
     # ------------------------------------------------------------------ views
     # (``self.views``, :class:`~fsdp_wrap.handle.views.ParamViews`; these give it
     # the flat parameter's current data)
@@ -287,7 +298,9 @@ class FlatParamHandle:
         track_graph: bool = False,
     ) -> None:
         """The original parameters as views of the unsharded data (see
-        :meth:`ParamViews.use_unsharded_views`)."""
+        :meth:`ParamViews.use_unsharded_views`); the handle must be unsharded."""
+        self._expect(self.state is HandleState.UNSHARDED, "an unsharded flat parameter",
+                     self.state.name, "showing the unsharded views")
         self.views.use_unsharded_views(
             self.flat_param, self._needs_copy, as_params, source, track_graph
         )
@@ -314,7 +327,7 @@ class FlatParamHandle:
         may skip."""
         self._needs_copy = (self.uses_sharded_strategy or self.compute_dtype != self.orig_dtype
                             or self.shard_device != self.device)
-        self._may_skip_mp = self._use_full_prec_in_eval and (
+        self._may_skip_mp = self.config.use_full_prec_in_eval and (
             (self.compute_dtype, self.reduce_dtype) != (self.orig_dtype, self.orig_dtype))
         # A coded compute copy is never the exact one summon and state dicts want.
         self._full_copy_apart = (self.compute_dtype != self.orig_dtype
@@ -361,38 +374,15 @@ class FlatParamHandle:
     def is_unsharded(self) -> bool:
         return self.state is HandleState.UNSHARDED
 
-    def _to_shard_device(self, tensor: torch.Tensor, pin: bool = False) -> torch.Tensor:
-        """Copy to CPU; ``pin`` for the persistent shard, whose host-to-device
-        copy before every all-gather is then asynchronous."""
-        out = tensor.to("cpu")
-        return out.pin_memory() if pin and self.device.type == "cuda" else out
-
     def _slot(self, full_precision: bool) -> _Gathered:
         return self._gathered[full_precision and self._full_copy_apart]
 
-    def _coded_gather_source(self) -> torch.Tensor:
-        """What a coded all-gather encodes: the shard in the original dtype (no
-        rounding to the compute dtype first), alignment padding zeroed (its
-        ``PADDING_VALUE`` would set the scale of its block)."""
-        src = self.local_shard
-        if src.device != self.device:
-            src = src.to(self.device, non_blocking=True)
-        return src if self._pad_mask is None else src.masked_fill(self._pad_mask, 0)
-
-    def _alignment_padding_mask(self) -> torch.Tensor | None:
-        """The local shard's alignment padding (``None`` where it has none)."""
-        mask = torch.zeros(self.shard_numel, dtype=torch.bool)
-        mask[: self.shard_valid_numel] = True
-        for sl in self._shard_slices:
-            if sl is not None:
-                mask[sl[0] : sl[1]] = False
-        return mask.to(self.device) if bool(mask.any()) else None
-
-    def _gather_source(self, dtype: torch.dtype) -> torch.Tensor:
-        src = self.local_shard
-        if src.device != self.device:
-            src = src.to(self.device, non_blocking=True)
-        return src if src.dtype == dtype else src.to(dtype)
+    def gather_source(self, dtype: torch.dtype, coded: bool = False) -> torch.Tensor:
+        """What this rank sends in an all-gather (:func:`~fsdp_wrap.handle.flat_tensor.gather_source`):
+        coded, the shard in the original dtype with alignment padding zeroed."""
+        if coded:
+            return gather_source(self.local_shard, self.device, pad_mask=self._pad_mask)
+        return gather_source(self.local_shard, self.device, dtype)
 
     def start_unshard(self, full_precision: bool = True, async_op: bool | None = None) -> None:
         """Issue the all-gather (asynchronously) unless the data is already there.
@@ -414,38 +404,21 @@ class FlatParamHandle:
             return
         dtype = self.orig_dtype if full_precision else self.compute_dtype
         if not self.uses_sharded_strategy:
-            # A cast and/or host-to-device copy of the whole flat parameter, made
-            # into the same storage object every time (autograd holds views of
-            # it across a free, as for the sharded strategies).
-            if slot.buffer is None or slot.buffer.dtype != dtype:
-                slot.buffer = torch.empty(self.unpadded_numel, dtype=dtype, device=self.device)
-            else:
-                _ensure_storage(slot.buffer)
-            slot.buffer.copy_(self.local_shard, non_blocking=True)
-            # (checked until its unit uses it, as a gathered slot: a prefetched
-            # unit's finish_unshard does not check again; reshard frees it)
-            slot.valid = slot.checked = True
+            # A cast and/or host-to-device copy of the whole flat parameter
+            # (into the same storage object every time, as for the gathers).
+            slot.copy_from(self.local_shard, self.unpadded_numel, dtype, self.device)
             return
         coded = not full_precision and self.wire.weights is not None
-        src = self._coded_gather_source() if coded else self._gather_source(dtype)
-        if slot.buffer is None or slot.buffer.dtype != dtype:
-            slot.buffer = torch.empty(self.padded_numel, dtype=dtype, device=self.device)
-        else:
-            _ensure_storage(slot.buffer)
-        slot.source = src  # keep the input alive until the gather finishes
+        src = self.gather_source(dtype, coded)
         wire = self.wire if coded else EXACT
-        if async_op is None:
-            async_op = self.async_gathers
+        async_op = self.async_gathers if async_op is None else async_op
         if L.profiler_enabled():
             with L.span(L.ALL_GATHER, L.names((self.unit_fqn,))):
-                slot.pending = wire.all_gather(slot.buffer, src, self.process_group,
-                                               async_op=async_op)
+                slot.gather(src, self.padded_numel, dtype, self.device, wire,
+                            self.process_group, async_op)
         else:
-            slot.pending = wire.all_gather(slot.buffer, src, self.process_group,
-                                           async_op=async_op)
-        slot.checked = True
-        if slot.pending is None:  # completed synchronously
-            slot.source, slot.valid = None, True
+            slot.gather(src, self.padded_numel, dtype, self.device, wire, self.process_group,
+                        async_op)
 
     # Batched all-gathers (see fsdp_wrap.comm.gather_batch): the gather itself is
     # shared, the buffers stay each handle's own.
@@ -466,9 +439,7 @@ class FlatParamHandle:
         original parameters."""
         if not self._gathered[False].checked:
             self.pre_unshard()
-        if self.wire.weights is not None:
-            return self._coded_gather_source()
-        return self._gather_source(self.compute_dtype)
+        return self.gather_source(self.compute_dtype, coded=self.wire.weights is not None)
 
     def take_gathered(self, rows: torch.Tensor) -> None:
         """Fill the compute copy from ``rows`` (``(world_size, shard_numel)``, rank
@@ -478,12 +449,8 @@ class FlatParamHandle:
         into the same storage object as always (autograd may hold views of it).
         """
         slot = self._gathered[False]
-        if slot.buffer is None or slot.buffer.dtype != self.compute_dtype:
-            slot.buffer = torch.empty(self.padded_numel, dtype=self.compute_dtype,
-                                      device=self.device)
-        else:
-            _ensure_storage(slot.buffer)
-        slot.buffer.view(self.world_size, self.shard_numel).copy_(rows)
+        slot.ensure_buffer(self.padded_numel, self.compute_dtype, self.device)
+        slot.buffer.view(self.world_size, self.shard_numel).copy_(rows)  # type: ignore[union-attr]
         slot.valid = slot.checked = True  # (gather_input checked)
 
     def expect_gathered(self, pending: C.PendingWork) -> None:
@@ -588,15 +555,53 @@ class FlatParamHandle:
         slot.wait()
         slot.free()
 
-    # -------------------------------------------------------------- utilities
-    # (gradients: ``self.grads``, :class:`~fsdp_wrap.handle.grads.FlatGrads`;
-    # whole copies for state dicts and exports: :mod:`fsdp_wrap.handle.full_copies`)
+    # ------------------------------------------------------------ loading
+    # (state dicts, summon and write-back change the shard only through these;
+    # gradients: ``self.grads``; whole copies: :mod:`fsdp_wrap.handle.full_copies`)
 
-    def flat_grad_for_norm(self) -> list[torch.Tensor]:
-        """The gradients ``clip_grad_norm_`` must see for this handle."""
-        if self.use_orig_params:
-            return [info.param.grad for info in self.infos if info.param.grad is not None]
-        return [self.flat_param.grad] if self.flat_param.grad is not None else []
+    def load_shard(self, values: torch.Tensor) -> None:
+        """Copy ``values`` into the local shard: the whole (padded) shard, or
+        its valid elements (``shard_valid_numel``; the padding stays)."""
+        target = self.local_shard
+        if values.numel() != target.numel():
+            target = target[: self.shard_valid_numel]
+        with torch.no_grad():
+            target.copy_(values.reshape(-1))
+
+    def load_shard_with(self, write: Callable[[torch.Tensor], None]) -> None:
+        """Let ``write`` fill the local shard in place (a SHARDED load's
+        exchange writes each received piece where it belongs)."""
+        with torch.no_grad():
+            write(self.local_shard)
+
+    def load_param(self, index: int, value: torch.Tensor) -> None:
+        """Copy this rank's piece of original parameter ``index``'s full ``value``
+        into the local shard (nothing where the shard holds none of it)."""
+        sl = self._shard_slices[index]
+        if sl is not None:
+            start = sl[0] + self.shard_offset - self.infos[index].offset
+            with torch.no_grad():
+                self.local_shard[sl[0] : sl[1]].copy_(
+                    value.detach().reshape(-1)[start : start + sl[1] - sl[0]])
+
+    def register_flat_param(self, registered: bool) -> None:
+        """Register the flat parameter on the unit's module (its place without
+        ``use_orig_params``), or take it off for a while (a load through an
+        activation-checkpoint wrapper, whose own hook would move its key)."""
+        if registered:
+            self.module._parameters[self.flat_name] = self.flat_param
+        else:
+            self.module._parameters.pop(self.flat_name, None)
+
+    def check_still_frozen(self) -> None:
+        """Refuse originals of a frozen flat parameter unfrozen since wrapping
+        (:func:`~fsdp_wrap.handle.writeback.check_still_frozen`)."""
+        check_still_frozen(self)
+
+    def check_views_unchanged(self) -> None:
+        """Kept unsharded since forward: refuse parameters replaced before
+        backward (:func:`~fsdp_wrap.handle.writeback.check_unchanged_since_forward`)."""
+        check_unchanged_since_forward(self, self.views.compute_views)
 
     def write_back_from(self, unsharded: torch.Tensor) -> None:
         """Write ``unsharded`` (a full flat copy, e.g. on CPU) into the local shard."""
@@ -608,6 +613,8 @@ class FlatParamHandle:
 
     def write_back_unsharded(self) -> None:
         """Copy this rank's part of the current unsharded data into the local shard."""
+        self._expect(self.state is HandleState.UNSHARDED, "an unsharded flat parameter",
+                     self.state.name, "writing the unsharded data back into the shard")
         slot = self._current
         if not self._needs_copy or slot is None or slot.buffer is None:
             return  # the views alias the local shard: nothing to copy
@@ -620,11 +627,4 @@ class FlatParamHandle:
             else:
                 self.local_shard.copy_(slot.buffer[: self.unpadded_numel])
 
-
-def _ensure_storage(buffer: torch.Tensor) -> None:
-    """Give a freed buffer (storage resized to zero) its bytes back, in place."""
-    storage = buffer.untyped_storage()
-    nbytes = buffer.numel() * buffer.element_size()
-    if storage.size() != nbytes:
-        storage.resize_(nbytes)
 

@@ -56,7 +56,7 @@ def gather_full_flat(handle: FlatParamHandle, to_rank0_only: bool) -> torch.Tens
     :func:`param_views` to read the original parameters out of it.
     """
     handle.pre_unshard()
-    src = handle._gather_source(handle.orig_dtype)
+    src = handle.gather_source(handle.orig_dtype)
     if not handle.uses_sharded_strategy:
         return src if not to_rank0_only or handle.rank == 0 else None
     if to_rank0_only:

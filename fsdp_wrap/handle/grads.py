@@ -41,6 +41,7 @@ class FlatGrads:
         shard_device: torch.device,
         dtypes: tuple[torch.dtype, torch.dtype, torch.dtype],
         keep_low_precision_grads: bool,
+        shard_offset: int = 0,
     ) -> None:
         self.flat_param = flat_param
         self.unit_name = ""  # the unit's clean FQN (its handle's ``unit_fqn``; profiler labels)
@@ -55,6 +56,7 @@ class FlatGrads:
         self._to_shard_device = to_shard_device
         self.orig_dtype, self.compute_dtype, self.reduce_dtype = dtypes
         self.keep_low_precision_grads = keep_low_precision_grads
+        self._shard_offset = shard_offset  # where the local shard starts in the flat parameter
         # ``(state, hook)`` from register_comm_hook: replaces the reduction.
         self.comm_hook: tuple[object, Callable[..., Any]] | None = None
         # A sharded gradient parked while a new unsharded one accumulates, and
@@ -335,6 +337,13 @@ class FlatGrads:
         if self.use_orig_params:
             self.set_grad_views()
 
+    def for_norm(self) -> list[torch.Tensor]:
+        """The gradients ``clip_grad_norm_`` must see: the original
+        parameters' (``use_orig_params=True``), else the flat gradient."""
+        if self.use_orig_params:
+            return [info.param.grad for info in self.infos if info.param.grad is not None]
+        return [self.flat_param.grad] if self.flat_param.grad is not None else []
+
     def set_unsharded_grad_views(self, grad: torch.Tensor, frozen_too: bool = False) -> None:
         """The original params' ``.grad`` become full-shape views of ``grad``, an
         unsharded flat gradient: NO_SHARD's reduced one, the local one under
@@ -356,6 +365,57 @@ class FlatGrads:
                 param.grad = piece
             else:
                 _assign_grad(param, piece)
+
+    # ------------------------------------------ whole gradients (summon's with_grads)
+
+    def gather_full(self) -> torch.Tensor | None:
+        """The mean gradient of the whole flat parameter (a collective over the
+        shard group), or ``None`` when no rank has one (torch then shows no
+        gradients).  Ranks without a gradient contribute zeros so every rank
+        takes part."""
+        grad = self.flat_param.grad
+        if not self.uses_sharded_strategy:
+            return None if grad is None else grad.detach().to(self.device)
+        spec = self.reduce_spec
+        missing = torch.tensor([int(grad is None)], device=self.device)
+        C.all_reduce(missing, spec.group)
+        if int(missing.item()) == spec.world_size:
+            return None
+        local = (
+            torch.zeros(self.layout.shard_numel, dtype=self.orig_dtype, device=self.device)
+            if grad is None or self.has_unreduced_grad
+            else grad.detach().to(self.device)
+        )
+        full = local.new_empty(self.layout.padded_numel)
+        C.all_gather_into(full, local, spec.group)
+        return full[: self.layout.unpadded_numel]
+
+    def show_full(self, full: torch.Tensor | None) -> None:
+        """Original parameters' ``.grad`` become full-shape views of ``full``
+        (or ``None``); frozen parameters too (zeros), as torch shows them."""
+        if full is None:
+            for info in self.infos:
+                info.param.grad = None
+        else:
+            self.set_unsharded_grad_views(full, frozen_too=True)
+
+    def write_back_full(self, full: torch.Tensor) -> None:
+        """This rank's part of a shown (maybe changed) full gradient goes into
+        the sharded gradient, as torch writes it back (only where that gradient
+        exists; NO_SHARD shows the gradient itself)."""
+        grad = self.flat_param.grad
+        if grad is None or not self.uses_sharded_strategy or self.has_unreduced_grad:
+            return
+        start, numel = self._shard_offset, self.layout.shard_numel
+        piece = full[start : min(start + numel, full.numel())]
+        grad[: piece.numel()].copy_(piece.to(grad.dtype))
+
+    def show_sharded(self) -> None:
+        """Undo :meth:`show_full`: the views of the gradient the handle holds."""
+        if self.has_unreduced_grad and self.flat_param.grad is not None:
+            self.set_unsharded_grad_views(self.flat_param.grad)
+        else:
+            self.set_grad_views()
 
     def set_grad_views(self) -> None:
         """Original params' ``.grad`` become views of the sharded flat gradient."""

@@ -359,3 +359,17 @@ def shard_from_params(infos: Sequence[ParamInfo], slices: Sequence[tuple[int, in
     if valid_numel > pos:
         shard[pos:valid_numel].fill_(fill)
     return shard
+
+
+def alignment_padding_mask(shard_numel: int, valid_numel: int,
+                           slices: Sequence[tuple[int, int] | None],
+                           device: torch.device) -> torch.Tensor | None:
+    """Which elements of a local shard are alignment padding (between the
+    parameters' ``slices`` within its ``valid_numel`` first elements); ``None``
+    where it has none."""
+    mask = torch.zeros(shard_numel, dtype=torch.bool)
+    mask[:valid_numel] = True
+    for sl in slices:
+        if sl is not None:
+            mask[sl[0] : sl[1]] = False
+    return mask.to(device) if bool(mask.any()) else None

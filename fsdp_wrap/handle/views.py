@@ -82,6 +82,20 @@ class ParamViews:
         # parameter (see _registered_as_before).
         self._registered: tuple[int, torch.dtype, list[tuple[Any, ...]]] | None = None
 
+    def release_originals(self, device: torch.device) -> None:
+        """At construction, once the flat parameter holds the data: the original
+        parameters keep no storage (and no gradient), and without
+        ``use_orig_params`` they leave their modules (the flat parameter
+        takes their place)."""
+        for info in self.infos:
+            info.param.data = torch.empty(0, dtype=info.param.dtype, device=device)
+            info.param.grad = None
+        if not self.use_orig_params:
+            for info in self.infos:
+                info.module._parameters.pop(info.name, None)
+            for shared in self.shared:
+                shared.module._parameters.pop(shared.name, None)
+
     def install_stale(self, flat: torch.Tensor) -> None:
         """``module.weight`` resolves from construction on, as in torch.
 

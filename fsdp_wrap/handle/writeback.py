@@ -28,9 +28,11 @@ import torch.nn as nn
 
 import fsdp_wrap.comm.labels as L
 from fsdp_wrap.api import ShardingStrategy
-from fsdp_wrap.handle.flat_tensor import HandleState, same_storage
+from fsdp_wrap.comm.reduce import ReduceSpec
+from fsdp_wrap.handle.flat_tensor import HandleState, _Gathered, same_storage
 from fsdp_wrap.handle.grads import FlatGrads, _assign_grad
 from fsdp_wrap.handle.layout import ParamInfo, SharedParamInfo
+from fsdp_wrap.handle.views import ParamViews
 
 
 class OwningHandle(Protocol):
@@ -45,20 +47,40 @@ class OwningHandle(Protocol):
     shared: list[SharedParamInfo]
     module: nn.Module
     flat_name: str
-    rank: int
     unit_fqn: str
-    strategy: ShardingStrategy
     state: HandleState
-    use_orig_params: bool
-    uses_sharded_strategy: bool
-    grads: FlatGrads  # reads has_unreduced_grad
+    grads: FlatGrads  # reads has_unreduced_grad; retype (adopt_replaced_data)
+    views: ParamViews  # forget_kept, install_stale (adopt_replaced_data)
+    # dtypes and the unsharded copies (adopt_replaced_data retypes them)
+    orig_dtype: torch.dtype
+    compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    _mp_dtypes: tuple[torch.dtype | None, torch.dtype | None]
+    _reduce_spec: ReduceSpec
+    _gathered: dict[bool, _Gathered]
+    _needs_copy: bool
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def strategy(self) -> ShardingStrategy: ...
+    @property
+    def use_orig_params(self) -> bool: ...
+    @property
+    def uses_sharded_strategy(self) -> bool: ...
+    @property
+    def unpadded_numel(self) -> int: ...
 
     def param_shard_slice(self, index: int) -> tuple[int, int] | None: ...
     def pre_unshard(self) -> bool: ...
     def use_sharded_views(self) -> None: ...
     def adopt_flat_param_data(self) -> None: ...
+    def _dtypes_changed(self) -> None: ...
 
 __all__ = [
+    "adopt_replaced_data",
     "check_still_frozen",
     "check_unchanged_since_forward",
     "flat_param_exposed",
@@ -301,4 +323,52 @@ def flat_param_exposed(handle: OwningHandle | None) -> Generator[None, None, Non
     finally:
         params.pop(handle.flat_name, None)
         handle.adopt_flat_param_data()
+        handle.use_sharded_views()
+
+
+def adopt_replaced_data(handle: OwningHandle) -> None:
+    """Take up a ``flat_param.data`` replaced since construction (the handle's
+    ``adopt_flat_param_data``).
+
+    Code written for torch's FSDP1 may swap the flat parameter's data
+    before the first forward (Accelerate upcasts a bf16-loaded model's flat
+    parameters to fp32 master weights: ``flat_param.data =
+    flat_param.data.float()``); torch re-reads it at lazy init.  The new
+    data becomes the local shard and its dtype the original (master) dtype;
+    the compute and reduce dtypes follow unless mixed precision fixed them.
+    """
+    data = handle.flat_param.data
+    if (data.data_ptr() == handle.local_shard.data_ptr()
+            and data.dtype == handle.local_shard.dtype):
+        return
+    if data.shape != handle.local_shard.shape:
+        raise RuntimeError(
+            f"(rank {handle.rank}, FSDP unit '{handle.unit_fqn or '<root>'}') the flat "
+            f"parameter's data was replaced by a tensor of shape {tuple(data.shape)}; "
+            f"expected this rank's shard, {tuple(handle.local_shard.shape)}. Replace it "
+            "only with a same-shaped tensor (e.g. flat_param.data = flat_param.data.float())"
+        )
+    handle.local_shard = data
+    handle.views.forget_kept()  # (they view the old data: let it go now)
+    if data.dtype != handle.orig_dtype:
+        param_dtype, reduce_dtype = handle._mp_dtypes
+        handle.orig_dtype = data.dtype
+        handle.compute_dtype = param_dtype or data.dtype
+        handle.reduce_dtype = reduce_dtype or param_dtype or data.dtype
+        handle._dtypes_changed()
+        handle._reduce_spec = dataclasses.replace(handle._reduce_spec,
+                                                  reduce_dtype=handle.reduce_dtype)
+        handle.grads.retype((handle.orig_dtype, handle.compute_dtype, handle.reduce_dtype),
+                            handle._reduce_spec)
+        handle._gathered = {False: _Gathered(), True: _Gathered()}
+        if not handle.use_orig_params:
+            # The modules' between-steps views take the new dtype: views of
+            # the data itself where NO_SHARD needs no copy, else shape only.
+            if handle._needs_copy:
+                flat = torch.empty(handle.unpadded_numel, dtype=data.dtype, device=handle.device)
+                handle.views.install_stale(flat)
+                flat.untyped_storage().resize_(0)
+            else:
+                handle.views.install_stale(data[: handle.unpadded_numel])
+    if handle.use_orig_params:
         handle.use_sharded_views()

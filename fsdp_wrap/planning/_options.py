@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsdp_wrap._compat import coerce_dataclass, coerce_enum
 from fsdp_wrap.api import (
     HYBRID_STRATEGIES,
     BackwardPrefetch,
     CPUOffload,
     MixedPrecision,
     ShardingStrategy,
+    coerce_dataclass,
+    coerce_enum,
 )
 from fsdp_wrap.planning._memory import NCCL, OPTIMIZERS, Backend, gloo
 

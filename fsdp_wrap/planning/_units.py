@@ -18,8 +18,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fsdp_wrap._compat import coerce_dataclass, coerce_enum
-from fsdp_wrap.api import RESHARD_AFTER_FORWARD, CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_wrap.api import (
+    RESHARD_AFTER_FORWARD,
+    CPUOffload,
+    MixedPrecision,
+    ShardingStrategy,
+    coerce_dataclass,
+    coerce_enum,
+)
 from fsdp_wrap.api import SHARDED_STRATEGIES as SHARDED
 from fsdp_wrap.handle.layout import (
     FlatLayout,

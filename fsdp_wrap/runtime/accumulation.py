@@ -1,7 +1,7 @@
 """FSDP2's gradient-accumulation controls, on every fsdp_wrap unit.
 
-``FullyShardedDataParallel`` inherits :class:`AccumulationAPI`; the hooks
-(:mod:`fsdp_wrap.runtime.hooks`) read the flags it sets, and each handle's
+The façade's methods of the same names call these; the hooks
+(:mod:`fsdp_wrap.runtime.hooks`) read the flags they set, and each handle's
 gradient part (:class:`fsdp_wrap.handle.grads.FlatGrads`) keeps the sharded
 partial sums.  What each one does, and how it meets FSDP1's own knobs
 (``no_sync``, the strategy's resharding), is in :doc:`/options`
@@ -11,16 +11,24 @@ partial sums.  What each one does, and how it meets FSDP1's own knobs
 from __future__ import annotations
 
 import warnings
-from typing import cast
 
 from fsdp_wrap.comm.collectives import global_rank
-from fsdp_wrap.runtime.state import TrainingState, UnitState, is_unit
+from fsdp_wrap.runtime.state import TrainingState, UnitState, expect_state, state_of
 
-__all__ = ["AccumulationAPI", "warn_if_partial"]
+__all__ = [
+    "set_is_last_backward",
+    "set_requires_all_reduce",
+    "set_requires_gradient_sync",
+    "set_reshard_after_backward",
+    "warn_if_partial",
+]
 
 
 def _units(state: UnitState, recurse: bool) -> list[UnitState]:
-    return [m for m in state.modules() if is_unit(m)] if recurse else [state]  # type: ignore[misc]
+    if not recurse:
+        return [state]
+    found = (state_of(m) for m in state.module.modules())
+    return [st for st in found if st is not None]
 
 
 def _check(state: UnitState, name: str, value: object) -> None:
@@ -33,78 +41,43 @@ def _check(state: UnitState, name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} should be a bool, got {type(value)} [rank {global_rank()}]")
     for st in _units(state, True):
-        if st.training_state is TrainingState.FORWARD_BACKWARD:
-            raise ValueError(
-                f"[rank {global_rank()}] set_{name}() was called during forward/backward; "
-                "call it between iterations (before the forward whose backward it is for)")
+        expect_state(st, (TrainingState.IDLE, TrainingState.SUMMON_FULL_PARAMS),
+                     action=f"set_{name}()",
+                     fix="call it between iterations (before the forward whose backward it is for)")
     if state._is_root is not None and not state._root._grad_buckets.idle:
         state._root._grad_buckets.finish()
 
 
-class AccumulationAPI:
-    """``set_requires_gradient_sync``, ``set_requires_all_reduce``,
-    ``set_is_last_backward`` and ``set_reshard_after_backward`` (FSDP2's names
-    and meanings)."""
+def set_requires_gradient_sync(state: UnitState, value: bool, recurse: bool) -> None:
+    """FSDP2's ``set_requires_gradient_sync`` (the façade's method says what it does)."""
+    _check(state, "requires_gradient_sync", value)
+    for st in _units(state, recurse):
+        st._sync_gradients = value
+        for h in st._handles:
+            h.grads.requires_all_reduce = value
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
-                                   recurse: bool = True) -> None:
-        """Whether backward reduces the gradients of this unit (and, with
-        ``recurse``, every unit under it): ``False`` is ``no_sync()`` without the
-        block, per unit (each rank keeps its local unsharded gradient and the
-        next synced backward reduces it).  Sets the replicas' all-reduce
-        (:meth:`set_requires_all_reduce`) to the same value, as FSDP2 does.
-        Inside a ``no_sync()`` block nothing is reduced whatever this says; the
-        block's exit restores the values set before it."""
-        me = cast(UnitState, self)
-        _check(me, "requires_gradient_sync", requires_gradient_sync)
-        for st in _units(me, recurse):
-            st._sync_gradients = requires_gradient_sync
-            for h in st._handles:
-                h.grads.requires_all_reduce = requires_gradient_sync
 
-    def set_requires_all_reduce(self, requires_all_reduce: bool, *,
-                                recurse: bool = True) -> None:
-        """Hybrid strategies: whether backward all-reduces the gradient shard
-        over the replicate group.  ``False``: each backward still
-        reduce-scatters within the shard group, and the shard (float32) is
-        added to a sharded partial sum; the first backward after this is set
-        back to ``True`` adds its own and all-reduces the sum once.  Gradient
-        accumulation at the memory of the sharded gradient and with one
-        replicas' all-reduce per optimizer step.  ``.grad`` is not updated
-        until then.  No effect on units without a replicate group (as in
-        FSDP2)."""
-        me = cast(UnitState, self)
-        _check(me, "requires_all_reduce", requires_all_reduce)
-        for st in _units(me, recurse):
-            for h in st._handles:
-                h.grads.requires_all_reduce = requires_all_reduce
+def set_requires_all_reduce(state: UnitState, value: bool, recurse: bool) -> None:
+    """FSDP2's ``set_requires_all_reduce``."""
+    _check(state, "requires_all_reduce", value)
+    for st in _units(state, recurse):
+        for h in st._handles:
+            h.grads.requires_all_reduce = value
 
-    def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Whether the next backward is the last before the optimizer step
-        (default ``True``).  ``False``: its end does not wait for the
-        reduce-scatters whose results only feed sharded partial sums
-        (:meth:`set_requires_all_reduce`); they finish while the next forward
-        starts.  Every gradient that reaches ``.grad`` is complete when
-        ``backward()`` returns either way.  Applies to the whole tree."""
-        me = cast(UnitState, self)
-        _check(me, "is_last_backward", is_last_backward)
-        states = me._root._all_fsdp_states if me._is_root is not None else []
-        for st in set(_units(me, True)) | set(states):
-            st._is_last_backward = is_last_backward
 
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *,
-                                   recurse: bool = True) -> None:
-        """Whether a sharded unit frees its gathered parameters after its
-        backward.  ``False`` keeps them, so the next forward gathers nothing
-        (FULL_SHARD frees them after that forward again; SHARD_GRAD_OP keeps
-        them through it); ``True`` frees them even where FSDP1 would keep them
-        (SHARD_GRAD_OP under ``no_sync``).  Unset (the default), FSDP1's rule
-        holds.  A kept copy is gathered again if the shard changed since
-        (an optimizer step, a load)."""
-        me = cast(UnitState, self)
-        _check(me, "reshard_after_backward", reshard_after_backward)
-        for st in _units(me, recurse):
-            st._reshard_after_backward = reshard_after_backward
+def set_is_last_backward(state: UnitState, value: bool) -> None:
+    """FSDP2's ``set_is_last_backward``: for the whole tree."""
+    _check(state, "is_last_backward", value)
+    states = state._root._all_fsdp_states if state._is_root is not None else []
+    for st in {*_units(state, True), *states}:
+        st._is_last_backward = value
+
+
+def set_reshard_after_backward(state: UnitState, value: bool, recurse: bool) -> None:
+    """FSDP2's ``set_reshard_after_backward``."""
+    _check(state, "reshard_after_backward", value)
+    for st in _units(state, recurse):
+        st._reshard_after_backward = value
 
 
 def warn_if_partial(root: UnitState, what: str) -> None:

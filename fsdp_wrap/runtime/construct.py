@@ -7,10 +7,9 @@ hang.
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Iterable
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -18,19 +17,9 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 import fsdp_wrap.comm.collectives as C
-from fsdp_wrap.api import HYBRID_STRATEGIES, ShardingStrategy
 from fsdp_wrap.handle.layout import walk_unit_modules
-from fsdp_wrap.runtime.capability import check_device_id
 from fsdp_wrap.runtime.names import clean_fqn
-from fsdp_wrap.runtime.state import UnitState
-
-
-class ProcessGroupState(NamedTuple):
-    group: ProcessGroup  # the shard group (all ranks for non-hybrid strategies)
-    rank: int
-    world_size: int
-    replicate_group: ProcessGroup | None  # hybrid strategies only
-    replicate_size: int
+from fsdp_wrap.runtime.state import UnitState, is_unit, state_of
 
 
 def _rank_tag() -> str:
@@ -112,7 +101,7 @@ def resolve_ignored(
                 f"{_sorted_types(roots)}{_rank_tag()}: pass parameters as ignored_states "
                 "instead, or their modules as ignored_modules"
             )
-    if any(isinstance(m, UnitState) for m in roots):
+    if any(is_unit(m) for m in roots):
         raise ValueError("`ignored_modules` should not include FSDP modules")
     if module in roots:
         warnings.warn(
@@ -123,117 +112,14 @@ def resolve_ignored(
     mods: set[nn.Module] = set()
     for root in roots:
         for m in root.modules():
-            if not isinstance(m, UnitState):
+            if not is_unit(m):
                 mods.add(m)
     for m in mods:
         params.update(m.parameters(recurse=False))
     return mods, params
 
 
-def resolve_process_group(
-    process_group: Any, device_mesh: Any, strategy: ShardingStrategy, auto_wrap: bool
-) -> ProcessGroupState:
-    """The shard group and, for hybrid strategies, the replicate group.
-
-    Hybrid groups come from a ``(shard, replicate)`` tuple, a 2-D mesh
-    ``(replicate, shard)``, or, with an auto-wrap policy, are built here: one
-    shard group per node (``LOCAL_WORLD_SIZE`` ranks as torchrun sets it,
-    else CUDA devices per node, else every rank) and one replicate group per
-    local rank.
-    """
-    if process_group is not None and device_mesh is not None:
-        raise ValueError(
-            "Cannot pass both process_group and device_mesh at the same time. "
-            "Please just pass only one of them."
-        )
-    hybrid = strategy in HYBRID_STRATEGIES
-    replicate: ProcessGroup | None = None
-    if hybrid:
-        if device_mesh is not None:
-            if device_mesh.ndim != 2:
-                raise ValueError(f"Expected device_mesh to have ndim=2 but got {device_mesh.ndim}")
-            group, replicate = device_mesh.get_group(1), device_mesh.get_group(0)
-        elif process_group is None:
-            if not auto_wrap:
-                raise ValueError(
-                    f"Manual wrapping with {strategy} requires explicit specification of process "
-                    "group or device_mesh."
-                )
-            group, replicate = _default_hybrid_groups()
-        elif isinstance(process_group, tuple) and len(process_group) == 2:
-            group, replicate = process_group
-        else:
-            raise ValueError(
-                "Expected process_group to be passed in as either None or "
-                f"Tuple[dist.ProcessGroup, dist.ProcessGroup] but got {type(process_group)}"
-            )
-    else:
-        if isinstance(process_group, tuple):
-            raise ValueError(
-                "A (shard, replicate) process-group tuple is only valid with HYBRID_SHARD or "
-                f"_HYBRID_SHARD_ZERO2, but sharding_strategy is {strategy}"
-            )
-        if device_mesh is not None:
-            if device_mesh.ndim != 1:
-                raise ValueError(
-                    f"Expected device_mesh to have ndim=1 for {strategy} but got "
-                    f"{device_mesh.ndim}"
-                )
-            group = device_mesh.get_group(0)
-        elif process_group is not None:
-            group = process_group
-        else:
-            group = _default_group()
-    replicate_size = dist.get_world_size(replicate) if replicate is not None else 1
-    return ProcessGroupState(
-        group, dist.get_rank(group), dist.get_world_size(group), replicate, replicate_size
-    )
-
-
-def _default_group() -> ProcessGroup:
-    if not dist.is_initialized():
-        raise ValueError(
-            "Default process group has not been initialized, please make sure to call "
-            "init_process_group."
-        )
-    return dist.distributed_c10d._get_default_group()
-
-
-def _default_hybrid_groups() -> tuple[ProcessGroup, ProcessGroup]:
-    world = dist.get_world_size(_default_group())
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or (
-        torch.cuda.device_count() if torch.cuda.is_available() else world
-    )
-    if local <= 0 or world % local:
-        raise ValueError(
-            f"cannot build hybrid-sharding groups{_rank_tag()}: world size {world} is not a "
-            f"multiple of the ranks per node ({local}); pass (shard_group, replicate_group) or a "
-            "2-D device_mesh"
-        )
-    rank = dist.get_rank()
-    shard_groups = [dist.new_group(list(range(n * local, (n + 1) * local))) for n in range(world // local)]
-    replicate_groups = [dist.new_group(list(range(i, world, local))) for i in range(local)]
-    return shard_groups[rank // local], replicate_groups[rank % local]
-
-
-def clamp_strategy(strategy: ShardingStrategy, world_size: int) -> ShardingStrategy:
-    if world_size == 1 and strategy is not ShardingStrategy.NO_SHARD:
-        warnings.warn(
-            f"FSDP is switching to use `NO_SHARD` instead of {strategy} since the world size is 1.",
-            stacklevel=3,
-        )
-        return ShardingStrategy.NO_SHARD
-    if strategy is ShardingStrategy.NO_SHARD:
-        warnings.warn(
-            "The `NO_SHARD` sharding strategy is deprecated. If having issues, please use "
-            "`DistributedDataParallel` instead.",
-            FutureWarning,
-            stacklevel=3,
-        )
-    return strategy
-
-
-def _unit_tensors(
+def unit_tensors(
     module: nn.Module, stop: Callable[[nn.Module], bool], ignored: set[nn.Parameter]
 ) -> list[tuple[str, torch.Tensor]]:
     """This unit's managed parameters and buffers, by FQN."""
@@ -247,31 +133,6 @@ def _unit_tensors(
                 seen.add(id(t))
                 out.append((f"{mod_fqn}.{name}" if mod_fqn else name, t))
     return out
-
-
-def resolve_device(
-    module: nn.Module,
-    device_id: int | torch.device | None,
-    stop: Callable[[nn.Module], bool],
-    ignored: set[nn.Parameter],
-) -> torch.device:
-    """The compute device: ``device_id``, else the parameters' device (CPU works)."""
-    tensors = _unit_tensors(module, stop, ignored)
-    devices = {t.device for _, t in tensors if t.device.type != "meta"}
-    device = check_device_id(device_id)
-    if device is not None:
-        return device
-    non_cpu = {d for d in devices if d.type != "cpu"}
-    if len(non_cpu) > 1:
-        raise RuntimeError(
-            f"FSDP only supports single device modules but got params on {non_cpu}{_rank_tag()}"
-        )
-    if non_cpu and "cpu" in {d.type for d in devices}:
-        raise RuntimeError(
-            "To support a module with both CPU and GPU params, please pass in "
-            f"device_id argument.{_rank_tag()}"
-        )
-    return next(iter(non_cpu)) if non_cpu else torch.device("cpu")
 
 
 def materialize_meta(
@@ -298,7 +159,7 @@ def materialize_meta(
             f"{type(param_init_fn)} [rank {rank}]: pass param_init_fn as a function of one module "
             "(e.g. lambda m: m.to_empty(device=..., recurse=False)), or None"
         )
-    if not any(t.is_meta for _, t in _unit_tensors(module, stop, ignored)):
+    if not any(t.is_meta for _, t in unit_tensors(module, stop, ignored)):
         return False
     queue, order = [module], []
     while queue:
@@ -322,7 +183,7 @@ def materialize_meta(
                     "reset_parameters(); pass param_init_fn to initialise it"
                 )
             reset()
-    left = [fqn for fqn, t in _unit_tensors(module, stop, ignored) if t.is_meta]
+    left = [fqn for fqn, t in unit_tensors(module, stop, ignored) if t.is_meta]
     if left:
         raise RuntimeError(
             f"[rank {rank}] meta-device tensors remain after initialisation: {left}. "
@@ -368,7 +229,7 @@ def sync_module_states(
     For hybrid sharding the replicate group goes first, then the shard group,
     so global rank 0's values reach everyone.
     """
-    tensors = [t for _, t in _unit_tensors(module, stop, ignored)]
+    tensors = [t for _, t in unit_tensors(module, stop, ignored)]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t.data if isinstance(t, nn.Parameter) else t)
@@ -390,8 +251,9 @@ def check_no_cross_unit_sharing(
     """A parameter owned by a nested unit cannot also belong to this unit."""
     owned: dict[nn.Parameter, str] = {}
     for name, sub in module.named_modules():
-        if isinstance(sub, UnitState):
-            for info in (i for h in sub._handles for i in h.infos):
+        unit = state_of(sub)
+        if unit is not None:
+            for info in (i for h in unit._handles for i in h.infos):
                 owned[info.param] = f"{name}.{info.fqn}"
     for fqn, *_, p in params:
         if p in owned:
@@ -402,15 +264,13 @@ def check_no_cross_unit_sharing(
             )
 
 
-def cast_buffers(state: Any) -> dict[str, torch.dtype]:
+def cast_buffers(state: UnitState) -> dict[str, torch.dtype]:
     """Cast the unit's floating buffers to ``buffer_dtype``; return their original dtypes."""
-    dtype = state.mixed_precision.buffer_dtype
+    dtype = state.settings.mixed_precision.buffer_dtype
     if dtype is None:
         return {}
     orig: dict[str, torch.dtype] = dict(state._buffer_orig_dtypes)
-    for mod_fqn, mod in walk_unit_modules(
-        state._fsdp_wrapped_module, lambda m: isinstance(m, UnitState)
-    ):
+    for mod_fqn, mod in walk_unit_modules(state.wrapped_module, is_unit):
         if mod in state._ignored_modules:
             continue  # ignored modules' buffers keep their dtype, as in torch
         for name, b in mod._buffers.items():
@@ -422,29 +282,12 @@ def cast_buffers(state: Any) -> dict[str, torch.dtype]:
     return orig
 
 
-def restore_buffer_dtypes(state: Any) -> None:
+def restore_buffer_dtypes(state: UnitState) -> None:
     """Undo :func:`cast_buffers`: the unit's cast buffers back in their original dtypes."""
     if not state._buffer_orig_dtypes:
         return
-    for mod_fqn, mod in walk_unit_modules(
-        state._fsdp_wrapped_module, lambda m: isinstance(m, UnitState)
-    ):
+    for mod_fqn, mod in walk_unit_modules(state.wrapped_module, is_unit):
         for name, b in mod._buffers.items():
             dtype = state._buffer_orig_dtypes.get(f"{mod_fqn}.{name}" if mod_fqn else name)
             if b is not None and dtype is not None and b.dtype != dtype:
                 b.data = b.to(dtype)
-
-
-def annotate_for_dynamo(module: nn.Module, ignored: set[nn.Module], use_orig_params: bool) -> None:
-    """Mark the modules this unit manages the way TorchDynamo expects of FSDP.
-
-    Dynamo reads ``_is_fsdp_managed_module`` to trace such modules as
-    unspecialized (parameters passed in afresh each call, since FSDP swaps
-    them between views every step) and ``_fsdp_use_orig_params`` to refuse
-    ``use_orig_params=False``, where the modules' parameters are not the ones
-    the optimizer steps.
-    """
-    for m in module.modules():
-        if m not in ignored:
-            m._is_fsdp_managed_module = True  # type: ignore[assignment]
-            m._fsdp_use_orig_params = use_orig_params  # type: ignore[assignment]

@@ -155,7 +155,7 @@ def _step_in_no_sync(unit: UnitState) -> None:
         "ranks. Leave the no_sync() block before the step: run the last micro-batch's "
         "forward and backward outside it, then step."
     )
-    if unit.sharding_strategy is ShardingStrategy.NO_SHARD:
+    if unit.settings.strategy is ShardingStrategy.NO_SHARD:
         warnings.warn(what + " (With NO_SHARD this step uses this rank's gradients alone, so "
                       "the replicas drift apart.)", stacklevel=4)
         return
@@ -178,7 +178,7 @@ def check_tree(root: UnitState) -> None:
     ignored = [p for p in root._ignored_params if p.requires_grad]
     if not ignored:
         return
-    names = {id(p): clean_fqn(n) for n, p in root.named_parameters()}
+    names = {id(p): clean_fqn(n) for n, p in root.module.named_parameters()}
     shown = sorted(names.get(id(p), "?") for p in ignored)[:5]
     warnings.warn(
         f"FSDP manages none of the model's trainable parameters [rank {global_rank()}]: all "
@@ -194,7 +194,7 @@ def check_tree(root: UnitState) -> None:
 def meta_mismatch(state: UnitState, unit: str, built_from_meta: list[bool]) -> None:
     """At lazy init, with every rank's answer: warn if some ranks materialised
     the unit from the meta device and others had real weights."""
-    if len(set(built_from_meta)) <= 1 or state._sync_module_states:
+    if len(set(built_from_meta)) <= 1 or state.settings.sync_module_states:
         return
     meta = [r for r, m in enumerate(built_from_meta) if m]
     real = [r for r, m in enumerate(built_from_meta) if not m]

@@ -37,8 +37,8 @@ import fsdp_wrap.runtime.tree as tree
 from fsdp_wrap._compat import in_backward
 from fsdp_wrap.api import BackwardPrefetch, ShardingStrategy
 from fsdp_wrap.comm.gather_batch import gather_ahead
-from fsdp_wrap.handle.writeback import check_still_frozen, check_unchanged_since_forward
-from fsdp_wrap.runtime.state import TrainingState, UnitState
+from fsdp_wrap.handle.flat_tensor import HandleTrainingState
+from fsdp_wrap.runtime.state import TrainingState, UnitState, enter
 from fsdp_wrap.runtime.tensors import grad_tensors, map_tensors, to_device
 
 if TYPE_CHECKING:
@@ -49,13 +49,6 @@ if TYPE_CHECKING:
 # in between.
 KEEP_VIEWS_AFTER_FORWARD = frozenset({ShardingStrategy.SHARD_GRAD_OP,
                                       ShardingStrategy._HYBRID_SHARD_ZERO2})
-
-# The hooks' runtime flags (training_state, _ran_pre_backward, ...) are plain
-# attributes, never parameters, buffers or modules: they are written past
-# nn.Module.__setattr__, whose checks cost more than the flag (several writes
-# per unit and step).
-_set_flag = object.__setattr__
-
 
 def register_handle_hooks(state: UnitState) -> None:
     """The unit's gradient hooks, per trainable flat parameter: reduce when its
@@ -121,7 +114,7 @@ def _root_pre_forward(state: UnitState, args: tuple[Any, ...],
     for handle in state._all_handles:
         if handle.use_orig_params:
             if training:
-                check_still_frozen(handle)
+                handle.check_still_frozen()
             # Replaced parameters/gradients are taken up (or refused) before
             # any collective of this forward.
             # (A flat gradient whose views were all set to None is dropped
@@ -146,7 +139,7 @@ def _buffers_for_eval(root: UnitState) -> None:
     """``FSDP_USE_FULL_PREC_IN_EVAL=1``: buffers in their original dtypes while the
     model is in ``eval()``, cast back to ``buffer_dtype`` once it trains again
     (torch decides on the root's unit, or on any unit if the root has none)."""
-    if not root._use_full_prec_in_eval:
+    if not root.settings.use_full_prec_in_eval:
         return  # (the flag is the same on every unit: checked at lazy init)
     handles = root._handles or root._all_handles
     full = any(h.computes_in_full_precision for h in handles)
@@ -165,7 +158,7 @@ def pre_forward(state: UnitState, inputs: Any = None) -> None:
     """Gather this unit's parameters (all its flat parameters) and expose them
     as unsharded views; ``inputs`` (the forward's arguments) tell when a
     frozen flat parameter's backward is over."""
-    _set_flag(state, "training_state", TrainingState.FORWARD_BACKWARD)
+    enter(state, TrainingState.FORWARD_BACKWARD)
     handles = state._handles
     if not handles:
         if state._explicit is not None:
@@ -176,6 +169,7 @@ def pre_forward(state: UnitState, inputs: Any = None) -> None:
         register_handle_hooks(state)
     order = root._exec_order
     for handle in handles:
+        handle.enter(HandleTrainingState.FORWARD)
         if order.order_check is not None and state.training:
             order.order_check.check(handle)
         order.record_pre_forward(handle)
@@ -189,10 +183,10 @@ def pre_forward(state: UnitState, inputs: Any = None) -> None:
     for handle in handles:
         handle.finish_unshard(full_precision=handle.computes_in_full_precision)
     nxt = (order.next_in_forward(handles[-1])
-           if state.forward_prefetch or batch_bytes else None)
+           if state.settings.forward_prefetch or batch_bytes else None)
     if state._explicit is not None and _forward_prefetch_listed(state):
         pass  # (set_modules_to_forward_prefetch: these, and only these)
-    elif nxt is not None and state.forward_prefetch:
+    elif nxt is not None and state.settings.forward_prefetch:
         _start_unit_gathers(root._state_of[nxt], batch_bytes, chain)
     elif nxt is not None:
         # The last unit of a batch computes: the next batch is gathered meanwhile
@@ -247,7 +241,7 @@ def _note_inputs(state: UnitState, inputs: Any) -> None:
     from reentrant checkpoints' backwards only, :func:`_watch_unit_end`)."""
     tensors = grad_tensors(inputs, [])
     # (weakly: an input nothing else keeps is not kept alive for this)
-    _set_flag(state, "_grad_inputs", [weakref.ref(t) for t in tensors])
+    state._grad_inputs = [weakref.ref(t) for t in tensors]
     if tensors:
         for h in state._handles:
             if not h.flat_param.requires_grad:
@@ -298,6 +292,7 @@ def post_forward(state: UnitState, output: Any) -> Any:
     """Reshard as the strategy says and hook the outputs for backward."""
     grad_enabled = torch.is_grad_enabled()
     for handle in state._handles:
+        handle.enter(HandleTrainingState.IDLE)
         state._root._exec_order.record_post_forward(handle)
         if not grad_enabled or handle.frees_copy_after_forward:
             handle.reshard(free=True)
@@ -310,9 +305,9 @@ def post_forward(state: UnitState, output: Any) -> Any:
             # torch does (its pre-backward shows the unsharded ones again).
             handle.reshard(free=False)
     if grad_enabled:
-        _set_flag(state._root, "_forward_pending_backward", True)
+        state._root._forward_pending_backward = True
         output = _register_pre_backward_hooks(state, output)
-    _set_flag(state, "training_state", TrainingState.IDLE)
+    enter(state, TrainingState.IDLE)
     return output
 
 
@@ -343,8 +338,8 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor | N
     _queue_final_callback(state._root)
     if state._ran_pre_backward:
         return None
-    _set_flag(state, "_ran_pre_backward", True)
-    _set_flag(state, "training_state", TrainingState.FORWARD_BACKWARD)
+    state._ran_pre_backward = True
+    enter(state, TrainingState.FORWARD_BACKWARD)
     handles = state._handles
     if not handles:
         if state._explicit is not None:
@@ -354,9 +349,10 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor | N
         if (handle.use_orig_params and handle.is_unsharded and handle.uses_sharded_strategy
                 and not handle.reshard_after_forward):
             # Kept unsharded since forward: the views must be the forward's.
-            check_unchanged_since_forward(handle, handle.views.compute_views)
+            handle.check_views_unchanged()
     nested_only = False
     for handle in handles:
+        handle.enter(HandleTrainingState.BACKWARD_PRE)
         handle.grads.begin_backward()
         nested_only = nested_only or handle.grads.awaits_nested_parts
     if nested_only:
@@ -381,7 +377,7 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor | N
                 handle.use_unsharded_views()
     if explicit is not None and _backward_prefetch_listed(state):
         pass  # (set_modules_to_backward_prefetch: these, and only these)
-    elif state.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+    elif state.settings.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
         _prefetch_backward(state)
     for handle in handles:
         handle.grads.prepare_gradient_for_backward()
@@ -410,6 +406,7 @@ def make_post_backward_hook(state: UnitState, handle: FlatParamHandle) -> Callab
         state, handle = state_ref(), handle_ref()
         if state is None or handle is None:
             return  # (the model is gone; a gradient computed after that is the caller's)
+        handle.enter(HandleTrainingState.BACKWARD_POST)
         if handle.grads.is_partial():
             # A reentrant checkpoint's backward inside the unit's: the rest
             # of the gradient may still come (torch's FSDP1 reshards here, and
@@ -434,7 +431,7 @@ def _reduce_unit(state: UnitState, handle: FlatParamHandle, prefetch: bool = Tru
     _queue_final_callback(state._root)
     sync = state._sync_gradients
     handle.reshard(free=frees_after_backward(state, handle))
-    if (prefetch and state.backward_prefetch is BackwardPrefetch.BACKWARD_POST
+    if (prefetch and state.settings.backward_prefetch is BackwardPrefetch.BACKWARD_POST
             and (state._explicit is None or not state._explicit.backward_prefetch)):
         _prefetch_backward(state)
     if sync and state._optims_in_backward:
@@ -547,7 +544,7 @@ def start_backward_gathers(unit: UnitState) -> None:
 
 def _queue_final_callback(root: UnitState) -> None:
     if not root._final_callback_queued:
-        _set_flag(root, "_final_callback_queued", True)
+        root._final_callback_queued = True
         Variable._execution_engine.queue_callback(functools.partial(_final_callback, root))
 
 
@@ -589,17 +586,18 @@ def finalize_units(root: UnitState, free_all: bool) -> None:
                 handle.reshard(free=not keep)
             handle.grads.restore_parked_grad()
             handle.grads.end_backward()
+            handle.enter(HandleTrainingState.IDLE)
             if not free_all:
                 # End of a backward: every graph of the iteration is done.  A
                 # forward still awaiting its backward (several forwards before
                 # one backward) keeps its count, so nothing is freed early.
                 handle.views.forget_graphs()
         if not free_all:
-            _set_flag(state, "_frozen_open_graphs", 0)
-        _set_flag(state, "_ran_pre_backward", False)
-        _set_flag(state, "training_state", TrainingState.IDLE)
-    _set_flag(root, "_final_callback_queued", False)
-    _set_flag(root, "_forward_pending_backward", False)
+            state._frozen_open_graphs = 0
+        state._ran_pre_backward = False
+        enter(state, TrainingState.IDLE)
+    root._final_callback_queued = False
+    root._forward_pending_backward = False
     root._exec_order.next_iteration()
     if not free_all and root._exec_order.order_check is not None:
         root._exec_order.order_check.end_of_iteration()

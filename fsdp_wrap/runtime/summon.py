@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-import fsdp_wrap.comm.collectives as C
-from fsdp_wrap.runtime.state import TrainingState, UnitState
+from fsdp_wrap.handle.flat_tensor import HandleTrainingState
+from fsdp_wrap.runtime.state import TrainingState, UnitState, enter, expect_state
 from fsdp_wrap.runtime.tree import lazy_init
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ def check_options(
     """torch's rules for invalid option combinations (same order and text),
     checked on every unit before any collective."""
     for st in states:
-        uop = st._use_orig_params
+        uop = st.settings.use_orig_params
         if with_grads and (offload_to_cpu or not uop):
             raise NotImplementedError(
                 f"with_grads={with_grads}, use_orig_params={uop}, offload_to_cpu={offload_to_cpu} "
@@ -50,11 +50,14 @@ def check_options(
     for st in states:
         lazy_init(st)
         if st.training_state is TrainingState.SUMMON_FULL_PARAMS:
-            raise AssertionError(
-                "Cannot manually unshard parameters when already unsharding parameters"
-            )
-        if st.training_state is not TrainingState.IDLE:
-            raise AssertionError("Cannot manually unshard parameters during forward/backward")
+            expect_state(st, TrainingState.IDLE, action="summon_full_params()",
+                         error=AssertionError, sentence="Cannot manually unshard parameters "
+                         "when already unsharding parameters",
+                         fix="leave the outer summon_full_params() first")
+        expect_state(st, TrainingState.IDLE, action="summon_full_params()",
+                     error=AssertionError,
+                     sentence="Cannot manually unshard parameters during forward/backward",
+                     fix="call it outside forward and backward")
 
 
 @contextlib.contextmanager
@@ -68,6 +71,9 @@ def summon(
     check_options(states, writeback, rank0_only, offload_to_cpu, with_grads)
     for st in states:
         for h in st._handles:
+            h.expect_phase((HandleTrainingState.IDLE,), "entering summon_full_params()")
+    for st in states:
+        for h in st._handles:
             if h.use_orig_params:
                 # zero_grad(set_to_none=True) on every original parameter
                 # drops the flat gradient (as torch does here)
@@ -77,27 +83,30 @@ def summon(
                         torch.Tensor | None]] = []
     try:
         for st in states:
-            st.training_state = TrainingState.SUMMON_FULL_PARAMS
-            if not st._handles:
-                entered.append((st, None, None, False, None))
+            enter(st, TrainingState.SUMMON_FULL_PARAMS)
+            entered.append((st, None, None, False, None))  # (puts the unit back to IDLE)
             for h in st._handles:
-                entered.append((st, h, *_summon_handle(h, st.rank, rank0_only,
-                                                       offload_to_cpu, with_grads)))
+                h.enter(HandleTrainingState.SUMMON_FULL_PARAMS)
+                entered.append((st, h, None, False, None))  # (resharded even if this fails)
+                entered[-1] = (st, h, *_summon_handle(h, st.rank, rank0_only,
+                                                      offload_to_cpu, with_grads))
         yield
     finally:
         for st, handle, cpu_copy, shown, full_grad in reversed(entered):
-            if handle is not None and shown:
-                if writeback:
-                    if cpu_copy is not None:
-                        handle.write_back_from(cpu_copy)
-                    else:
-                        handle.write_back_unsharded()
-                    if full_grad is not None:
-                        _write_back_grad(handle, full_grad)
-                handle.reshard(free=True)
-                if with_grads:
-                    _show_sharded_grads(handle)
-            st.training_state = TrainingState.IDLE
+            if handle is None:
+                enter(st, TrainingState.IDLE)
+                continue
+            if shown and writeback:
+                if cpu_copy is not None:
+                    handle.write_back_from(cpu_copy)
+                else:
+                    handle.write_back_unsharded()
+                if full_grad is not None:
+                    handle.grads.write_back_full(full_grad)
+            handle.reshard(free=True)  # (idempotent: a rank not shown freed already)
+            if with_grads and shown:
+                handle.grads.show_sharded()
+            handle.enter(HandleTrainingState.IDLE)
 
 
 def _summon_handle(handle: FlatParamHandle, rank: int, rank0_only: bool, offload_to_cpu: bool,
@@ -105,7 +114,7 @@ def _summon_handle(handle: FlatParamHandle, rank: int, rank0_only: bool, offload
     """Gather one flat parameter and show its original parameters at full
     size; returns its CPU copy (``offload_to_cpu``), whether it is shown, and
     the full gradient shown (``with_grads``; written back at the exit)."""
-    full_grad = _gather_full_grad(handle) if with_grads else None
+    full_grad = handle.grads.gather_full() if with_grads else None
     handle.finish_unshard(full_precision=True)
     cpu_copy: torch.Tensor | None = None
     shown = not (rank0_only and rank != 0)
@@ -117,61 +126,5 @@ def _summon_handle(handle: FlatParamHandle, rank: int, rank0_only: bool, offload
     else:
         handle.use_unsharded_views(as_params=True)
     if with_grads and shown:
-        _show_full_grads(handle, full_grad)
+        handle.grads.show_full(full_grad)
     return cpu_copy, shown, full_grad if shown else None
-
-
-# ------------------------------------------------------------ with_grads
-
-
-def _gather_full_grad(handle: FlatParamHandle) -> torch.Tensor | None:
-    """The mean gradient of the whole flat parameter (a collective), or
-    ``None`` when no rank has one (torch then shows no gradients).
-
-    Ranks without a gradient contribute zeros so every rank takes part.
-    """
-    grad = handle.flat_param.grad
-    if not handle.uses_sharded_strategy:
-        return None if grad is None else grad.detach().to(handle.device)
-    missing = torch.tensor([int(grad is None)], device=handle.device)
-    C.all_reduce(missing, handle.process_group)
-    if int(missing.item()) == handle.world_size:
-        return None
-    local = (
-        torch.zeros(handle.shard_numel, dtype=handle.orig_dtype, device=handle.device)
-        if grad is None or handle.grads.has_unreduced_grad
-        else grad.detach().to(handle.device)
-    )
-    full = local.new_empty(handle.padded_numel)
-    C.all_gather_into(full, local, handle.process_group)
-    return full[: handle.unpadded_numel]
-
-
-def _show_full_grads(handle: FlatParamHandle, full_grad: torch.Tensor | None) -> None:
-    """Original params' ``.grad`` become full-shape views of ``full_grad`` (or None);
-    frozen parameters too (zeros), as torch shows them."""
-    if full_grad is None:
-        for info in handle.infos:
-            info.param.grad = None
-    else:
-        handle.grads.set_unsharded_grad_views(full_grad, frozen_too=True)
-
-
-def _write_back_grad(handle: FlatParamHandle, full_grad: torch.Tensor) -> None:
-    """``writeback=True``: this rank's part of the shown (maybe changed) full
-    gradient goes into its sharded gradient, as torch writes it back (only where
-    that gradient exists; NO_SHARD shows the gradient itself)."""
-    grad = handle.flat_param.grad
-    if grad is None or not handle.uses_sharded_strategy or handle.grads.has_unreduced_grad:
-        return
-    start = handle.shard_offset
-    piece = full_grad[start : min(start + handle.shard_numel, full_grad.numel())]
-    grad[: piece.numel()].copy_(piece.to(grad.dtype))
-
-
-def _show_sharded_grads(handle: FlatParamHandle) -> None:
-    """Undo :func:`_show_full_grads`."""
-    if handle.grads.has_unreduced_grad and handle.flat_param.grad is not None:
-        handle.grads.set_unsharded_grad_views(handle.flat_param.grad)
-    else:
-        handle.grads.set_grad_views()

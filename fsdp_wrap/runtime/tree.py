@@ -20,21 +20,36 @@ from fsdp_wrap.comm.collectives import global_rank
 from fsdp_wrap.runtime.exec_order import ForwardOrderCheck
 from fsdp_wrap.runtime.explicit.controls import check_schedules, schedule_signature
 from fsdp_wrap.runtime.names import clean_fqn
-from fsdp_wrap.runtime.state import UnitState
+from fsdp_wrap.runtime.state import UnitState, state_of
 
-__all__ = ["lazy_init", "units_under", "unit_signature", "unit_names"]
+__all__ = ["initialised_units", "lazy_init", "units_under", "unit_signature", "unit_names"]
 
 
 def units_under(module: nn.Module, root_only: bool = False) -> list[UnitState]:
-    """Every unit in ``module``'s tree (pre-order), ``module`` included.
+    """The state of every unit in ``module``'s tree (pre-order), ``module`` included.
 
     ``root_only`` keeps the roots, after lazy-initialising each tree.
     """
-    found: list[UnitState] = [m for m in module.modules() if isinstance(m, UnitState)]
+    found = [st for st in map(state_of, module.modules()) if st is not None]
     if root_only:
-        for m in found:
-            lazy_init(m)
-        found = [m for m in found if m._is_root]
+        for st in found:
+            lazy_init(st)
+        found = [st for st in found if st._is_root]
+    return found
+
+
+def initialised_units(module: nn.Module) -> list[UnitState]:
+    """Every unit in ``module``'s tree (pre-order), each lazily initialised.
+
+    Unlike ``units_under(module, root_only=True)`` this keeps units whose root
+    is no longer in ``module`` (a wrapper dropped, as Lightning's ``test``
+    after ``fit`` does, or a unit moved under another module): they stay
+    non-roots of the tree they were initialised in, as in torch's FSDP1,
+    whose state-dict and optimizer-state functions need units, not a root.
+    """
+    found = units_under(module)
+    for m in found:
+        lazy_init(m)
     return found
 
 
@@ -47,8 +62,9 @@ def lazy_init(state: UnitState) -> None:
     """
     if state._is_root is not None:
         return
-    states = units_under(state)
-    fqn_of = {id(m): clean_fqn(n) for n, m in state.named_modules() if m in states}
+    states = units_under(state.module)
+    fqn_of = {id(st): clean_fqn(n) for n, st in
+              ((n, state_of(m)) for n, m in state.module.named_modules()) if st is not None}
     # Local checks first, so a refused tree stays uninitialised (no root set).
     _check_homogeneous(states, fqn_of)
     _check_optim_in_backward(states, fqn_of)
@@ -56,7 +72,7 @@ def lazy_init(state: UnitState) -> None:
     for st in states:
         if st is not state:
             st._is_root = False
-            object.__setattr__(st, "_root", state)
+            st._root = state
             st._all_fsdp_states = []
         for h in st._handles:
             h.unit_fqn = fqn_of.get(id(st), "")
@@ -80,7 +96,7 @@ def lazy_init(state: UnitState) -> None:
         h.adopt_flat_param_data()
     for st in states:
         st._buffer_orig_dtypes = construct.cast_buffers(st)
-    step_trace.attach_if_asked(state)  # ($FSDP_WRAP_TRACE: fsdp-wrap trace)
+    step_trace.attach_if_asked(state.module)  # ($FSDP_WRAP_TRACE: fsdp-wrap trace)
 
 
 def unit_signature(state: UnitState) -> tuple[Any, ...]:
@@ -94,9 +110,9 @@ def unit_signature(state: UnitState) -> tuple[Any, ...]:
             tuple(tuple(i.shape) for i in h.infos),
             str(h.flat_param.dtype),
             tuple(h.flat_param.shape),
-            state.sharding_strategy.name,
-            state._use_orig_params,
-            state._wire.signature(),  # (quantize_collectives: coded on every rank or none)
+            state.settings.strategy.name,
+            state.settings.use_orig_params,
+            state.settings.wire.signature(),  # (quantize_collectives: coded on every rank or none)
         )
         for h in state._handles
     )
@@ -125,7 +141,7 @@ def all_gather_unit_signatures(state: UnitState) -> None:
     for i, st in enumerate(state._all_fsdp_states):
         unit = st._handles[0].unit_fqn or "<root>" if st._handles else "<root>"
         guards.meta_mismatch(st, unit, [m[i] for _, m, _ in everyone])
-    replicas = state._inter_node_pg
+    replicas = state.settings.inter_node_pg
     if replicas is not None and dist.get_world_size(replicas) > 1:
         # Hybrid strategies: the replicas' all-reduce must line up too (a node
         # launched with another $FSDP_WRAP_QUANTIZE_COLLECTIVES codes it).
@@ -176,21 +192,23 @@ def _describe_unit(entry: Any) -> str:
     )
 
 
-# Options every unit of one tree must share (torch's HOMOGENEOUS_ATTR_NAMES).
+# Options every unit of one tree must share (torch's HOMOGENEOUS_ATTR_NAMES):
+# torch's attribute name (its message names it), the settings field, the option.
 _HOMOGENEOUS = (
-    ("_use_orig_params", "use_orig_params"),
-    ("limit_all_gathers", "limit_all_gathers"),
-    ("_use_full_prec_in_eval", "FSDP_USE_FULL_PREC_IN_EVAL"),
+    ("_use_orig_params", "use_orig_params", "use_orig_params"),
+    ("limit_all_gathers", "limit_all_gathers", "limit_all_gathers"),
+    ("_use_full_prec_in_eval", "use_full_prec_in_eval", "FSDP_USE_FULL_PREC_IN_EVAL"),
 )
 
 
 def _check_homogeneous(states: list[UnitState], fqn_of: dict[int, str]) -> None:
     """ValueError, at lazy init before any collective, if units disagree on an option."""
-    for attr, option in _HOMOGENEOUS:
-        values = {getattr(st, attr) for st in states}
+    for attr, field, option in _HOMOGENEOUS:
+        values = {getattr(st.settings, field) for st in states}
         if len(values) > 1:
             per_unit = ", ".join(
-                f"'{fqn_of.get(id(st), '') or '<root>'}': {getattr(st, attr)}" for st in states
+                f"'{fqn_of.get(id(st), '') or '<root>'}': {getattr(st.settings, field)}"
+                for st in states
             )
             raise ValueError(
                 f"Expects one homogeneous value for {attr} but got {values} [rank {global_rank()}] "

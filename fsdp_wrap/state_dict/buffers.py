@@ -15,7 +15,7 @@ import torch
 
 from fsdp_wrap.handle.layout import walk_unit_modules
 from fsdp_wrap.runtime.names import CHECKPOINT_WRAPPED, WRAPPED
-from fsdp_wrap.runtime.state import UnitState
+from fsdp_wrap.runtime.state import UnitState, is_unit
 
 __all__ = ["buffers_in_original_dtype"]
 
@@ -30,11 +30,9 @@ def buffers_in_original_dtype(state: UnitState, state_dict: dict[str, Any], pref
             if isinstance(value, torch.Tensor) and value.dtype != dtype:
                 state_dict[key] = value.to(dtype)
         return
-    if state.mixed_precision.buffer_dtype is None:
+    if state.settings.mixed_precision.buffer_dtype is None:
         return
-    for mod_fqn, mod in walk_unit_modules(
-        state._fsdp_wrapped_module, lambda m: isinstance(m, UnitState)
-    ):
+    for mod_fqn, mod in walk_unit_modules(state.wrapped_module, is_unit):
         if mod in state._ignored_modules:
             continue
         for name, b in mod._buffers.items():

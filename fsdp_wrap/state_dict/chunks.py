@@ -49,14 +49,14 @@ class ChunkLayout:
 
 def chunk_layout(state: UnitState, use_dtensor: bool) -> ChunkLayout:
     """The layout of ``state``'s sharded values (DTensor with a mesh or ``_use_dtensor``)."""
-    mesh = state._device_mesh
+    mesh = state.settings.device_mesh
     if mesh is None and use_dtensor:
-        mesh = state.__dict__.get("_sd_device_mesh")
+        mesh = state._sd_device_mesh
         if mesh is None:
             from torch.distributed.device_mesh import DeviceMesh
 
             mesh = DeviceMesh.from_group(state.process_group, state.compute_device.type)
-            state.__dict__["_sd_device_mesh"] = mesh
+            state._sd_device_mesh = mesh
     return ChunkLayout(state.process_group, state.rank, state.world_size, state.compute_device, mesh)
 
 
@@ -238,7 +238,7 @@ def gather_chunks(items: Sequence[tuple[str, Any]], layout: ChunkLayout) -> list
 def uses_dtensor(state: UnitState) -> bool:
     """Do this unit's SHARDED state dicts hold DTensors (a device mesh, or asked for)?"""
     cfg = state._state_dict_config
-    return state._device_mesh is not None or bool(getattr(cfg, "_use_dtensor", False))
+    return state.settings.device_mesh is not None or bool(getattr(cfg, "_use_dtensor", False))
 
 
 def claim(state_dict: dict[str, Any], key: str, param: torch.Tensor, registered: bool) -> None:
@@ -247,14 +247,6 @@ def claim(state_dict: dict[str, Any], key: str, param: torch.Tensor, registered:
         state_dict[key] = param  # nn.Module copies the parameter onto itself: a no-op
     else:
         del state_dict[key]
-
-
-def copy_into_shard(h: Any, i: int, value: torch.Tensor) -> None:
-    """Copy this rank's piece of parameter ``i``'s full ``value`` into the local shard."""
-    sl = h.param_shard_slice(i)
-    if sl is not None:
-        start = sl[0] + h.shard_offset - h.infos[i].offset
-        h.local_shard[sl[0] : sl[1]].copy_(value.detach().reshape(-1)[start : start + sl[1] - sl[0]])
 
 
 def claim_shared_and_flat(h: Any, state_dict: dict[str, Any], wrapped: str) -> None:

@@ -26,7 +26,7 @@ FQNs (no ``_fsdp_wrapped_module.``), exactly the unwrapped model's keys.
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -56,13 +56,16 @@ from fsdp_wrap.api import (
     StateDictConfig,
     StateDictSettings,
     StateDictType,
+    coerce_dataclass,
+    coerce_enum,
 )
 from fsdp_wrap.comm.collectives import global_rank
-from fsdp_wrap.handle.layout import walk_unit_modules
 from fsdp_wrap.runtime.names import WRAPPED, clean_fqn
-from fsdp_wrap.runtime.state import TrainingState, UnitState
+from fsdp_wrap.runtime.state import TrainingState, UnitState, expect_state, state_of
 from fsdp_wrap.runtime.tree import lazy_init, units_under
 from fsdp_wrap.state_dict.buffers import buffers_in_original_dtype
+from fsdp_wrap.state_dict.keys import param_rels, shared_rels, unit_keys
+from fsdp_wrap.state_dict.summoned import in_summon, summoned_post_state_dict
 
 if TYPE_CHECKING:
     from fsdp_wrap.handle.flat_param import FlatParamHandle
@@ -84,14 +87,14 @@ def set_state_dict_type(
     optim_state_dict_config: OptimStateDictConfig | None,
 ) -> StateDictSettings:
     """Set the type and configs on every FSDP unit in ``module``; return the previous ones."""
-    sd_type = _compat.coerce_enum(state_dict_type, StateDictType, "state_dict_type")
+    sd_type = coerce_enum(state_dict_type, StateDictType, "state_dict_type")
     if sd_type is None:
         raise TypeError("state_dict_type must be a StateDictType member, not None")
     cfg_cls, optim_cls = _CONFIG_CLASSES[sd_type]
-    cfg = _compat.coerce_dataclass(state_dict_config, cfg_cls, "state_dict_config") if (
+    cfg = coerce_dataclass(state_dict_config, cfg_cls, "state_dict_config") if (
         state_dict_config is not None and type(state_dict_config).__name__ == cfg_cls.__name__
     ) else state_dict_config
-    optim_cfg = _compat.coerce_dataclass(
+    optim_cfg = coerce_dataclass(
         optim_state_dict_config, optim_cls, "optim_state_dict_config"
     ) if (
         optim_state_dict_config is not None
@@ -187,10 +190,25 @@ def _group_device(group: ProcessGroup) -> torch.device:
 
 
 def register_hooks(state: UnitState) -> None:
-    state.register_state_dict_pre_hook(_pre_state_dict_hook)
-    _compat.register_state_dict_post_hook(state, _post_state_dict_hook)
-    _compat.register_load_state_dict_pre_hook(state, _pre_load_state_dict_hook)
-    state.register_load_state_dict_post_hook(_post_load_state_dict_hook)
+    """The state-dict hooks on the unit's module (the façade): each finds the
+    unit's state from the module it is called with."""
+    module = state.module
+    module.register_state_dict_pre_hook(_on_state(_pre_state_dict_hook))
+    _compat.register_state_dict_post_hook(module, _on_state(_post_state_dict_hook))
+    _compat.register_load_state_dict_pre_hook(module, _on_state(_pre_load_state_dict_hook))
+    module.register_load_state_dict_post_hook(_on_state(_post_load_state_dict_hook))
+
+
+def _on_state(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook(state, ...)`` called as a module hook ``(module, ...)``."""
+
+    def on_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        state = state_of(module)
+        if state is None:  # (only units register these hooks)
+            raise TypeError(f"{type(module).__name__} is not an FSDP unit")
+        return hook(state, *args, **kwargs)
+
+    return on_module
 
 
 def effective_type(state: UnitState, warn: bool = True) -> StateDictType:
@@ -198,7 +216,7 @@ def effective_type(state: UnitState, warn: bool = True) -> StateDictType:
     sd_type = state._state_dict_type
     if sd_type is StateDictType.FULL_STATE_DICT:
         return sd_type
-    if state.sharding_strategy is ShardingStrategy.NO_SHARD:
+    if state.settings.strategy is ShardingStrategy.NO_SHARD:
         if warn:
             warnings.warn(
                 "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned.",
@@ -212,7 +230,7 @@ def effective_type(state: UnitState, warn: bool = True) -> StateDictType:
 def _refuse_local_with_mesh(state: UnitState) -> None:
     """torch's refusal of LOCAL_STATE_DICT for a unit built with a device mesh
     (model and optimizer state dicts alike)."""
-    if state._state_dict_type is StateDictType.LOCAL_STATE_DICT and state._device_mesh is not None:
+    if state._state_dict_type is StateDictType.LOCAL_STATE_DICT and state.settings.device_mesh is not None:
         raise RuntimeError(
             "Found state_dict_type LOCAL_STATE_DICT. DeviceMesh is not "
             "compatible with LOCAL_STATE_DICT. Please set state_dict_type to SHARDED_STATE_DICT "
@@ -221,23 +239,13 @@ def _refuse_local_with_mesh(state: UnitState) -> None:
         )
 
 
-def _param_rels(state: UnitState) -> list[str]:
-    """Keys (relative to the wrapped module) of the unit's flattened parameters."""
-    return [clean_fqn(i.fqn) for h in state._handles for i in h.infos]
-
-
-def _shared_rels(state: UnitState) -> list[str]:
-    return [clean_fqn(s.fqn) for h in state._handles for s in h.shared]
-
-
 def _pre_state_dict_hook(state: UnitState, prefix: str, keep_vars: bool) -> None:
     lazy_init(state)
     sd_type = effective_type(state)
-    if state.training_state is not TrainingState.IDLE:
-        raise RuntimeError(
-            f"[rank {global_rank()}] state_dict() called on FSDP unit '{prefix.rstrip('.')}' during "
-            f"{state.training_state}; call it outside forward/backward"
-        )
+    if in_summon(state, sd_type, prefix):
+        return  # (the parameters are full already: torch gathers nothing more)
+    expect_state(state, TrainingState.IDLE, action="state_dict()", error=RuntimeError,
+                 fix="call it outside forward/backward and outside summon_full_params")
     if sd_type is StateDictType.LOCAL_STATE_DICT:
         return
     if state._is_root:
@@ -263,28 +271,13 @@ def _pre_state_dict_hook(state: UnitState, prefix: str, keep_vars: bool) -> None
         handle.register_params(_sharded_io.local_chunks(handle))
 
 
-def _unit_keys(state: UnitState) -> list[str]:
-    """Keys (relative, under the wrapped module) that this unit itself emits."""
-    keys: list[str] = []
-    for mod_fqn, mod in walk_unit_modules(
-        state._fsdp_wrapped_module, lambda m: isinstance(m, UnitState)
-    ):
-        pre = f"{clean_fqn(mod_fqn)}." if mod_fqn else ""
-        pre = clean_fqn(pre)
-        keys.extend(pre + n for n, p in mod._parameters.items() if p is not None)
-        keys.extend(
-            pre + n
-            for n, b in mod._buffers.items()
-            if b is not None and n not in mod._non_persistent_buffers_set
-        )
-        keys.append(pre + "_extra_state")
-    return keys
-
-
 def _post_state_dict_hook(
     state: UnitState, state_dict: dict[str, Any], prefix: str, local_metadata: Any
 ) -> None:
     sd_type = effective_type(state, warn=False)
+    if state.training_state is TrainingState.SUMMON_FULL_PARAMS:
+        summoned_post_state_dict(state, state_dict, prefix)
+        return
     try:
         if sd_type is StateDictType.FULL_STATE_DICT:
             _full_post_state_dict(state, state_dict, prefix)
@@ -307,8 +300,8 @@ def _full_post_state_dict(state: UnitState, state_dict: dict[str, Any], prefix: 
     cfg = state._state_dict_config
     rank0_only = isinstance(cfg, FullStateDictConfig) and cfg.rank0_only
     drop = rank0_only and state.rank != 0
-    fresh = set(_param_rels(state))  # copied by the pre-hook already
-    for rel in _unit_keys(state):
+    fresh = set(param_rels(state))  # copied by the pre-hook already
+    for rel in unit_keys(state):
         key = prefix + WRAPPED + rel
         if key not in state_dict:
             continue
@@ -371,7 +364,7 @@ def _local_post_state_dict(state: UnitState, state_dict: dict[str, Any], prefix:
     """One ``_flat_param`` key per flat parameter (``_flat_param_1``, ... for a
     split unit's others); the 1-D original views (use_orig_params) are dropped."""
     base = prefix + WRAPPED
-    for rel in [*_param_rels(state), *_shared_rels(state), *(h.flat_name for h in state._handles)]:
+    for rel in [*param_rels(state), *shared_rels(state), *(h.flat_name for h in state._handles)]:
         state_dict.pop(base + rel, None)
     for h in state._handles:
         state_dict[base + h.flat_name] = local_flat_value(
@@ -398,10 +391,9 @@ def _pre_load_state_dict_hook(
         value = state_dict.pop(prefix + WRAPPED + h.flat_name, None)
         if (isinstance(value, torch.Tensor) and value.shape == h.local_shard.shape
                 and value.data_ptr() != h.local_shard.data_ptr()):
-            with torch.no_grad():
-                h.local_shard.copy_(value)
-        h.module._parameters.pop(h.flat_name, None)
-        state.__dict__["_sd_flat_param_hidden"] = True
+            h.load_shard(value)
+        h.register_flat_param(False)
+        state._sd_flat_param_hidden = True
 
 
 def _pre_load_for_type(
@@ -474,7 +466,7 @@ def _full_pre_load(
                     f"checkpoint, the shape in current model is {tuple(info.shape)}."
                 )
             else:
-                CH.copy_into_shard(h, i, value)
+                h.load_param(i, value)
             CH.claim(state_dict, key, info.param, h.use_orig_params)
         CH.claim_shared_and_flat(h, state_dict, wrapped)
 
@@ -499,7 +491,7 @@ def _local_pre_load(
     state: UnitState, state_dict: dict[str, Any], wrapped: str, error_msgs: list[str]
 ) -> None:
     pending: list[tuple[list[str], str | None]] = []
-    state.__dict__["_sd_local_load"] = pending
+    state._sd_local_load = pending
     for h in state._handles:
         _local_pre_load_flat(h, state_dict, wrapped, error_msgs, pending)
 
@@ -543,8 +535,7 @@ def _local_pre_load_flat(
             state_dict[key] = h.flat_param.detach()
         return
     if h.use_orig_params:
-        with torch.no_grad():
-            h.local_shard[: h.shard_valid_numel].copy_(local.reshape(-1))
+        h.load_shard(local.reshape(-1))
         state_dict.pop(key)
     else:
         padded = h.flat_param.detach().new_zeros(h.shard_numel)
@@ -553,13 +544,15 @@ def _local_pre_load_flat(
 
 
 def _post_load_state_dict_hook(state: UnitState, incompatible_keys: Any) -> None:
-    if state.__dict__.pop("_sd_flat_param_hidden", False):
+    hidden, state._sd_flat_param_hidden = state._sd_flat_param_hidden, False
+    if hidden:
         for h in state._handles:
             if not h.use_orig_params:
-                h.module._parameters[h.flat_name] = h.flat_param
+                h.register_flat_param(True)
     sd_type = effective_type(state, warn=False)
     if sd_type is StateDictType.LOCAL_STATE_DICT:
-        for originals, missing_flat in state.__dict__.pop("_sd_local_load", None) or []:
+        pending, state._sd_local_load = state._sd_local_load, None
+        for originals, missing_flat in pending or []:
             # (an inner unit's hook may already have cleaned the shared list)
             handled = {clean_fqn(k) for k in originals}
             incompatible_keys.missing_keys[:] = [

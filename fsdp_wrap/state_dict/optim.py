@@ -408,7 +408,7 @@ def optim_state_dict(
         rank0_only=full and bool(getattr(cfg, "rank0_only", False)),
         offload_to_cpu=cfg.offload_to_cpu,
         use_dtensor=bool(getattr(cfg, "_use_dtensor", False))
-        or any(m._device_mesh is not None for m in units),
+        or any(m.settings.device_mesh is not None for m in units),
         group=group,
     )
 

@@ -13,8 +13,8 @@ import torch.nn as nn
 import fsdp_wrap.state_dict.model as SD
 from fsdp_wrap.api import StateDictType
 from fsdp_wrap.runtime.names import clean_fqn
-from fsdp_wrap.runtime.state import UnitState
-from fsdp_wrap.runtime.tree import units_under
+from fsdp_wrap.runtime.state import UnitState, state_of
+from fsdp_wrap.runtime.tree import initialised_units
 
 if TYPE_CHECKING:
     from fsdp_wrap.handle.flat_param import FlatParamHandle
@@ -54,17 +54,18 @@ def _join(prefix: str, name: str) -> str:
 
 
 def _index(model: nn.Module) -> _Index:
-    if not units_under(model, root_only=True):  # (also runs lazy init)
+    if not initialised_units(model):  # (a root may be gone: torch needs none)
         raise ValueError(f"{type(model).__name__} contains no FullyShardedDataParallel unit")
     index = _Index()
     for name, mod in model.named_modules():
-        if not isinstance(mod, UnitState):
+        unit = state_of(mod)
+        if unit is None:
             continue
         base = clean_fqn(name + ".").rstrip(".")
-        for h in mod._handles:  # (one entry per flat parameter: a unit may hold several)
+        for h in unit._handles:  # (one entry per flat parameter: a unit may hold several)
             fqns = [_join(base, clean_fqn(i.fqn)) for i in h.infos]
             u = len(index.units)
-            index.units.append(_Unit(mod, h, fqns))
+            index.units.append(_Unit(unit, h, fqns))
             index.where[id(h.flat_param)] = (u, -1, fqns)
             for k, info in enumerate(h.infos):
                 index.where[id(info.param)] = (u, k, [fqns[k]])
@@ -105,7 +106,7 @@ def _rank0_group(root: UnitState, group: Any) -> Any:
     """
     if group is not None:
         return group
-    if root._inter_node_pg is not None:
+    if root.settings.inter_node_pg is not None:
         return dist.group.WORLD
     return root.process_group
 

@@ -178,7 +178,7 @@ def local_chunks(h: FlatParamHandle) -> list[torch.Tensor]:
 
 def load_chunks(h: FlatParamHandle, chunks: dict[int, torch.Tensor]) -> None:
     """This rank's dim-0 parameter chunks into the flat parameter shards that hold them."""
-    shard_from_chunks(h, chunks, h.local_shard)
+    h.load_shard_with(lambda shard: shard_from_chunks(h, chunks, shard))
 
 
 def load_sharded_unit(
@@ -239,7 +239,7 @@ def _load_sharded_handle(
             elif CH.is_chunked(value):
                 chunks[i] = CH.local_chunk(key, value, layout)[1]
             else:
-                CH.copy_into_shard(h, i, value)
+                h.load_param(i, value)
             CH.claim(state_dict, key, info.param, h.use_orig_params)
         CH.claim_shared_and_flat(h, state_dict, wrapped)
     load_chunks(h, chunks)

@@ -23,7 +23,7 @@ import torch.nn as nn
 from fsdp_wrap.checkpoint.full import _fsdp_cls, _names, _units, _unmanaged_tensors
 from fsdp_wrap.comm.collectives import global_rank
 from fsdp_wrap.handle.full_copies import gather_full_flat, param_views
-from fsdp_wrap.runtime.state import TrainingState
+from fsdp_wrap.runtime.state import TrainingState, expect_state
 
 if TYPE_CHECKING:
     from fsdp_wrap.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
@@ -76,14 +76,10 @@ def iter_full_weights(
     if root._is_root is False:
         raise ValueError(f"[rank {global_rank()}] iter_full_weights expects the root FSDP "
                          "module, not a nested unit")
-    busy = [(n or "<root>", st.training_state) for n, st in _units(root)
-            if st.training_state is not TrainingState.IDLE]
-    if busy:
-        raise RuntimeError(
-            f"[rank {global_rank()}] iter_full_weights expects every FSDP unit to be in state "
-            f"{TrainingState.IDLE} but unit '{busy[0][0]}' is in {busy[0][1]}; iterate outside "
-            "forward/backward and outside summon_full_params"
-        )
+    for _, st in _units(root):
+        expect_state(st._fsdp_state, TrainingState.IDLE, action="iter_full_weights()",
+                     error=RuntimeError,
+                     fix="iterate outside forward/backward and outside summon_full_params")
     return _stream(root, rank0_only, dtype, offload_to_cpu)
 
 

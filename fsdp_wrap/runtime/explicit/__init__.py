@@ -10,9 +10,10 @@ controls", says what each one changes in FSDP1's schedule):
 * :mod:`~fsdp_wrap.runtime.explicit.controls`: what a unit holds
   (:class:`ExplicitControls`, ``unit._explicit``; the hooks read it) and the
   check that every rank set the same schedule;
-* :mod:`~fsdp_wrap.runtime.explicit.api`: the methods
-  (:class:`ExplicitAPI`, which the façade inherits), :class:`UnshardHandle`
-  and :func:`register_fsdp_forward_method`.
+* :mod:`~fsdp_wrap.runtime.explicit.api`: what each control does on a
+  unit's state (the façade's methods of the same names,
+  ``fsdp_wrap.fully_sharded_data_parallel.explicit_methods``, call it),
+  ``UnshardHandle`` and ``register_fsdp_forward_method``.
 
 Imports nothing: the modules are imported by their full paths.
 """

@@ -1,7 +1,7 @@
 """What a unit's explicit controls hold, and the check that every rank holds the same.
 
-A unit that never had an explicit control set holds none (``unit._explicit``
-is ``None``, the class default): the hooks then cost one attribute read.
+A unit that never had an explicit control set holds none (its state's
+``_explicit`` is ``None``): the hooks then cost one attribute read.
 The first ``set_*`` call gives the unit an :class:`ExplicitControls`.
 
 The prefetch lists change which collectives a rank issues and when: ranks
@@ -36,7 +36,7 @@ __all__ = ["ExplicitControls", "check_schedules", "controls_of", "reshards_after
 @dataclass
 class ExplicitControls:
     """One unit's explicit controls (FSDP2's, set by the methods of
-    :class:`fsdp_wrap.runtime.explicit.api.ExplicitAPI`).
+    ``fsdp_wrap.runtime.explicit.api``).
 
     Empty prefetch lists mean the default schedule, as in FSDP2.
     """
@@ -54,7 +54,7 @@ def controls_of(state: UnitState) -> ExplicitControls:
     controls = state._explicit
     if controls is None:
         controls = ExplicitControls()
-        object.__setattr__(state, "_explicit", controls)  # (not a module attribute)
+        state._explicit = controls
     return controls
 
 
@@ -97,17 +97,18 @@ def tree_of(state: UnitState) -> UnitState:
     parent pointer)."""
     if state._is_root is not None:
         return state._root
-    holders = [u for u in live_units() if any(m is state for m in u.modules())]
-    return max(holders, key=lambda u: sum(1 for _ in u.modules()), default=state)
+    me = state.module
+    holders = [u for u in live_units() if any(m is me for m in u.module.modules())]
+    return max(holders, key=lambda u: sum(1 for _ in u.module.modules()), default=state)
 
 
 def unit_name(state: UnitState) -> str:
     """The unit's clean FQN under its root (``<root>`` for the root), for messages."""
     if state._handles and state._is_root is not None:
         return state._handles[0].unit_fqn or "<root>"
-    root = tree_of(state)
-    for name, m in root.named_modules():
-        if m is state:
+    me = state.module
+    for name, m in tree_of(state).module.named_modules():
+        if m is me:
             return clean_fqn(name) or "<root>"
     return "<root>"
 

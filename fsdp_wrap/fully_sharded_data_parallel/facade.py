@@ -2,33 +2,35 @@
 
 Construction runs the steps of :mod:`fsdp_wrap.runtime.setup` (arguments
 resolved and checked first, then process groups, auto-wrapping of children
-through :mod:`fsdp_wrap.wrap`, this unit's handle, the hooks).  The instance
-*is* its unit state (:class:`~fsdp_wrap.runtime.state.UnitState`); forward and
-backward delegate to :mod:`fsdp_wrap.runtime.hooks`, lazy init to
-:mod:`fsdp_wrap.runtime.tree`, state dicts to :mod:`fsdp_wrap.state_dict`.
+through :mod:`fsdp_wrap.wrap`, the unit's settings and state, its handles,
+the hooks).  The instance holds its unit's state
+(:class:`~fsdp_wrap.runtime.state.UnitState`, ``_fsdp_state``), which is what
+the layers below receive; forward and backward delegate to
+:mod:`fsdp_wrap.runtime.hooks`, lazy init to :mod:`fsdp_wrap.runtime.tree`,
+state dicts to :mod:`fsdp_wrap.state_dict`.  torch's attribute names read the
+state (:mod:`.torch_attributes`); the optimizer-state and accumulation
+methods are in their own modules of this package.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from collections.abc import Generator, Iterable, Iterator
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-import fsdp_wrap.comm.collectives as C
 import fsdp_wrap.runtime.construct as _init
+import fsdp_wrap.runtime.dynamo as dynamo
 import fsdp_wrap.runtime.guards as guards
 import fsdp_wrap.runtime.hooks as _runtime
+import fsdp_wrap.runtime.settings as settings_of
 import fsdp_wrap.runtime.setup as setup
 import fsdp_wrap.runtime.summon as _summon
 import fsdp_wrap.runtime.tree as tree
 import fsdp_wrap.state_dict.model as _state_dict
-from fsdp_wrap._compat import coerce_dataclass, coerce_enum, run_eagerly_under_dynamo
 from fsdp_wrap.api import (
     HYBRID_STRATEGIES,
     BackwardPrefetch,
@@ -45,16 +47,24 @@ from fsdp_wrap.comm.bucket import resolve_bucket_cap_mb
 from fsdp_wrap.comm.collectives import global_rank
 from fsdp_wrap.comm.gather_batch import resolve_all_gather_batch_mb
 from fsdp_wrap.comm.quant.config import CollectiveQuantization, resolve_quantization
-from fsdp_wrap.runtime.accumulation import AccumulationAPI, warn_if_partial
-from fsdp_wrap.runtime.explicit.api import ExplicitAPI
+from fsdp_wrap.fully_sharded_data_parallel.accumulation_methods import AccumulationMethods
+from fsdp_wrap.fully_sharded_data_parallel.explicit_methods import ExplicitMethods
+from fsdp_wrap.fully_sharded_data_parallel.optim_methods import OptimStateDictMethods
+from fsdp_wrap.fully_sharded_data_parallel.torch_attributes import TorchAttributes
+from fsdp_wrap.runtime.grad_norm import clip_grad_norm
 from fsdp_wrap.runtime.names import clean_fqn
-from fsdp_wrap.runtime.state import TrainingState, UnitState, register_unit
+from fsdp_wrap.runtime.state import (
+    STATE_ATTR,
+    TrainingState,
+    expect_state,
+    register_unit,
+)
 from fsdp_wrap.runtime.tensors import cast_floating
-from fsdp_wrap.state_dict.optim_api import OptimStateDictAPI
 
 __all__ = ["FullyShardedDataParallel", "OptimStateKeyType"]
 
-class FullyShardedDataParallel(UnitState, OptimStateDictAPI, AccumulationAPI, ExplicitAPI):
+class FullyShardedDataParallel(TorchAttributes, OptimStateDictMethods, AccumulationMethods,
+                               ExplicitMethods, nn.Module):
     """Shard a module's parameters across data-parallel ranks (FSDP1 semantics).
 
     The wrapped module's parameters (except those of nested FSDP units and
@@ -104,6 +114,10 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI, AccumulationAPI, Ex
         optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     """
 
+    # The public path, as torch's class names its module (type(m).__module__ is
+    # what frameworks and pickle see).
+    __module__ = "fsdp_wrap.fully_sharded_data_parallel"
+
     def __init__(
         self,
         module: nn.Module,
@@ -149,23 +163,19 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI, AccumulationAPI, Ex
                 stacklevel=2,
             )
         # 1. Arguments, checked before any collective.
-        strategy = coerce_enum(sharding_strategy, ShardingStrategy, "sharding_strategy")
-        backward_prefetch = coerce_enum(backward_prefetch, BackwardPrefetch, "backward_prefetch")
-        cpu_offload = coerce_dataclass(cpu_offload, CPUOffload, "cpu_offload")
-        mixed_precision = coerce_dataclass(mixed_precision, MixedPrecision, "mixed_precision")
-        strategy = strategy or ShardingStrategy.FULL_SHARD
+        strategy, backward_prefetch, cpu_offload, mixed_precision = settings_of.coerce_arguments(
+            sharding_strategy, backward_prefetch, cpu_offload, mixed_precision)
         cap_mb = resolve_bucket_cap_mb(bucket_cap_mb)
         batch_mb = resolve_all_gather_batch_mb(all_gather_batch_mb)
         quant = resolve_quantization(quantize_collectives, f"[rank {global_rank()}] ")
-        ignored_mods, ignored_params = _init.resolve_ignored(module, ignored_modules, ignored_states)
-        self._ignored_modules, self._ignored_params = ignored_mods, ignored_params
+        ignored = _init.resolve_ignored(module, ignored_modules, ignored_states)
         # ... and what this machine cannot honour (a device it lacks, a dtype).
-        device = setup.check_machine(module, device_id, mixed_precision, ignored_params)
+        device = setup.check_machine(module, device_id, mixed_precision, ignored[1])
         # 2. Process groups (their backends must carry the device's tensors).
-        pg_state, child_group = setup.init_process_groups(
-            self, process_group, device_mesh, strategy, auto_wrap_policy is not None, device
+        pg_state, child_group = settings_of.init_process_groups(
+            process_group, device_mesh, strategy, auto_wrap_policy is not None, device
         )
-        setup.init_wire(self, quant, pg_state, strategy, module)
+        wire = settings_of.init_wire(quant, pg_state, strategy, module)
         # 3. Children the policy picks become units of their own, with the
         # root's arguments (the ignored set resolved to parameters, as torch
         # passes it, so one-shot iterables are safe).
@@ -179,26 +189,31 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI, AccumulationAPI, Ex
                 ignored_modules=None, param_init_fn=param_init_fn, device_id=device_id,
                 sync_module_states=sync_module_states, forward_prefetch=forward_prefetch,
                 limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params,
-                ignored_states=list(ignored_params) if ignored_params else None,
+                ignored_states=list(ignored[1]) if ignored[1] else None,
                 device_mesh=device_mesh, quantize_collectives=quant or "off",
             )
-            _auto_wrap(module, auto_wrap_policy, ignored_mods, ignored_params, root_kwargs,
+            _auto_wrap(module, auto_wrap_policy, ignored[0], ignored[1], root_kwargs,
                        FullyShardedDataParallel)
-        # 4. This unit: options, runtime state, its module placed, its handle.
-        setup.init_settings(
-            self, strategy, cpu_offload, mixed_precision, backward_prefetch, forward_prefetch,
-            limit_all_gathers, use_orig_params, sync_module_states,
+        # 4. This unit: every option resolved once into its settings, its
+        # state, its module placed, its handles.
+        settings = settings_of.resolve_settings(
+            module, pg_state, device_mesh, device_id, ignored, strategy=strategy,
+            cpu_offload=cpu_offload, mixed_precision=mixed_precision,
+            backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
+            limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params,
+            sync_module_states=sync_module_states, quant=quant, wire=wire,
         )
-        setup.init_runtime_state(self, cap_mb, batch_mb)
-        setup.place_module(self, module, device_id, param_init_fn, sync_module_states)
-        setup.build_handle(self, module, pg_state)
-        _runtime.register_handle_hooks(self)
+        state = setup.new_unit_state(self, module, settings, ignored, cap_mb, batch_mb)
+        object.__setattr__(self, STATE_ATTR, state)
+        setup.place_module(state, param_init_fn)
+        setup.build_handle(state)
+        _runtime.register_handle_hooks(state)
         self._fsdp_wrapped_module = module
-        register_unit(self)
+        register_unit(state)
         # 5. State-dict hooks; torch.compile breaks the graph at unit boundaries.
-        _state_dict.register_hooks(self)
-        run_eagerly_under_dynamo()
-        _init.annotate_for_dynamo(module, ignored_mods, use_orig_params)
+        _state_dict.register_hooks(state)
+        dynamo.run_eagerly_under_dynamo()
+        dynamo.annotate_for_dynamo(module, ignored[0], settings.use_orig_params)
 
     # ------------------------------------------------------------ module API
 
@@ -207,14 +222,6 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI, AccumulationAPI, Ex
         """The wrapped module (the inner one, if it is an activation-checkpoint wrapper)."""
         inner = self._fsdp_wrapped_module
         return getattr(inner, "_checkpoint_wrapped_module", inner)
-
-    @property
-    def _has_params(self) -> bool:
-        return self._handle is not None
-
-    @property
-    def _flat_param(self) -> nn.Parameter | None:
-        return self._handle.flat_param if self._handle is not None else None
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -244,28 +251,30 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI, AccumulationAPI, Ex
                       kwargs: dict[str, Any]) -> Any:
         """``fn(*args, **kwargs)`` as this unit's forward (``forward`` itself, and
         the methods of ``register_fsdp_forward_method``)."""
-        args, kwargs = _runtime.root_pre_forward(self, args, kwargs)
-        mp = self.mixed_precision
+        state = self._fsdp_state
+        args, kwargs = _runtime.root_pre_forward(state, args, kwargs)
+        mp = state.settings.mixed_precision
         # The root casts for cast_root_forward_inputs; every unit, the root
         # included, casts for cast_forward_inputs (torch's rule).
-        full_precision = self._use_full_prec_in_eval and not self._fsdp_wrapped_module.training
+        full_precision = (state.settings.use_full_prec_in_eval
+                          and not self._fsdp_wrapped_module.training)
         if mp.param_dtype is not None and not full_precision and (
-            mp.cast_forward_inputs or (self._is_root and mp.cast_root_forward_inputs)
+            mp.cast_forward_inputs or (state._is_root and mp.cast_root_forward_inputs)
         ):
             args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
-        _runtime.pre_forward(self, (args, kwargs))
+        _runtime.pre_forward(state, (args, kwargs))
         output = fn(*args, **kwargs)
-        return _runtime.post_forward(self, output)
+        return _runtime.post_forward(state, output)
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         """As ``nn.Module``'s; inside ``summon_full_params`` the names are clean FQNs."""
-        clean = self.training_state is TrainingState.SUMMON_FULL_PARAMS
+        clean = self._fsdp_state.training_state is TrainingState.SUMMON_FULL_PARAMS
         for name, param in super().named_parameters(*args, **kwargs):
             yield (clean_fqn(name) if clean else name), param
 
     def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
         """As ``nn.Module``'s; inside ``summon_full_params`` the names are clean FQNs."""
-        clean = self.training_state is TrainingState.SUMMON_FULL_PARAMS
+        clean = self._fsdp_state.training_state is TrainingState.SUMMON_FULL_PARAMS
         for name, buf in super().named_buffers(*args, **kwargs):
             yield (clean_fqn(name) if clean else name), buf
 
@@ -277,8 +286,8 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI, AccumulationAPI, Ex
         it on every rank.  Called on a nested unit before the root's first
         forward, it makes that unit a root, as in torch.
         """
-        self._lazy_init()
-        return bool(self._is_root)
+        tree.lazy_init(self._fsdp_state)
+        return bool(self._fsdp_state._is_root)
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
@@ -286,7 +295,7 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI, AccumulationAPI, Ex
 
         With ``root_only=True``, only the outermost ones.  No communication.
         """
-        return tree.units_under(module, root_only)  # type: ignore[return-value]
+        return [st.module for st in tree.units_under(module, root_only)]  # type: ignore[misc]
 
     def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:  # type: ignore[override]
         """``nn.Module.apply`` with this unit's parameters gathered and written back.
@@ -295,15 +304,14 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI, AccumulationAPI, Ex
         :meth:`summon_full_params` with ``writeback=True``), typically to
         initialise weights.  A collective: call it on every rank.
         """
-        uninitialised = self._is_root is None
-        self._assert_state(
-            TrainingState.IDLE,
-            fix="call apply() outside summon_full_params and outside forward/backward",
-        )
-        with _summon.summon([self], writeback=True):
+        state = self._fsdp_state
+        uninitialised = state._is_root is None
+        expect_state(state, TrainingState.IDLE, action="apply()",
+                     fix="call apply() outside summon_full_params and outside forward/backward")
+        with _summon.summon([state], writeback=True):
             super().apply(fn)
-        if uninitialised and self._is_root:
-            self._reset_lazy_init()
+        if uninitialised and state._is_root:
+            state._is_root = None
         return self
 
     # ------------------------------------------------------------- lazy init
@@ -314,16 +322,17 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI, AccumulationAPI, Ex
         from fsdp_wrap.handle.writeback import flat_param_exposed
 
         with contextlib.ExitStack() as stack:
-            for h in self.__dict__.get("_handles", []):
+            state = self.__dict__.get(STATE_ATTR)  # (none yet while the constructor runs)
+            for h in state._handles if state is not None else []:
                 stack.enter_context(flat_param_exposed(h))
             return super()._apply(*args, **kwargs)
 
     def _lazy_init(self) -> None:
         """Link every unit of this tree to its root (once; see :func:`~fsdp_wrap.runtime.tree.lazy_init`)."""
-        tree.lazy_init(self)
+        tree.lazy_init(self._fsdp_state)
 
     def _reset_lazy_init(self) -> None:
-        self._is_root = None
+        self._fsdp_state._is_root = None
 
     # ------------------------------------------------------------- no_sync
 
@@ -343,14 +352,16 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI, AccumulationAPI, Ex
             loss_fn(model(micro_batches[-1])).backward()  # reduces everything
             optim.step()
         """
-        self._lazy_init()
-        if not self._is_root:
+        state = self._fsdp_state
+        tree.lazy_init(state)
+        if not state._is_root:
             raise RuntimeError(
                 "`no_sync()` on inner FSDP instances is not supported. Please call `no_sync()` "
                 "on root FSDP module."
             )
-        self._assert_state(TrainingState.IDLE)
-        states = FullyShardedDataParallel.fsdp_modules(self)
+        expect_state(state, TrainingState.IDLE, action="no_sync()",
+                     fix="enter no_sync() between iterations, outside forward and backward")
+        states = tree.units_under(self)
         previous = [st._sync_gradients for st in states]
         for st in states:
             st._sync_gradients = False
@@ -360,17 +371,9 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI, AccumulationAPI, Ex
             for st, prev in zip(states, previous):
                 st._sync_gradients = prev
 
-    def _assert_state(self, state: TrainingState | list[TrainingState], fix: str = "") -> None:
-        """ValueError (torch's type) unless this unit is in one of ``state``."""
-        allowed = state if isinstance(state, list) else [state]
-        if self.training_state not in allowed:
-            fqn = self._handle.unit_fqn if self._handle is not None else ""
-            unit = "root FSDP unit" if self._is_root else f"FSDP unit '{fqn}'" if fqn else "FSDP unit"
-            raise ValueError(
-                f"expected to be in states {allowed} but current state is "
-                f"{self.training_state} [rank {global_rank()}, {unit}]"
-                + (f"; {fix}" if fix else "")
-            )
+    def _assert_state(self, state: TrainingState | list[TrainingState]) -> None:
+        """torch's private check: ``ValueError`` unless this unit is in one of ``state``."""
+        expect_state(self._fsdp_state, state)
 
     # ------------------------------------------------------- clip_grad_norm_
 
@@ -384,56 +387,7 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI, AccumulationAPI, Ex
         and the optimizer step; one all-reduce of one scalar (none when no
         unit is sharded).  Returns the total norm in the gradients' dtype.
         """
-        self._lazy_init()
-        if not self._is_root:
-            raise RuntimeError("`clip_grad_norm_()` should only be called on the root FSDP instance")
-        if self.training_state is not TrainingState.IDLE:
-            raise RuntimeError(
-                f"[rank {global_rank()}] clip_grad_norm_() must be called outside forward/backward "
-                f"(state {self.training_state})"
-            )
-        warn_if_partial(self, "clip_grad_norm_()")
-        max_norm, norm_type = float(max_norm), float(norm_type)
-        sharded: list[torch.Tensor] = []
-        nonsharded: list[torch.Tensor] = []
-        managed: set[nn.Parameter] = set()
-        for h in self._all_handles:
-            (sharded if h.uses_sharded_strategy else nonsharded).extend(h.flat_grad_for_norm())
-            managed.update(h.params if h.use_orig_params else [h.flat_param])
-        for p in self.parameters():
-            if p not in managed and p.grad is not None:
-                managed.add(p)
-                nonsharded.append(p.grad)
-        all_grads = sharded + nonsharded
-        if all(not h.uses_sharded_strategy for h in self._all_handles):
-            return torch.nn.utils.clip_grad_norm_(
-                [p for p in self.parameters() if p.grad is not None], max_norm, norm_type
-            )
-        local_sharded = _grad_norm(sharded, norm_type, self.compute_device)
-        local_non = _grad_norm(nonsharded, norm_type, self.compute_device) if nonsharded else None
-        if math.isinf(norm_type):
-            total = local_sharded if local_non is None else torch.maximum(local_sharded, local_non)
-            C.all_reduce(total, self.process_group, dist.ReduceOp.MAX)
-        else:
-            total = local_sharded**norm_type
-            C.all_reduce(total, self.process_group)
-            if local_non is not None:
-                total += local_non**norm_type
-            total = total ** (1.0 / norm_type)
-        clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in all_grads:
-            g.mul_(clip_coef.to(g.device, g.dtype))
-        if not all_grads:
-            warnings.warn(
-                f"Called FSDP.clip_grad_norm_() on rank {self.rank} with no gradients -- "
-                "returning the total norm in the default dtype torch.float32",
-                stacklevel=2,
-            )
-            return total
-        dtype = all_grads[0].dtype
-        for g in all_grads[1:]:
-            dtype = torch.promote_types(dtype, g.dtype)
-        return total.to(dtype)
+        return clip_grad_norm(self._fsdp_state, max_norm, norm_type)
 
     # ---------------------------------------------------- summon_full_params
 
@@ -464,9 +418,9 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI, AccumulationAPI, Ex
                 print(model.head.weight.shape)   # full shape on every rank
         """
         if recurse:
-            states = FullyShardedDataParallel.fsdp_modules(module)
+            states = tree.units_under(module)
         else:
-            states = [module] if isinstance(module, FullyShardedDataParallel) else []
+            states = [module._fsdp_state] if isinstance(module, FullyShardedDataParallel) else []
         with _summon.summon(states, writeback, rank0_only, offload_to_cpu, with_grads):
             yield
 
@@ -557,19 +511,20 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI, AccumulationAPI, Ex
             raise AssertionError("register_comm_hook can only be called on a root instance.")
         if not callable(hook):
             raise ValueError(f"The communication hook must be callable but got {hook}")
-        states = FullyShardedDataParallel.fsdp_modules(self)
+        states = tree.units_under(self)
         for st in states:
-            if st.sharding_strategy in HYBRID_STRATEGIES:
+            settings = st.settings
+            if settings.strategy in HYBRID_STRATEGIES:
                 raise AssertionError(
                     "Communication hook is not supported for hybrid strategies: "
-                    f"{st.sharding_strategy}"
+                    f"{settings.strategy}"
                 )
             if st._comm_hook is not None:
                 raise AssertionError("A communication hook is already registered")
-            if st._wire.grads is not None or st._wire.replicas is not None:
+            if settings.wire.grads is not None or settings.wire.replicas is not None:
                 raise AssertionError(
                     "Communication hook is not supported with quantized gradient reductions "
-                    f"(quantize_collectives={st._quantize}) [rank {global_rank()}]: a hook "
+                    f"(quantize_collectives={settings.quantize}) [rank {global_rank()}]: a hook "
                     "replaces the reduction; quantize the weights only, or drop the hook")
         for st in states:
             st._comm_hook, st._comm_hook_state = hook, state
@@ -594,9 +549,3 @@ class FullyShardedDataParallel(UnitState, OptimStateDictAPI, AccumulationAPI, Ex
             guards.check_nothing_loaded(state_dict, result)  # a warning if no key matched
         return result
 
-
-def _grad_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    if not grads:
-        return torch.tensor(0.0, device=device)
-    norms = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in grads]
-    return torch.linalg.vector_norm(torch.stack(norms), norm_type, dtype=torch.float32).to(device)

@@ -1,11 +1,11 @@
-"""The FSDP1 optimizer-state API: static methods ``FullyShardedDataParallel`` inherits.
+"""The FSDP1 optimizer-state API: the façade's static methods.
 
 torch's FSDP1 offers them as static methods of the class
 (``FullyShardedDataParallel.optim_state_dict(model, optim)`` ...); they take
-the model and work on every unit under it, so they need no instance and live
-with the optimizer-state layer (:mod:`fsdp_wrap.state_dict.optim`), which does
-the work.  The class holds no state: the façade inherits the methods, so the
-public names and calls are torch's.
+the model and work on every unit under it, so they need no instance.  The
+optimizer-state layer (:mod:`fsdp_wrap.state_dict.optim`) does the work; this
+part of the façade holds no state and only gives the calls torch's names,
+signatures and deprecation warnings.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import torch.nn as nn
 import fsdp_wrap.state_dict.optim as _osd
 from fsdp_wrap.api import OptimStateKeyType
 
-__all__ = ["OptimStateDictAPI"]
+__all__ = ["OptimStateDictMethods"]
 
 
-class OptimStateDictAPI:
+class OptimStateDictMethods:
     """``optim_state_dict``, ``optim_state_dict_to_load``, ``rekey_optim_state_dict`` and
     the legacy functions torch deprecates; see each method."""
 
