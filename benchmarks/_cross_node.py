@@ -1,7 +1,7 @@
 """What ``bench_cross_node.py`` and ``convergence_cross_node.py`` share.
 
 The driver side launches a job on the multi-node test bed
-(:mod:`fsdp_wrap.testbed`: 2 nodes as network namespaces, a ``tc``-limited
+(:mod:`fsdp_wrap.cli.testbed`: 2 nodes as network namespaces, a ``tc``-limited
 link, torchrun's c10d rendezvous); the job side reads the bytes its node's
 link carried and builds the configurations compared: torch's FSDP1 or
 fsdp_wrap, a sharding strategy, how gradients are accumulated over the
@@ -99,7 +99,7 @@ def mesh_2d() -> Any:
 def launch(script: str, cfg: dict[str, Any], rate: str, timeout: float) -> dict[str, Any]:
     """Run ``script --job CONFIG`` on every rank of 2 nodes x 2 with the link at
     ``rate``; return what rank 0 wrote to ``cfg["out"]``."""
-    from fsdp_wrap import testbed
+    from fsdp_wrap.cli import testbed
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = dict(cfg, out=os.path.join(tmp, "result.json"))
@@ -159,7 +159,7 @@ def nothing_more_to_do(prog: str, job: str | None, job_main: Callable[[str], Non
     if job:
         job_main(job)
         return True
-    from fsdp_wrap import testbed
+    from fsdp_wrap.cli import testbed
 
     reason = testbed.unavailable_reason()
     if reason is not None:

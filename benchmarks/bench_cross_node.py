@@ -2,7 +2,7 @@
 """Fewer bytes across nodes: gradient accumulation and quantized collectives on 2 nodes.
 
 One command (root; the nodes are network namespaces of this machine, made and
-removed by :mod:`fsdp_wrap.testbed`)::
+removed by :mod:`fsdp_wrap.cli.testbed`)::
 
     python benchmarks/bench_cross_node.py                     # unlimited, 1gbit, 200mbit
     python benchmarks/bench_cross_node.py --rates 200mbit --rounds 2
@@ -19,7 +19,7 @@ gradients where they cross nodes, int4 gradients), both, and FULL_SHARD with
 its gathers and reductions routed through the nodes and coded between them.
 Per configuration: the bytes its node's link sent per optimizer step (local
 rank 0 reads the interface counters with a barrier on each side of each read:
-``fsdp_wrap.testbed.sent_during``), the step time (the
+``fsdp_wrap.cli.testbed.sent_during``), the step time (the
 slowest rank's, between barriers) and the gradient memory each rank holds
 between micro-batches (after the 7th backward: ``.grad``, parked gradients
 and partial sums; the largest over ranks).
@@ -92,7 +92,7 @@ def job(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     from _bench_models import Block, loss_fn, make_batches, make_model
 
-    from fsdp_wrap.testbed.link import sent_during
+    from fsdp_wrap.cli.testbed.link import sent_during
 
     w = _workload(cfg["tiny"])
     configs = [c for c in CONFIGS if c.name in cfg["names"]]

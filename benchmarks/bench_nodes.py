@@ -2,7 +2,7 @@
 """Across nodes: every sharding strategy of fsdp_wrap and torch's FSDP1, and DDP, on 2 nodes.
 
 One command (root; the nodes are network namespaces of this machine, made and
-removed by :mod:`fsdp_wrap.testbed`)::
+removed by :mod:`fsdp_wrap.cli.testbed`)::
 
     python benchmarks/bench_nodes.py                       # unlimited, 1gbit, 200mbit
     python benchmarks/bench_nodes.py --rates 200mbit --steps 3 --no-memory
@@ -21,7 +21,7 @@ slowest rank's.  Local rank 0 of each node reads its interface's counters
 before and after every step: MB across the link per step and node.  The link's
 protocol overhead (headers, acks) is measured first by exchanging a known
 payload between the nodes; the strategy's count
-(:func:`fsdp_wrap.testbed.wire.step_bytes`) times it is the ``x count``
+(:func:`fsdp_wrap.cli.testbed.wire.step_bytes`) times it is the ``x count``
 column's denominator.  Peak memory: each configuration in fresh processes
 (unlimited link, 2 steps), growth of each rank's RSS high-water mark over the
 RSS before the model was built, maximum over ranks.
@@ -102,7 +102,7 @@ def _calibrate() -> dict[str, Any]:
         for w in dist.batch_isend_irecv(ops):
             w.wait()
 
-    from fsdp_wrap.testbed.link import sent_during
+    from fsdp_wrap.cli.testbed.link import sent_during
 
     exchange()
     return {"sent": sent_during(exchange, dist.barrier)[1], "payload": PER_NODE * CALIBRATION_BYTES}
@@ -113,7 +113,7 @@ def job_interleaved(cfg: dict[str, Any]) -> dict[str, Any]:
     from _bench_models import loss_fn, make_batches, make_model
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp_wrap.testbed.link import link_during, node_frame_bytes
+    from fsdp_wrap.cli.testbed.link import link_during, node_frame_bytes
 
     w = _workload(cfg["tiny"])
     rank = dist.get_rank()
@@ -227,7 +227,7 @@ def job_main(config_path: str) -> None:
 
 def report(rate: str, res: dict[str, Any], memory: dict[str, float],
            targets: list[tuple[str, float, float]]) -> str:
-    from fsdp_wrap.testbed.wire import step_bytes
+    from fsdp_wrap.cli.testbed.wire import step_bytes
 
     cal = res["calibration"]
     overhead = cal["sent"] / cal["payload"]

@@ -8,12 +8,12 @@ communication and step time, on 2 CPU ranks and across the test bed's slow link.
 
 Each configuration trains the demo's GPT (``--layers`` blocks of ``--width``,
 one FSDP unit per block and the root) through ``fsdp-wrap trace``'s driver
-(:mod:`fsdp_wrap.timeline.run`): ``--warmup`` steps, then ``--steps``
-profiled ones (``$FSDP_WRAP_TRACE``), read back by :mod:`fsdp_wrap.timeline`.
+(:mod:`fsdp_wrap.cli.timeline.run`): ``--warmup`` steps, then ``--steps``
+profiled ones (``$FSDP_WRAP_TRACE``), read back by :mod:`fsdp_wrap.cli.timeline`.
 Per configuration and round: the median over the profiled steps of the step
 time (the slowest rank's) and of the exposed communication (the mean over
 ranks: training-thread time inside a collective label, see
-``fsdp_wrap/timeline/analysis.py``); the table gives the median over rounds,
+``fsdp_wrap/cli/timeline/analysis.py``); the table gives the median over rounds,
 the configurations interleaved round by round so machine noise hits all
 alike.
 
@@ -26,10 +26,10 @@ Configurations:
 * ``ahead 1`` / ``ahead 2``: ``limit_all_gathers=False`` and FSDP2's explicit
   prefetch lists (``set_modules_to_forward_prefetch`` /
   ``set_modules_to_backward_prefetch``), each unit gathering the next one or
-  two units (:func:`fsdp_wrap.timeline.run.prefetch_ahead`).
+  two units (:func:`fsdp_wrap.cli.timeline.run.prefetch_ahead`).
 
 ``--where cpu``: 2 ranks spawned on this machine (gloo over loopback).
-``--where bed``: 2 nodes x 1 rank of :mod:`fsdp_wrap.testbed` (network
+``--where bed``: 2 nodes x 1 rank of :mod:`fsdp_wrap.cli.testbed` (network
 namespaces, needs root) joined by a ``--rate`` link: every gather and
 reduction crosses it.  ``--images DIR`` keeps each setting's ``default`` and
 ``ahead 2`` pictures of the last round as ``DIR/timeline_{cpu,bed}_*.png``.
@@ -60,7 +60,7 @@ PICTURES = ("default", "ahead 2")
 
 def _measure(out: str) -> tuple[float, float]:
     """(step ms: median over steps of the slowest rank; exposed ms: median of the ranks' mean)."""
-    import fsdp_wrap.timeline as tl
+    import fsdp_wrap.cli.timeline as tl
 
     timeline = tl.load(out)
     n = min(len(r.steps) for r in timeline.ranks)
@@ -87,7 +87,7 @@ def _run_cpu(args: argparse.Namespace, cfg: dict[str, Any], out: str) -> None:
 
 
 def _run_bed(args: argparse.Namespace, cfg: dict[str, Any], out: str) -> None:
-    from fsdp_wrap import testbed
+    from fsdp_wrap.cli import testbed
 
     cmd = [sys.executable, "-m", "fsdp_wrap", "trace", *_trace_args(args, cfg, out)]
     with testbed.Cluster(2, rate=args.rate) as cluster:  # (removed on every exit path)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Convergence with and without each option of issue 31, on 2 nodes: the loss curves.
 
-One command (root; network namespaces, see :mod:`fsdp_wrap.testbed`)::
+One command (root; network namespaces, see :mod:`fsdp_wrap.cli.testbed`)::
 
     python benchmarks/convergence_cross_node.py                   # 300 steps
     python benchmarks/convergence_cross_node.py --steps 20 --tiny # smoke test

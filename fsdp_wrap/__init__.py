@@ -24,13 +24,18 @@ from fsdp_wrap.api import (
     StateDictSettings,
     StateDictType,
 )
+from fsdp_wrap.checkpoint.weights import (
+    PretrainedLoad,
+    iter_full_weights,
+    load_pretrained,
+    pretrained_init,
+)
 from fsdp_wrap.comm.quant.config import CollectiveQuantization
 from fsdp_wrap.frameworks.installer import install, installed, uninstall
 from fsdp_wrap.fully_sharded_data_parallel import FullyShardedDataParallel, OptimStateKeyType
 from fsdp_wrap.handle.flat_tensor import FlatParameter
 from fsdp_wrap.planning import Plan, plan
 from fsdp_wrap.runtime.explicit.api import UnshardHandle, register_fsdp_forward_method
-from fsdp_wrap.weights import PretrainedLoad, iter_full_weights, load_pretrained, pretrained_init
 
 __all__ = [
     "BackwardPrefetch",

@@ -1,7 +1,7 @@
 """The job of tests/test_fewer_bytes_nodes.py, on every rank of a test-bed cluster.
 
 Run as ``python -m tests._fewer_bytes_job OUT_DIR`` by torchrun in each node of
-:class:`fsdp_wrap.testbed.Cluster` (2 nodes x 2 ranks, ``LOCAL_WORLD_SIZE=2``
+:class:`fsdp_wrap.cli.testbed.Cluster` (2 nodes x 2 ranks, ``LOCAL_WORLD_SIZE=2``
 from torchrun): the sweeps of tests/test_quantized_collectives.py (2 nodes x 2)
 and tests/test_accumulation.py, each fsdp_wrap configuration against its
 emulation, tolerance 0.  Each rank writes its failures to ``OUT_DIR/rank<r>.json``.

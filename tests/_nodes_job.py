@@ -1,7 +1,7 @@
 """The training job of tests/test_nodes.py, on every rank of a test-bed cluster.
 
 Run as ``python -m tests._nodes_job CONFIG.json`` by torchrun in each node of
-:class:`fsdp_wrap.testbed.Cluster` (2 nodes x 2 ranks); :func:`train_case` also
+:class:`fsdp_wrap.cli.testbed.Cluster` (2 nodes x 2 ranks); :func:`train_case` also
 runs on 4 ranks of one host (the suite's pool) with torch's FSDP1 as the
 reference.  Two modes:
 
@@ -109,7 +109,7 @@ def unit_bytes(model: nn.Module, strategy: str) -> tuple[list[int], int]:
 def _sent_between(fn: Any) -> int | None:
     """Bytes this node sent while ``fn()`` ran; ``None`` off local rank 0 or
     outside a cluster."""
-    from fsdp_wrap.testbed.link import sent_during
+    from fsdp_wrap.cli.testbed.link import sent_during
 
     return sent_during(fn, dist.barrier)[1]
 

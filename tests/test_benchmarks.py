@@ -110,7 +110,7 @@ def test_gpu_tools_run_on_the_cpu():
 
 @pytest.mark.slow  # a smoke run of a by-hand tool (benchmarks/), in CI with -m slow
 def test_nodes_benchmark_runs_and_prints_its_table(tmp_path):
-    from fsdp_wrap import testbed
+    from fsdp_wrap.cli import testbed
 
     reason = testbed.unavailable_reason()
     if reason is not None:

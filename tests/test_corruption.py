@@ -205,7 +205,7 @@ def _load(loader: str, model: Any, opt: Any, path: str) -> None:
     if loader == "load_full_checkpoint":
         load_full_checkpoint(model, path)
     elif loader == "load_pretrained":
-        from fsdp_wrap.weights.load import load_pretrained
+        from fsdp_wrap.checkpoint.weights.load import load_pretrained
 
         load_pretrained(model, path)
     elif loader == "dcp_recipe":

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from tests import _parity_configs, _parity_run
 from tests import test_mixed_precision as mixed_precision
-from tests import test_parity as parity
 from tests._cuda_common import (
     CUDA,
     LagNet,
@@ -58,7 +58,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _parity_failures(pool: DistPool, configs: list[dict[str, Any]]) -> tuple[list[str], int]:
-    results = pool.run(parity._sweep, configs)
+    results = pool.run(_parity_run._sweep, configs)
     fails = [f for fails, _ in results for _, f in fails]
     ran = min(
         sum(v for k, v in stats.items() if k.startswith("configs:")) for _, stats in results
@@ -69,14 +69,14 @@ def _parity_failures(pool: DistPool, configs: list[dict[str, Any]]) -> tuple[lis
 def test_parity_with_torch_two_ranks_gloo_cuda(pool2: DistPool) -> None:
     """FULL_SHARD / SHARD_GRAD_OP / NO_SHARD x use_orig_params x prefetch x no_sync x
     clip x accumulation, with state-dict round trips, on CUDA tensors."""
-    configs = _on_cuda(parity._configs(2))
+    configs = _on_cuda(_parity_configs._configs(2))
     fails, ran = _parity_failures(pool2, configs)
     assert not fails, f"{len(fails)} failure(s):\n" + "\n".join(fails)
     assert ran == len(configs)
 
 
 def test_parity_with_torch_nccl_world_size_1(nccl1: DistPool) -> None:
-    configs = _on_cuda([c for c in parity._configs(2) if c["model"] in ("transformer", "deep")])
+    configs = _on_cuda([c for c in _parity_configs._configs(2) if c["model"] in ("transformer", "deep")])
     fails, ran = _parity_failures(nccl1, configs)
     assert not fails, f"{len(fails)} failure(s):\n" + "\n".join(fails)
     assert ran == len(configs)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tests import test_parity as parity
+from tests import _parity_run
 from tests._cuda_common import (
     CUDA,
     LagNet,
@@ -258,7 +258,7 @@ def _init_on_cuda() -> list[str]:
 
 def _full_sds(build: Any) -> list[dict[str, torch.Tensor]]:
     """FULL state dicts (on the CPU) of ``build("torch")`` and ``build("ours")``."""
-    return [{k: v.detach().cpu() for k, v in parity._full_sd(build(impl), impl).items()}
+    return [{k: v.detach().cpu() for k, v in _parity_run._full_sd(build(impl), impl).items()}
             for impl in ("torch", "ours")]
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from fsdp_wrap import testbed
+from fsdp_wrap.cli import testbed
 from tests._proc import run_bounded
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

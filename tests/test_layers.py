@@ -28,11 +28,11 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("state dicts", ["fsdp_wrap.state_dict"]),
     ("wrap policies and the auto-wrap pass", ["fsdp_wrap.wrap"]),
     ("the façade", ["fsdp_wrap.fully_sharded_data_parallel", "fsdp_wrap.sharded_grad_scaler"]),
-    ("checkpoints and planning", ["fsdp_wrap.checkpoint", "fsdp_wrap.planning", "fsdp_wrap.weights"]),
+    ("checkpoints and planning", ["fsdp_wrap.checkpoint", "fsdp_wrap.planning"]),
     (
         "the install step and the applications",
-        ["fsdp_wrap.frameworks", "fsdp_wrap.cli", "fsdp_wrap.demo", "fsdp_wrap.testbed",
-         "fsdp_wrap.timeline", "fsdp_wrap.__main__", "fsdp_wrap"],
+        ["fsdp_wrap.frameworks", "fsdp_wrap.cli", "fsdp_wrap.demo", "fsdp_wrap.cli.testbed",
+         "fsdp_wrap.cli.timeline", "fsdp_wrap.__main__", "fsdp_wrap"],
     ),
 ]
 

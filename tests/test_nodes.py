@@ -1,6 +1,6 @@
 """Two nodes of two ranks on this machine, through torchrun's multi-node path.
 
-The nodes are network namespaces made by :mod:`fsdp_wrap.testbed` (a veth pair
+The nodes are network namespaces made by :mod:`fsdp_wrap.cli.testbed` (a veth pair
 per node into a bridge, ``tc`` on each link); every node runs torchrun with the
 c10d rendezvous, which numbers the nodes and sets ``LOCAL_WORLD_SIZE``, from
 which fsdp_wrap builds its default hybrid groups.  The job is
@@ -16,7 +16,7 @@ which fsdp_wrap builds its default hybrid groups.  The job is
   the same order wherever the ranks run; a bucket of several units would sum
   some elements in another order, docs/performance.rst);
 * the bytes each node's link sends per step equal what the strategy must send
-  (:func:`fsdp_wrap.testbed.wire.step_bytes`) times the link's protocol
+  (:func:`fsdp_wrap.cli.testbed.wire.step_bytes`) times the link's protocol
   overhead, measured in the same run by exchanging a known payload, within 5%;
 * a node whose ranks are killed mid-step makes every rank of the other node
   fail within the process group's timeout with an error naming the lost
@@ -45,8 +45,8 @@ from typing import Any
 import pytest
 import torch
 
-from fsdp_wrap import testbed
-from fsdp_wrap.testbed import wire
+from fsdp_wrap.cli import testbed
+from fsdp_wrap.cli.testbed import wire
 from tests import _nodes_job as job
 from tests._dist import progress
 
@@ -292,7 +292,7 @@ def _signal_round(sig: signal.Signals, inside: Any, handler: Any) -> None:
 
 def test_an_exception_removes_the_cluster_also_a_half_made_one(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from fsdp_wrap.testbed import network
+    from fsdp_wrap.cli.testbed import network
 
     # an exception inside the block
     with pytest.raises(ValueError, match="in the block"):

@@ -54,7 +54,7 @@ def _flatten(results: list[Any]) -> list[list[str]]:
 
 
 def _parity_configs(ws: int, bucketed: bool) -> list[dict[str, Any]]:
-    from tests import test_parity as tp
+    from tests import _parity_configs as tp
 
     configs = tp._configs(ws)
     if bucketed:  # the float64-bounded path
@@ -64,8 +64,8 @@ def _parity_configs(ws: int, bucketed: bool) -> list[dict[str, Any]]:
 
 # name -> (module, sweep function name, world size, configs() -> configs)
 SWEEPS: dict[str, tuple[str, str, int, Callable[[], list[Any]]]] = {
-    "parity-2": ("tests.test_parity", "_sweep", 2, lambda: _parity_configs(2, False)),
-    "parity-3-bucketed": ("tests.test_parity", "_sweep", 3, lambda: _parity_configs(3, True)),
+    "parity-2": ("tests._parity_run", "_sweep", 2, lambda: _parity_configs(2, False)),
+    "parity-3-bucketed": ("tests._parity_run", "_sweep", 3, lambda: _parity_configs(3, True)),
     # --- sweeps of the option tests (tests/_options_common.py users) ---
     "buckets-2": ("tests.test_buckets", "_sweep", 2,
                   lambda: importlib.import_module("tests.test_buckets")._configs(2)[:2]),

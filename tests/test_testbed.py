@@ -1,8 +1,8 @@
-"""The multi-node test bed's parts that need no namespaces (``fsdp_wrap.testbed``).
+"""The multi-node test bed's parts that need no namespaces (``fsdp_wrap.cli.testbed``).
 
 Its values (link rates and delays in ``tc``'s words, node addresses that sort
 as the nodes do), the bytes each sharding strategy must send across the link
-(:mod:`fsdp_wrap.testbed.wire`), what a rank reads inside a node, and
+(:mod:`fsdp_wrap.cli.testbed.wire`), what a rank reads inside a node, and
 ``fsdp-wrap cluster``'s one line where namespaces cannot be made.  The
 clusters themselves are tested in ``tests/test_nodes.py``.
 """
@@ -16,10 +16,10 @@ import sys
 import pytest
 
 from fsdp_wrap.cli import main
-from fsdp_wrap.testbed import link, network, wire
+from fsdp_wrap.cli.testbed import link, network, wire
 
 TESTBED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                       "fsdp_wrap", "testbed")
+                       "fsdp_wrap", "cli", "testbed")
 
 
 def test_rates_and_delays_in_tc_words() -> None:
@@ -129,5 +129,5 @@ def test_the_testbed_needs_only_the_standard_library() -> None:
         if name.endswith(".py"):
             for mod in _imports(os.path.join(TESTBED, name)):
                 top = mod.split(".")[0]
-                assert top in stdlib or mod.startswith("fsdp_wrap.testbed") or (
-                    top == "__future__"), f"fsdp_wrap/testbed/{name} imports {mod}"
+                assert top in stdlib or mod.startswith("fsdp_wrap.cli.testbed") or (
+                    top == "__future__"), f"fsdp_wrap/cli/testbed/{name} imports {mod}"

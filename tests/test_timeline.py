@@ -1,4 +1,4 @@
-"""The step timeline: ``$FSDP_WRAP_TRACE`` profiles, ``fsdp_wrap.timeline`` reads and draws.
+"""The step timeline: ``$FSDP_WRAP_TRACE`` profiles, ``fsdp_wrap.cli.timeline`` reads and draws.
 
 * On two gloo ranks, a model trained with ``FSDP_WRAP_TRACE`` set writes one
   profile per rank holding exactly the asked steps; the timeline read from
@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 import fsdp_wrap as fw
-import fsdp_wrap.timeline as tl
+import fsdp_wrap.cli.timeline as tl
 from fsdp_wrap.runtime import step_trace
 from fsdp_wrap.runtime.names import clean_fqn
 from fsdp_wrap.wrap import ModuleWrapPolicy

@@ -12,10 +12,10 @@
 * ``fsdp-wrap cluster -- CMD ...``: run a command on N nodes made on this
   machine (network namespaces, a rate-limited link, torchrun's multi-node
   rendezvous) (:mod:`fsdp_wrap.cli.cluster`, the test bed in
-  :mod:`fsdp_wrap.testbed`);
+  :mod:`fsdp_wrap.cli.testbed`);
 * ``fsdp-wrap trace [-- CMD ...]``: profile a few steps of a script (or of the
   demo) and draw each unit's gathers and reductions per rank on a time axis
-  (:mod:`fsdp_wrap.cli.trace`, the analysis in :mod:`fsdp_wrap.timeline`).
+  (:mod:`fsdp_wrap.cli.trace`, the analysis in :mod:`fsdp_wrap.cli.timeline`).
 
 Exit codes and error lines are shared (:mod:`fsdp_wrap.cli._common`).  This
 package is an application of the library; nothing in the library imports it.

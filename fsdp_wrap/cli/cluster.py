@@ -1,7 +1,7 @@
 """``fsdp-wrap cluster -- CMD ...``: run a command on N nodes of one machine.
 
 The nodes are network namespaces joined by rate-limited links
-(:mod:`fsdp_wrap.testbed`); every node runs the command under torchrun's
+(:mod:`fsdp_wrap.cli.testbed`); every node runs the command under torchrun's
 multi-node rendezvous, the output of each comes back prefixed ``[node i]``,
 and a last table says how each node ended and the bytes its link carried.
 Whatever happens (a failure, ``--timeout``, Ctrl-C, SIGTERM) the namespaces
@@ -65,7 +65,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fsdp_wrap import testbed
+    import fsdp_wrap.cli.testbed as testbed
 
     if args.check or args.cleanup:
         reason = testbed.unavailable_reason()

@@ -3,9 +3,9 @@
 With a command, it runs it with ``$FSDP_WRAP_TRACE`` set, so the script's
 first FSDP root profiles its steps (:mod:`fsdp_wrap.runtime.step_trace`);
 without one, it profiles the demo's GPT on local ranks
-(:mod:`fsdp_wrap.timeline.run`).  Then it merges the ranks' traces, draws
+(:mod:`fsdp_wrap.cli.timeline.run`).  Then it merges the ranks' traces, draws
 the timeline and prints the exposed communication per step
-(:mod:`fsdp_wrap.timeline`).
+(:mod:`fsdp_wrap.cli.timeline`).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
             raise CommandError(f"the command exited with code {code}; no picture drawn "
                                f"(its traces, if any, are in {out})")
     else:
-        from fsdp_wrap.timeline.run import DemoTrace, run_demo
+        from fsdp_wrap.cli.timeline.run import DemoTrace, run_demo
 
         if args.nprocs < 1 or args.prefetch_ahead < 0:
             usage_error("--nprocs must be positive and --prefetch-ahead 0 or more")
@@ -119,7 +119,7 @@ def draw(out: str, title: str = "") -> int:
     """Merge, analyse and draw ``out``'s traces; print the summary."""
     import glob
 
-    import fsdp_wrap.timeline as tl
+    import fsdp_wrap.cli.timeline as tl
 
     files = sorted(glob.glob(os.path.join(out, "trace_rank*.json")))
     try:

@@ -37,7 +37,7 @@ sends ``(n - 1) / n`` of the output.  gloo's broadcast is a binomial tree
 rooted at the source (``r -> r+1``, then ``r -> r+2`` and ``r+1 -> r+3``, ...),
 whose edges cross the node boundary more often: at 2 nodes x 2 ranks the four
 broadcasts of a gather send 1.25x the output per node, the ring 0.75x
-(measured with the interface counters of ``fsdp_wrap.testbed``:
+(measured with the interface counters of ``fsdp_wrap.cli.testbed``:
 ``docs/performance.rst``, "Across nodes").  So a group of more than two
 ranks that spans nodes gathers with gloo's all-gather, as torch's FSDP1 does;
 a group of two exchanges rows wherever its ranks are (each sends its row

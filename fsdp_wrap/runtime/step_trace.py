@@ -7,7 +7,7 @@ its steps ``W+1 .. W+N`` with ``torch.profiler`` and writes
 ``DIR/trace_rank{R}.json`` (Chrome/Perfetto JSON; ``R`` the global rank).  A
 step runs from one forward with grad of the root to the next (backward, the
 optimizer step and the data loading between them included); forwards
-without grad (evaluation) are not counted.  ``fsdp_wrap.timeline`` reads
+without grad (evaluation) are not counted.  ``fsdp_wrap.cli.timeline`` reads
 the files and draws the steps.
 
 Without the variable nothing is attached: the root's forward carries no

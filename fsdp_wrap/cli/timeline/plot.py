@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fsdp_wrap._compat import matplotlib_figure
-from fsdp_wrap.timeline.analysis import Comm, Timeline
+from fsdp_wrap.cli.timeline.analysis import Comm, Timeline
 
 __all__ = ["plot_timeline"]
 

@@ -32,10 +32,10 @@ import torch.nn as nn
 import fsdp_wrap.checkpoint._safetensors as _st
 from fsdp_wrap.checkpoint._safetensors import StoredTensor
 from fsdp_wrap.checkpoint.full import _fsdp_cls, _join, _names, _units, _unmanaged_tensors
+from fsdp_wrap.checkpoint.weights._files import stored_tensors
+from fsdp_wrap.checkpoint.weights._names import NameMap, adapter_prefix, hf_hints, match_names
 from fsdp_wrap.comm.collectives import global_rank
 from fsdp_wrap.runtime.names import clean_fqn
-from fsdp_wrap.weights._files import stored_tensors
-from fsdp_wrap.weights._names import NameMap, adapter_prefix, hf_hints, match_names
 
 if TYPE_CHECKING:
     from fsdp_wrap.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP

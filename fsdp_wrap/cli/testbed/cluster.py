@@ -2,7 +2,7 @@
 
 ::
 
-    from fsdp_wrap.testbed import Cluster
+    from fsdp_wrap.cli.testbed import Cluster
 
     with Cluster(nodes=2, rate="200mbit") as cluster:       # namespaces, links, tc
         result = cluster.run([sys.executable, "train.py"], nproc_per_node=2, timeout=600)
@@ -15,14 +15,14 @@ namespace the host name resolves to the machine's address, which the other
 nodes cannot reach).  The command runs once per rank (``--no-python``: give the
 interpreter yourself) with torchrun's variables, plus ``GLOO_SOCKET_IFNAME``
 and ``NCCL_SOCKET_IFNAME`` set to the node's interface and the variables of
-:mod:`fsdp_wrap.testbed.link` (which node, which interface).
+:mod:`fsdp_wrap.cli.testbed.link` (which node, which interface).
 
 Teardown is unconditional: leaving the ``with`` block by success, exception,
 ``KeyboardInterrupt`` (Ctrl-C), SIGTERM or SIGHUP (turned into
 :class:`Interrupted` while a cluster is open in the main thread) kills every
 process of the cluster and deletes its namespaces, links and bridge.  A
 ``kill -9`` of the owner skips that; the next cluster made on the machine
-removes what dead owners left (:func:`fsdp_wrap.testbed.network.remove_stale`).
+removes what dead owners left (:func:`fsdp_wrap.cli.testbed.network.remove_stale`).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from collections.abc import Sequence
 from types import FrameType, TracebackType
 from typing import Any, Callable, TextIO
 
-from fsdp_wrap.testbed.link import ENV_IFNAME, ENV_NODE, ENV_NODES
-from fsdp_wrap.testbed.network import (
+from fsdp_wrap.cli.testbed.link import ENV_IFNAME, ENV_NODE, ENV_NODES
+from fsdp_wrap.cli.testbed.network import (
     LinkBytes,
     Network,
     NodeLink,

@@ -4,7 +4,7 @@ fsdp_wrap materialises a meta-device model unit by unit while wrapping it
 (each module of the unit is passed to ``param_init_fn``, then the unit is
 flattened and only this rank's shard kept), so no rank ever holds the whole
 model.  Its default, ``to_empty()`` and ``reset_parameters()``, spends time
-drawing random weights that :func:`~fsdp_wrap.weights.load_pretrained` then
+drawing random weights that :func:`~fsdp_wrap.checkpoint.weights.load_pretrained` then
 overwrites, breaks tied weights (each module gets a tensor of its own), and
 fails on modules without ``reset_parameters()`` (a rotary embedding, an
 RMSNorm).  :func:`pretrained_init` instead:
@@ -33,9 +33,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fsdp_wrap.checkpoint.weights._files import stored_tensors
+from fsdp_wrap.checkpoint.weights._names import hf_hints, match_names
 from fsdp_wrap.handle.layout import VALUES_PENDING
-from fsdp_wrap.weights._files import stored_tensors
-from fsdp_wrap.weights._names import hf_hints, match_names
 
 __all__ = ["pretrained_init"]
 

@@ -12,8 +12,8 @@ Used by the multi-node tests and ``benchmarks/bench_nodes.py``; nothing in the
 library imports it.  Standard library only (torchrun runs as a subprocess).
 """
 
-from fsdp_wrap.testbed.cluster import Cluster, Interrupted, Run, RunResult
-from fsdp_wrap.testbed.link import (
+from fsdp_wrap.cli.testbed.cluster import Cluster, Interrupted, Run, RunResult
+from fsdp_wrap.cli.testbed.link import (
     link_during,
     node_frame_bytes,
     node_index,
@@ -21,7 +21,7 @@ from fsdp_wrap.testbed.link import (
     node_resent_segments,
     sent_during,
 )
-from fsdp_wrap.testbed.network import (
+from fsdp_wrap.cli.testbed.network import (
     LinkBytes,
     NodeLink,
     TestbedUnavailable,

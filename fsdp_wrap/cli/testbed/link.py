@@ -1,6 +1,6 @@
 """Inside a node of a cluster: which node this is, and what its link has carried.
 
-A rank started by :class:`fsdp_wrap.testbed.Cluster` finds in its environment
+A rank started by :class:`fsdp_wrap.cli.testbed.Cluster` finds in its environment
 the node's number, the number of nodes and the name of the node's interface;
 :func:`node_link_bytes` reads that interface's counters (``ip netns exec``
 mounts the namespace's own ``/sys``), :func:`node_resent_segments` the

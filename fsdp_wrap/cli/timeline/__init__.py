@@ -14,7 +14,7 @@ training script, or of the demo's GPT, and writes, in its output directory:
 
 In a script, the same from Python::
 
-    import fsdp_wrap.timeline as tl
+    import fsdp_wrap.cli.timeline as tl
 
     # run the training with FSDP_WRAP_TRACE=DIR (fsdp_wrap.runtime.step_trace), then:
     timeline = tl.load("DIR")          # every rank's steps and collectives
@@ -24,7 +24,7 @@ In a script, the same from Python::
 This package is a tool above the library; nothing in the library imports it.
 """
 
-from fsdp_wrap.timeline.analysis import (
+from fsdp_wrap.cli.timeline.analysis import (
     Comm,
     Phase,
     RankTimeline,
@@ -33,7 +33,7 @@ from fsdp_wrap.timeline.analysis import (
     load,
     merge_traces,
 )
-from fsdp_wrap.timeline.plot import plot_timeline
+from fsdp_wrap.cli.timeline.plot import plot_timeline
 
 __all__ = ["Comm", "Phase", "RankTimeline", "StepStats", "Timeline", "load", "merge_traces",
            "plot_timeline"]
