@@ -35,6 +35,8 @@ TORCH_FILES = (
       for f in sorted(os.listdir(os.path.join(TORCH, "distributed", "fsdp")))
       if f.endswith(".py")),
     os.path.join("distributed", "distributed_c10d.py"),
+    # FSDP2's controls, which fsdp_wrap's units offer too (fsdp_wrap/runtime/explicit/)
+    os.path.join("distributed", "fsdp", "_fully_shard", "_fully_shard.py"),
     os.path.join("nn", "modules", "module.py"),
 )
 
@@ -99,6 +101,11 @@ SENTENCES: dict[str, list[str]] = {
         'a newly-added parameter since construction time',
         'is all-gathering parameters for',
         'to all-gather parameters for',
+    ],
+    "runtime/explicit/api.py": [
+        'Expects FSDPModule but got',
+        'does not have a method',
+        'reshard_after_forward should be a bool, got',
     ],
     "runtime/grad_norm.py": [
         'Called FSDP.clip_grad_norm_() on rank',

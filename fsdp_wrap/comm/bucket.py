@@ -83,6 +83,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp_wrap.comm.collectives as C
+import fsdp_wrap.comm.labels as L
 import fsdp_wrap.comm.reduce as R
 import fsdp_wrap.comm.schedule as S
 
@@ -93,6 +94,7 @@ class UnitGrads(Protocol):
 
     reduce_spec: R.ReduceSpec
     flat_param: torch.nn.Parameter
+    unit_name: str  # its unit's clean FQN (profiler labels)
 
     @property
     def can_bucket_reduction(self) -> bool: ...
@@ -251,6 +253,10 @@ class GradBuckets:
             # Alone, exactly as without buckets (in place where the gradient
             # needs no padding: no copy into a bucket, so large units cost no
             # extra memory).
+            if L.profiler_enabled():
+                with L.span(L.POST_BACKWARD_REDUCE, L.names((unit.unit_name,))):
+                    unit.reduce_gradient(sync)
+                return
             unit.reduce_gradient(sync)
             return
         grad = unit.take_grad_for_reduction(sync)
@@ -332,14 +338,18 @@ class GradBuckets:
         bucket.grads.clear()  # the unsharded gradients can go now
         if pre > 1:
             flat_in.div_(pre)
-        if spec.sharded:
-            # (a coded wire's blocks start at each unit's columns: ``widths``)
-            output = flat_in.new_empty(sum(widths), dtype=spec.wire.sum_dtype(flat_in.dtype))
-            work = spec.wire.reduce_scatter(output, flat_in, spec.group, segments=widths,
-                                            async_op=True, input_is_scratch=True)
-        else:
-            output = flat_in
-            work = C.all_reduce(output, spec.group, async_op=True)
+        label = (L.span(L.POST_BACKWARD_REDUCE, L.names(u.unit_name for u in bucket.units))
+                 if L.profiler_enabled() else contextlib.nullcontext())
+        with label:
+            if spec.sharded:
+                # (a coded wire's blocks start at each unit's columns: ``widths``)
+                output = flat_in.new_empty(sum(widths),
+                                           dtype=spec.wire.sum_dtype(flat_in.dtype))
+                work = spec.wire.reduce_scatter(output, flat_in, spec.group, segments=widths,
+                                                async_op=True, input_is_scratch=True)
+            else:
+                output = flat_in
+                work = C.all_reduce(output, spec.group, async_op=True)
         self._in_flight.append(_InFlight(work, bucket.units, list(output.split(widths)), output,
                                          flat_in, post))
 
@@ -348,7 +358,11 @@ class GradBuckets:
             return
         flight = self._in_flight.popleft()
         if flight.work is not None:
-            flight.work.wait()
+            if L.profiler_enabled():
+                with L.span(L.POST_BACKWARD_RS_WAIT, L.names(u.unit_name for u in flight.units)):
+                    flight.work.wait()
+            else:
+                flight.work.wait()
         if flight.post > 1:
             flight.output.div_(flight.post)
         for unit, result in zip(flight.units, flight.results):
@@ -363,6 +377,10 @@ class GradBuckets:
 
 def _reduce_alone(unit: UnitGrads, grad: torch.Tensor) -> None:
     """``unit``'s reduction on its own, as ``reduce_gradient`` does it."""
+    if L.profiler_enabled():
+        with L.span(L.POST_BACKWARD_REDUCE, L.names((unit.unit_name,))):
+            unit.reduce_taken(grad)
+        return
     unit.reduce_taken(grad)
 
 

@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 import fsdp_wrap.comm.collectives as C
+import fsdp_wrap.comm.labels as L
 from fsdp_wrap.comm.bucket import resolve_mb
 from fsdp_wrap.comm.quant.wire import Wire
 from fsdp_wrap.comm.schedule import GatherItem, by_member_pays, gather_batch, starts_batch
@@ -69,6 +70,8 @@ class GatherUnit(Protocol):
     async_gathers: bool
     wire: Wire
 
+    @property
+    def unit_fqn(self) -> str: ...
     @property
     def world_size(self) -> int: ...
     @property
@@ -180,7 +183,12 @@ def _gather(batch: list[H], async_op: bool = False, each_at_its_turn: bool = Fal
         send = torch.cat(inputs)
     del inputs  # (cast copies of the shards: sent, or in ``send`` until it is)
     # (a coded wire's blocks start at each unit's shard: ``widths``)
-    work = wire.all_gather(rows.view(-1), send, group, segments=widths, async_op=async_op)
+    if L.profiler_enabled():
+        with L.span(L.ALL_GATHER, L.names(h.unit_fqn for h in batch)):
+            work = wire.all_gather(rows.view(-1), send, group, segments=widths,
+                                   async_op=async_op)
+    else:
+        work = wire.all_gather(rows.view(-1), send, group, segments=widths, async_op=async_op)
     # (each member's columns; views of ``rows``: the buffer goes with the last)
     parts = rows.split(widths, dim=1)
     del rows

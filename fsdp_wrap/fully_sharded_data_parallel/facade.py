@@ -49,6 +49,7 @@ from fsdp_wrap.comm.collectives import global_rank
 from fsdp_wrap.comm.gather_batch import resolve_all_gather_batch_mb
 from fsdp_wrap.comm.quant.config import CollectiveQuantization, resolve_quantization
 from fsdp_wrap.fully_sharded_data_parallel.accumulation_methods import AccumulationMethods
+from fsdp_wrap.fully_sharded_data_parallel.explicit_methods import ExplicitMethods
 from fsdp_wrap.fully_sharded_data_parallel.optim_methods import OptimStateDictMethods
 from fsdp_wrap.fully_sharded_data_parallel.torch_attributes import TorchAttributes
 from fsdp_wrap.runtime.grad_norm import clip_grad_norm
@@ -64,7 +65,7 @@ from fsdp_wrap.runtime.tensors import cast_floating
 __all__ = ["FullyShardedDataParallel", "OptimStateKeyType"]
 
 class FullyShardedDataParallel(TorchAttributes, OptimStateDictMethods, AccumulationMethods,
-                               nn.Module):
+                               ExplicitMethods, nn.Module):
     """Shard a module's parameters across data-parallel ranks (FSDP1 semantics).
 
     The wrapped module's parameters (except those of nested FSDP units and
@@ -251,6 +252,12 @@ class FullyShardedDataParallel(TorchAttributes, OptimStateDictMethods, Accumulat
         Hooks on the outputs make backward gather the parameters again (where
         they were freed) and reduce the gradients.
         """
+        return self._forward_with(self._fsdp_wrapped_module, args, kwargs)
+
+    def _forward_with(self, fn: Callable[..., Any], args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> Any:
+        """``fn(*args, **kwargs)`` as this unit's forward (``forward`` itself, and
+        the methods of ``register_fsdp_forward_method``)."""
         state = self._fsdp_state
         args, kwargs = _runtime.root_pre_forward(state, args, kwargs)
         mp = state.settings.mixed_precision
@@ -263,7 +270,7 @@ class FullyShardedDataParallel(TorchAttributes, OptimStateDictMethods, Accumulat
         ):
             args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
         _runtime.pre_forward(state, (args, kwargs))
-        output = self._fsdp_wrapped_module(*args, **kwargs)
+        output = fn(*args, **kwargs)
         return _runtime.post_forward(state, output)
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
