@@ -15,7 +15,6 @@ methods are in their own modules of this package.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Generator, Iterable, Iterator
 from typing import Any, Callable
 
@@ -143,26 +142,7 @@ class FullyShardedDataParallel(TorchAttributes, OptimStateDictMethods, Accumulat
         quantize_collectives: CollectiveQuantization | str | None = None,
     ) -> None:
         super().__init__()
-        if isinstance(module, FullyShardedDataParallel):
-            raise ValueError(
-                "FSDP was given a module that is already wrapped by FullyShardedDataParallel; "
-                "wrap the inner module once (nest FSDP around submodules instead)."
-            )
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-            # First, before anything that can block: when ranks are threads of
-            # one process (torch's threaded process group), a thread waiting in
-            # a collective lets the other enter its own warnings.catch_warnings
-            # (process-wide state), and the warning would land in the wrong
-            # thread's record.  Names, not the repr: a child unit's repr spells
-            # out FSDP's internals.
-            children = [clean_fqn(n) for n, _ in module.named_children()]
-            warnings.warn(
-                "FSDP will not all-gather parameters for containers that do "
-                f"not implement forward: {type(module).__name__} (children {children}) "
-                f"[rank {global_rank()}]; wrap its "
-                "children, or a module whose forward uses them, instead",
-                stacklevel=2,
-            )
+        _init.check_wrapped_module(module)  # (first: it may warn, see there)
         # 1. Arguments, checked before any collective.
         strategy, backward_prefetch, cpu_offload, mixed_precision = settings_of.coerce_arguments(
             sharding_strategy, backward_prefetch, cpu_offload, mixed_precision)

@@ -27,14 +27,12 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-from torch.distributed import ProcessGroup
 
 import fsdp_wrap.comm.collectives as C
 import fsdp_wrap.comm.labels as L
 import fsdp_wrap.comm.reduce as R
-from fsdp_wrap.api import ShardingStrategy
 from fsdp_wrap.comm.quant.wire import EXACT, Wire
-from fsdp_wrap.handle.config import UnitSettings
+from fsdp_wrap.handle.config import SettingsView, UnitSettings
 from fsdp_wrap.handle.flat_tensor import (
     FLAT_PARAM_NAME,
     FlatParameter,
@@ -73,7 +71,7 @@ __all__ = [
 ]
 
 
-class FlatParamHandle:
+class FlatParamHandle(SettingsView):
     """Owns one unit's flat parameter: layout, shard, unshard, reshard, reduce.
 
     Nothing outside this class and its parts mutates ``flat_param``, the local
@@ -145,30 +143,6 @@ class FlatParamHandle:
             raise AssertionError(
                 f"Expects {expected} but got {got} [rank {self.rank}, FSDP unit "
                 f"'{self.unit_fqn or '<root>'}', {self.flat_name}]: {action}")
-
-    # ------------------------------------------------- the unit's settings
-    # (read from the one object the unit holds, never copied onto the handle)
-
-    @property
-    def device(self) -> torch.device: return self.config.device
-    @property
-    def strategy(self) -> ShardingStrategy: return self.config.strategy
-    @property
-    def process_group(self) -> ProcessGroup: return self.config.process_group
-    @property
-    def replicate_group(self) -> ProcessGroup | None: return self.config.replicate_group
-    @property
-    def rank(self) -> int: return self.config.rank
-    @property
-    def world_size(self) -> int: return self.config.world_size
-    @property
-    def use_orig_params(self) -> bool: return self.config.use_orig_params
-    @property
-    def uses_sharded_strategy(self) -> bool: return self.config.uses_sharded_strategy
-    @property
-    def reshard_after_forward(self) -> bool: return self.config.reshard_after_forward
-    @property
-    def offload_params(self) -> bool: return self.config.offload_params
 
     def _init_layout(
         self, params: Sequence[tuple[str, nn.Module, str, nn.Parameter]],
@@ -342,24 +316,15 @@ class FlatParamHandle:
     # Sizes come from the layout (names kept: the state-dict code reads them).
 
     @property
-    def unpadded_numel(self) -> int:
-        return self.layout.unpadded_numel
-
+    def unpadded_numel(self) -> int: return self.layout.unpadded_numel
     @property
-    def shard_numel(self) -> int:
-        return self.layout.shard_numel
-
+    def shard_numel(self) -> int: return self.layout.shard_numel
     @property
-    def padded_numel(self) -> int:
-        return self.layout.padded_numel
-
+    def padded_numel(self) -> int: return self.layout.padded_numel
     @property
-    def _segments(self) -> tuple[int, ...]:
-        return self.layout.segments
-
+    def _segments(self) -> tuple[int, ...]: return self.layout.segments
     @property
-    def _info_segment(self) -> tuple[int, ...]:
-        return self.layout.info_segment
+    def _info_segment(self) -> tuple[int, ...]: return self.layout.info_segment
 
     @property
     def params(self) -> list[nn.Parameter]:

@@ -39,7 +39,8 @@ from fsdp_wrap.api import BackwardPrefetch, ShardingStrategy
 from fsdp_wrap.comm.gather_batch import gather_ahead
 from fsdp_wrap.handle.flat_tensor import HandleTrainingState
 from fsdp_wrap.runtime.state import TrainingState, UnitState, enter
-from fsdp_wrap.runtime.tensors import grad_tensors, map_tensors, to_device
+from fsdp_wrap.runtime.tensors import map_tensors, to_device
+from fsdp_wrap.runtime.unit_end import frees_after_backward, note_inputs, watch_unit_end
 
 if TYPE_CHECKING:
     from fsdp_wrap.handle.flat_param import FlatParamHandle
@@ -196,7 +197,7 @@ def pre_forward(state: UnitState, inputs: Any = None) -> None:
     for handle in handles:
         handle.use_unsharded_views(track_graph=True)
     if torch.is_grad_enabled():
-        _note_inputs(state, inputs)
+        note_inputs(state, inputs)
 
 
 def _forward_prefetch_listed(state: UnitState) -> bool:
@@ -232,59 +233,6 @@ def _start_unit_gathers(state: UnitState, batch_bytes: int,
     gather_ahead(state._handles[0], batch_bytes, chain, async_op=True)
     for h in state._handles:
         h.start_unshard(full_precision=h.computes_in_full_precision)
-
-
-def _note_inputs(state: UnitState, inputs: Any) -> None:
-    """The forward's inputs that require grad, kept weakly: their gradients
-    mark the end of the unit's backward where no parameter hook can (frozen
-    flat parameters, :func:`_register_frozen_free`; gradients that arrive
-    from reentrant checkpoints' backwards only, :func:`_watch_unit_end`)."""
-    tensors = grad_tensors(inputs, [])
-    # (weakly: an input nothing else keeps is not kept alive for this)
-    state._grad_inputs = [weakref.ref(t) for t in tensors]
-    if tensors:
-        for h in state._handles:
-            if not h.flat_param.requires_grad:
-                _register_frozen_free(state, tensors)
-                break
-
-
-def _register_frozen_free(state: UnitState, tensors: list[torch.Tensor]) -> None:
-    """A unit with frozen flat parameters frees them once the gradients of its
-    forward's inputs are computed: its backward no longer needs them (torch's
-    reshard-only hook).  Inputs without grad: the end-of-backward callback
-    frees them.  Several forwards before one backward: the last one frees."""
-    state._frozen_open_graphs += 1
-
-    def free_frozen(state: UnitState) -> None:
-        state._frozen_open_graphs -= 1
-        if state._frozen_open_graphs > 0:
-            return
-        for h in state._handles:
-            if not h.flat_param.requires_grad and (h.is_unsharded or h.holds_unsharded_storage):
-                h.reshard(free=frees_after_backward(state, h))
-
-    _once_inputs_done(state, tensors, free_frozen)
-
-
-def _once_inputs_done(state: UnitState, tensors: list[torch.Tensor],
-                      fn: Callable[[UnitState], None]) -> None:
-    """Call ``fn(state)`` once, when the gradients of ``tensors`` (the unit's
-    forward inputs) are computed in this backward; the hook then removes
-    itself.  The unit is held weakly: the hook is held from C++ by the
-    inputs' graph, where a cycle back to the unit is out of the collector's
-    sight."""
-    registered: list[Any] = []
-    state_ref = weakref.ref(state)
-
-    def done(grads: Any) -> None:
-        for r in registered:
-            r.remove()
-        unit = state_ref()
-        if unit is not None:
-            fn(unit)
-
-    registered.append(torch.autograd.graph.register_multi_grad_hook(tensors, done))
 
 
 @L.labelled(L.POST_FORWARD, unit_label)
@@ -356,7 +304,7 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor | N
         handle.grads.begin_backward()
         nested_only = nested_only or handle.grads.awaits_nested_parts
     if nested_only:
-        _watch_unit_end(state)
+        watch_unit_end(state, _reduce_pending)
     root = state._root
     explicit = state._explicit
     # (backward order: the unit's flat parameters last to first, then the unit before)
@@ -442,16 +390,6 @@ def _reduce_unit(state: UnitState, handle: FlatParamHandle, prefetch: bool = Tru
         state._root._grad_buckets.reduce(handle.grads, sync)
 
 
-def _watch_unit_end(state: UnitState) -> None:
-    """The unit's gradient reaches it only through reentrant activation
-    checkpoints' backwards (one per checkpoint), and nothing says which is the
-    last: reduce once the gradients of the unit's inputs are computed, when
-    every checkpoint inside it has run (else at the end of backward)."""
-    inputs = [t for t in (r() for r in state._grad_inputs) if t is not None]
-    if inputs:  # (else finalize_units reduces what is pending)
-        _once_inputs_done(state, inputs, _reduce_pending)
-
-
 def _reduce_pending(state: UnitState) -> None:
     for handle in state._handles:
         if handle.grads.reduce_pending:
@@ -482,20 +420,6 @@ def make_early_free_hook(state: UnitState, handle: FlatParamHandle) -> Callable[
             handle.free_unsharded_storage()
 
     return free_early
-
-
-def frees_after_backward(state: UnitState, handle: FlatParamHandle) -> bool:
-    """Whether ``handle`` frees its gathered parameters once its backward is done.
-
-    FSDP1's rule: a sharded unit does, except SHARD_GRAD_OP-like units under
-    ``no_sync`` (the next micro-batch reuses them).
-    ``set_reshard_after_backward`` overrides it either way.
-    """
-    if not handle.uses_sharded_strategy:
-        return False
-    if state._reshard_after_backward is not None:
-        return state._reshard_after_backward
-    return state._sync_gradients or handle.reshard_after_forward
 
 
 def _next_backward_pending(root: UnitState, handle: FlatParamHandle) -> FlatParamHandle | None:
