@@ -35,6 +35,8 @@ TORCH_FILES = (
       for f in sorted(os.listdir(os.path.join(TORCH, "distributed", "fsdp")))
       if f.endswith(".py")),
     os.path.join("distributed", "distributed_c10d.py"),
+    # FSDP2's controls, which fsdp_wrap's units offer too (fsdp_wrap/runtime/explicit/)
+    os.path.join("distributed", "fsdp", "_fully_shard", "_fully_shard.py"),
     os.path.join("nn", "modules", "module.py"),
 )
 
@@ -57,7 +59,6 @@ SENTENCES: dict[str, list[str]] = {
     "fully_sharded_data_parallel/facade.py": [
         'A communication hook is already registered',
         'Communication hook is not supported for hybrid strategies:',
-        'FSDP will not all-gather parameters for containers that do not implement forward:',
         'The communication hook must be callable but got',
         '`no_sync()` on inner FSDP instances is not supported. Please call `no_sync()` on root FSDP module.',
         'register_comm_hook can only be called on a root instance.',
@@ -82,6 +83,7 @@ SENTENCES: dict[str, list[str]] = {
         'FSDP does not support changing the parameters between forward and backward for',
     ],
     "runtime/construct.py": [
+        'FSDP will not all-gather parameters for containers that do not implement forward:',
         'Cannot pass both ignored_modules and ignored_states at the same time. Please just pass ignored_states.',
         'Trying to ignore the top-level module passed into the FSDP constructor itself will result in all parameters being ignored and is not well-supported',
         '`ignored_modules` should be an iterable of `torch.nn.Module`s',
@@ -99,6 +101,11 @@ SENTENCES: dict[str, list[str]] = {
         'a newly-added parameter since construction time',
         'is all-gathering parameters for',
         'to all-gather parameters for',
+    ],
+    "runtime/explicit/api.py": [
+        'Expects FSDPModule but got',
+        'does not have a method',
+        'reshard_after_forward should be a bool, got',
     ],
     "runtime/grad_norm.py": [
         'Called FSDP.clip_grad_norm_() on rank',
@@ -168,7 +175,7 @@ SENTENCES: dict[str, list[str]] = {
         ': copying a param with shape',
         'from checkpoint, the shape in current model is',
     ],
-    "weights/load.py": [
+    "checkpoint/weights/load.py": [
         ': copying a param with shape',
         'Error(s) in loading state_dict for',
         'Missing key(s) in state_dict:',
@@ -259,8 +266,9 @@ def test_the_torch_matrix_lists_test_files() -> None:
     one argument per line, no comments (pytest reads every line as an
     argument): test files or single tests of them (``file::test``), each file
     existing, this one among them, and ``--deselect=`` lines naming tests of
-    listed files (the sweeps' self-checks, which test the harness rather than
-    torch, and the parity sweeps at 3 and 4 ranks: docs/testing.rst says why)."""
+    listed files (the parity sweeps at 3 and 4 ranks and their non-vacuity
+    checks: docs/testing.rst says why), never the non-vacuity check of a sweep
+    the lanes run."""
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(here)
     with open(os.path.join(here, "torch_matrix.txt")) as f:
@@ -274,3 +282,14 @@ def test_the_torch_matrix_lists_test_files() -> None:
     assert not missing, f"tests/torch_matrix.txt names files that do not exist: {missing}"
     assert "tests/test_torch_sentences.py" in lines
     assert len(set(lines)) == len(lines), "a file listed twice runs twice"
+    # every parity sweep a lane runs keeps its non-vacuity check (the check that
+    # the sweep compared states, clipped, saw gradients: a sweep that compares
+    # nothing passes too)
+    from tests.test_parity import GROUPS
+
+    deselected = {p.split("=", 1)[1] for p in lines if p.startswith("--deselect=")}
+    check = "tests/test_parity.py::test_sweep_is_not_vacuous"
+    assert check not in deselected, "the lanes deselect every parity sweep's non-vacuity check"
+    for ws in ("2", "3", "4"):
+        if any(f"tests/test_parity.py::test_parity[{g}-{ws}]" not in deselected for g in GROUPS):
+            assert f"{check}[{ws}]" not in deselected, f"the {ws}-rank sweep runs unchecked"
