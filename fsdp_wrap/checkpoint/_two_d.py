@@ -54,9 +54,12 @@ def load_param(h: Any, i: int, whole: torch.Tensor) -> None:
     h.load_param(i, local_value(whole, info.spec) if info.spec is not None else whole)
 
 
-def refuse_optim(root: Any, what: str) -> None:
-    """Optimizer state in full checkpoints of 2-D models is not written or read
-    yet: refused before any collective, with the way that works."""
+def refuse_optim(root: Any, optim: Any, what: str) -> None:
+    """Optimizer state (``optim`` not ``None``) in full checkpoints of 2-D models
+    is not written or read yet: refused before any collective, with the way
+    that works."""
+    if optim is None:
+        return
     for st in root._all_fsdp_states:
         for h in st._handles:
             tp = [info.fqn for info in h.infos if info.spec is not None]

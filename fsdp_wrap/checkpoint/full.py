@@ -165,8 +165,7 @@ def save_full_checkpoint(
     """
     root = _root(model, "save_full_checkpoint")
     path = _check_save_args(path, max_shard_size, window_bytes, trainable_only, optim)
-    if optim is not None:
-        _two_d.refuse_optim(root, "save_full_checkpoint")
+    _two_d.refuse_optim(root, optim, "save_full_checkpoint")
     rank = dist.get_rank()
     world = dist.get_world_size()
     entries = plan_entries(root, trainable_only)
@@ -558,8 +557,7 @@ def load_full_checkpoint(
     chunks, and ``optim_state_dict_to_load`` moves them into the flat shards.
     """
     root = _root(model, "load_full_checkpoint")
-    if optim is not None:
-        _two_d.refuse_optim(root, "load_full_checkpoint")
+    _two_d.refuse_optim(root, optim, "load_full_checkpoint")
     stored = verify_full_checkpoint(root, path, strict, verify=verify)
     optim_stored: dict[str, Any] = {}
     objects: dict[str, Any] = {}
