@@ -15,6 +15,9 @@ reference.  Two modes:
   complete checkpoint and goes on.  A rank whose collective fails (the test
   kills the other node's ranks mid-step) writes the error and how long after
   the step's start it came, then exits non-zero so that torchrun restarts it.
+  Then the ``disagree`` cases: the nodes were launched with different
+  settings (the test gives node 1 another environment); each case's
+  construction and first step, and what every rank got.
 
 Each rank writes its results to ``<out>/rank<r>.pt`` (``sweep``) or
 ``<out>/rank<r>-from<start step>.pt`` (``resume``).
@@ -69,7 +72,7 @@ def batch(step: int, seed: int) -> torch.Tensor:
     return torch.randn(BATCH, SEQ, DIM, generator=g)
 
 
-def wrap(impl: str, strategy: str, groups: str, seed: int) -> nn.Module:
+def wrap(impl: str, strategy: str, groups: str, seed: int, **extra: Any) -> nn.Module:
     """``Net`` (seeded) under ``impl``'s FSDP1 (``"ours"`` or ``"torch"``), one unit
     per block and the root; ``groups``: ``"default"`` (hybrid groups from the
     launcher's node layout), ``"mesh"`` (a 2-D mesh ``(replicate, shard)``) or
@@ -90,7 +93,7 @@ def wrap(impl: str, strategy: str, groups: str, seed: int) -> nn.Module:
         kw["device_id"] = torch.device("cpu")
     return api.FullyShardedDataParallel(
         Net(), sharding_strategy=api.ShardingStrategy[strategy],
-        auto_wrap_policy=ModuleWrapPolicy({Block}), **kw)
+        auto_wrap_policy=ModuleWrapPolicy({Block}), **kw, **extra)
 
 
 def unit_bytes(model: nn.Module, strategy: str) -> tuple[list[int], int]:
@@ -118,8 +121,10 @@ def train_case(case: dict[str, Any], impl: str = "ours",
                on_step: Any = None) -> dict[str, Any]:
     """``case["steps"]`` Adam steps of ``case["strategy"]``; per step the loss and
     this node's bytes; at the end this rank's parameter shards.  ``on_step()``
-    after every step (the test pool's progress report)."""
-    model = wrap(impl, case["strategy"], case["groups"], case["idx"])
+    after every step (the test pool's progress report); ``case["kw"]``: more
+    keywords for fsdp_wrap (they win over the node's environment)."""
+    model = wrap(impl, case["strategy"], case["groups"], case["idx"],
+                 **(case.get("kw", {}) if impl == "ours" else {}))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     losses: list[float] = []
     sent: list[int | None] = []
@@ -225,6 +230,28 @@ def resume(cfg: dict[str, Any], out: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------
+# disagree: nodes launched with different settings
+# ---------------------------------------------------------------------------
+
+
+def disagree(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each case builds the model with its keywords (the node's environment
+    fills in the rest) and runs one step; what every rank got: ``"accepted"``
+    or the error, and how long after the construction began."""
+    out = []
+    for case in cases:
+        t0 = time.monotonic()
+        try:
+            model = wrap("ours", case["strategy"], case["groups"], 0, **case.get("kw", {}))
+            model(batch(0, 0)).pow(2).mean().backward()
+            got = "accepted"
+        except Exception as e:
+            got = f"{type(e).__name__}: {e}"
+        out.append({"got": got, "after_s": time.monotonic() - t0})
+    return out
+
+
+# ---------------------------------------------------------------------------
 
 
 def main(config_path: str) -> None:
@@ -236,7 +263,8 @@ def main(config_path: str) -> None:
     out = cfg["out"]
     if cfg["mode"] == "sweep":
         result: dict[str, Any] = {"calibration": calibrate(),
-                                  "cases": [train_case(c) for c in cfg["cases"]]}
+                                  "cases": [train_case(c) for c in cfg["cases"]],
+                                  "disagree": disagree(cfg.get("disagree", []))}
         name = f"rank{dist.get_rank()}.pt"
     else:
         result = resume(cfg, out)

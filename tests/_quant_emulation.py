@@ -5,10 +5,10 @@ and for sharded accumulation (tests/test_accumulation.py): every rank keeps
 a full master copy of the model and a compute copy; per step it
 
 1. builds each flat parameter from the master copy in the fsdp_wrap model's
-   layout (read from its handles: order, offsets, padding, shard size), and
-   gives the compute copy what a rank gathers: each shard passed through
-   :func:`fsdp_wrap.comm.quant.codec.roundtrip` where the unit's wire codes
-   the weights, else the shard as it is, cast to the compute dtype;
+   layout, and gives the compute copy what a rank gathers: each shard passed
+   through :func:`fsdp_wrap.comm.quant.codec.roundtrip` where the
+   documentation says the unit's weights are coded, else the shard as it is,
+   cast to the compute dtype;
 2. runs forward and backward on this rank's data;
 3. all-gathers every rank's local flat gradient exactly (``dist.all_gather``)
    and computes, for every shard, the mean gradient with the same operations
@@ -18,8 +18,15 @@ a full master copy of the model and a compute copy; per step it
    replicas' sum, divide by ``post``;
 4. steps its optimizer on the master copy.
 
-Nothing is shared with the fsdp_wrap code under test but the codec's pure
-functions (tested on their own against the error bound) and the layout.
+What is coded where (which collective, routed through the nodes or flat,
+which units) comes from the documented rules (:mod:`tests._quant_rules`),
+the strategy's sharding and the dtypes from the configuration: never from
+fsdp_wrap's decisions.  Two production pieces are used, each pinned by a test
+of its own: the codec's pure functions (tests/test_quant_codec.py, against
+the error bound) and the flat layout, read from the handles (which
+parameters a unit holds, their order, offsets and padding:
+tests/test_flat_param.py compares it with torch's FSDP1's
+``FlatParamHandle``; a wrong layout here would only move block boundaries).
 The exact sums are written for groups of at most two ranks (gloo's order
 of a longer sum is its own), which is what the tests use: 2 ranks, or 4 as
 2 nodes x 2.
@@ -41,7 +48,7 @@ import torch.nn as nn
 
 from fsdp_wrap.comm.collectives import divide_factors
 from fsdp_wrap.comm.quant.codec import Codec, roundtrip
-from fsdp_wrap.comm.quant.wire import EXACT, Wire
+from tests._quant_rules import EXACT_CODING, Coding, documented_coding
 
 
 @dataclass
@@ -57,20 +64,49 @@ class Unit:
     sharded: bool
     compute_dtype: torch.dtype
     reduce_dtype: torch.dtype
-    wire: Wire
+    wire: Coding  # from the documentation (tests._quant_rules), not from the handle
 
 
-def units_of(model: nn.Module) -> list[Unit]:
-    """The flat parameters of an (initialised) fsdp_wrap model."""
+@dataclass(frozen=True)
+class Plan:
+    """What the test configured: the strategy's name, the ``quantize_collectives``
+    string, ``MixedPrecision``'s ``param_dtype`` / ``reduce_dtype`` (``None``:
+    unset)."""
+
+    strategy: str
+    quant: str | None = None
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+
+def _floating(p: torch.Tensor) -> bool:
+    """Values a coded collective may code ("What stays exact": not integer
+    data, not a 4-bit base's packed bytes)."""
+    return p.dtype.is_floating_point and type(p).__name__ != "Params4bit"
+
+
+def units_of(model: nn.Module, base: nn.Module, plan: Plan, layout: Layout) -> list[Unit]:
+    """The flat parameters of an (initialised) fsdp_wrap model: their layout
+    read from its handles (pinned by tests/test_flat_param.py), everything
+    else from ``plan`` and the documentation (FSDP1's rules for the dtypes:
+    compute in ``param_dtype``, reduce in ``reduce_dtype``, else in the
+    compute dtype)."""
+    params = dict(base.named_parameters())
+    per_node = int(os.environ["LOCAL_WORLD_SIZE"]) if os.environ.get("LOCAL_WORLD_SIZE") else None
     out = []
     for h in model._all_handles:  # type: ignore[attr-defined]
         prefix = h.unit_fqn + "." if h.unit_fqn else ""
+        names = [prefix + i.fqn for i in h.infos]
+        mine = [params[n] for n in names]
+        compute = plan.param_dtype or mine[0].dtype
+        coding = documented_coding(plan.quant, plan.strategy, layout.my_group(),
+                                   layout.my_replicas(), per_node,
+                                   floating=all(_floating(p) for p in mine))
         out.append(Unit(
-            names=[prefix + i.fqn for i in h.infos], offsets=[i.offset for i in h.infos],
+            names=names, offsets=[i.offset for i in h.infos],
             numels=[i.numel for i in h.infos], padded=h.padded_numel, shard=h.shard_numel,
-            trainable=h.flat_param.requires_grad, sharded=h.uses_sharded_strategy,
-            compute_dtype=h.compute_dtype,
-            reduce_dtype=h.reduce_dtype, wire=h.wire))
+            trainable=all(p.requires_grad for p in mine), sharded=plan.strategy != "NO_SHARD",
+            compute_dtype=compute, reduce_dtype=plan.reduce_dtype or compute, wire=coding))
     return out
 
 
@@ -118,11 +154,18 @@ class Layout:
         me = dist.get_rank()
         return next(g for g in self.shard_groups if me in g)
 
+    def my_replicas(self) -> list[int] | None:
+        """This rank's replicate group (hybrid): the ranks of its shard-group index."""
+        if not self.hybrid:
+            return None
+        index = self.my_group().index(dist.get_rank())
+        return [g[index] for g in self.shard_groups]
+
 
 class Emulation:
     """See the module docstring.  ``make_opt(params)`` builds the optimizer."""
 
-    def __init__(self, base: nn.Module, fsdp_model: nn.Module, layout: Layout,
+    def __init__(self, base: nn.Module, fsdp_model: nn.Module, layout: Layout, plan: Plan,
                  make_opt: Callable[[Any], torch.optim.Optimizer],
                  buffer_dtype: torch.dtype | None = None) -> None:
         self.master = copy.deepcopy(base)
@@ -131,7 +174,7 @@ class Emulation:
             for b in self.compute.buffers():
                 if b.is_floating_point():
                     b.data = b.data.to(buffer_dtype)
-        self.units = units_of(fsdp_model)
+        self.units = units_of(fsdp_model, base, plan, layout)
         self.layout = layout
         self.params = dict(self.master.named_parameters())
         self.cparams = dict(self.compute.named_parameters())
@@ -217,10 +260,10 @@ class Emulation:
 
     def _all_reduce(self, values: list[torch.Tensor], u: Unit) -> torch.Tensor:
         """NO_SHARD's sum over all ranks (exact, coded, or coded between nodes)."""
-        codec, hier = u.wire.grads, u.wire.hierarchy
+        codec = u.wire.grads
         if codec is None:
             return fold(values)
-        if hier is None:
+        if not u.wire.routed:
             return coded_all_reduce(values, codec)
         per, n = self.layout.per_node, values[0].numel()
         piece = -(-n // per)
@@ -235,10 +278,10 @@ class Emulation:
 
     def _group_sum(self, rows: list[torch.Tensor], u: Unit) -> torch.Tensor:
         """One shard's sum over a shard group (rows in group-rank order)."""
-        codec, hier = u.wire.grads, u.wire.hierarchy
+        codec = u.wire.grads
         if codec is None:
             return fold(rows)
-        if hier is None:
+        if not u.wire.routed:
             return decoded_sum(rows, codec)
         per = self.layout.per_node
         node_sums = [fold(rows[i:i + per]) for i in range(0, len(rows), per)]
@@ -316,7 +359,7 @@ class Emulation:
             dist.all_gather(everyone, local)
             mean = self.reduce(u, everyone)
             if not u.wire.is_exact and u.trainable:
-                self._moved("grads", mean, self.reduce(dataclasses.replace(u, wire=EXACT),
+                self._moved("grads", mean, self.reduce(dataclasses.replace(u, wire=EXACT_CODING),
                                                        everyone))
             for name, off, n in zip(u.names, u.offsets, u.numels):
                 p = self.params[name]
@@ -422,17 +465,20 @@ def build_pair(cfg: dict[str, Any], lr: float = 0.1) -> tuple[nn.Module, Emulati
         else:
             kw["process_group"] = (mesh.get_group("shard"), mesh.get_group("replicate"))
     mp, buffer_dtype = cfg.get("mp"), None
+    plan = Plan(cfg["strategy"], cfg.get("quant"))
     if mp == "reduce":
         kw["mixed_precision"] = fsdp_wrap.MixedPrecision(reduce_dtype=torch.bfloat16)
+        plan = dataclasses.replace(plan, reduce_dtype=torch.bfloat16)
     elif mp is not None:
         kw["mixed_precision"] = fsdp_wrap.MixedPrecision(param_dtype=mp, reduce_dtype=mp,
                                                          buffer_dtype=mp)
         buffer_dtype = mp
+        plan = dataclasses.replace(plan, param_dtype=mp, reduce_dtype=mp)
     if cfg.get("offload"):
         kw["cpu_offload"] = fsdp_wrap.CPUOffload(offload_params=True)
     ours = fsdp_wrap.FullyShardedDataParallel(copy.deepcopy(base), **kw)
     ours._lazy_init()
-    emu = Emulation(base, ours, Layout(hybrid), lambda ps: torch.optim.SGD(ps, lr=lr),
+    emu = Emulation(base, ours, Layout(hybrid), plan, lambda ps: torch.optim.SGD(ps, lr=lr),
                     buffer_dtype=buffer_dtype)
     return ours, emu, torch.optim.SGD(ours.parameters(), lr=lr)
 

@@ -361,3 +361,49 @@ def test_errors_and_the_clip_warning(pool4: Any) -> None:
         assert "clip_grad_norm_() sees gradients without the micro-batches held in sharded " \
             "partial sums" in warned and "set_requires_all_reduce(False)" in warned, warned
         assert finite == "True" and left == "False"
+
+
+def _recorded(fn: Any) -> str:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fn()
+    return " | ".join(str(w.message) for w in seen)
+
+
+def _misuse_warnings() -> list[str]:
+    """``set_requires_all_reduce(False)`` left set at the optimizer step, and
+    set where it has no effect (no replicas); the neighbours: the documented
+    use, and ``True`` anywhere, are silent."""
+    with nodes_of(2):
+        hybrid, _, opt = build_pair(dict(model="transformer", strategy="HYBRID_SHARD", uop=False))
+        full, _, _ = build_pair(dict(model="transformer", strategy="FULL_SHARD", uop=False))
+    out = [_recorded(lambda: hybrid.set_requires_all_reduce(False))]  # (replicas: silent)
+    loss_of(hybrid(model_input("transformer", torch.Generator()))).backward()
+    before = full_params(hybrid)
+    out.append(_recorded(opt.step))
+    opt.zero_grad()
+    after = full_params(hybrid)
+    # the case is real: the step changed nothing, the sums outlived it and zero_grad
+    out.append(str(all(torch.equal(before[k], after[k]) for k in before)))
+    out.append(str(any(h.grads.holds_partial for h in hybrid._all_handles)))
+    hybrid.set_requires_all_reduce(True)  # the documented use: silent at the step
+    loss_of(hybrid(model_input("transformer", torch.Generator()))).backward()
+    out.append(_recorded(opt.step))
+    out.append(_recorded(lambda: full.set_requires_all_reduce(False)))
+    out.append(_recorded(lambda: full.set_requires_all_reduce(True)))
+    return out
+
+
+def test_requires_all_reduce_misuse_warns_on_every_rank(pool4: Any) -> None:
+    for rank, res in enumerate(pool4.run(_misuse_warnings)):
+        set_hybrid, at_step, unchanged, survived, documented, no_replicas, back = res
+        assert set_hybrid == "" and documented == "" and back == "", res
+        assert unchanged == "True" and survived == "True", res
+        assert at_step.startswith(f"SGD.step() [rank {rank}] with set_requires_all_reduce(False) "
+                                  "still in effect"), at_step
+        assert "Call set_requires_all_reduce(True) before the last micro-batch's backward" \
+            in at_step, at_step
+        assert no_replicas.startswith(f"[rank {rank}] set_requires_all_reduce(False) has no "
+                                      "effect here: no FSDP unit it applies to has replicas"), \
+            no_replicas
+        assert "use no_sync() or set_requires_gradient_sync(False)" in no_replicas, no_replicas

@@ -239,9 +239,11 @@ def test_damaged_and_foreign_inputs_get_one_clear_error(tmp_path: Any) -> None:
     rc, _, err = _ckpt_here("convert", hf, str(tmp_path / "x"))
     # (the conversion's marker records each file's size and CRC-32)
     assert rc == 1 and "model-00001-of-00001.safetensors holds" in err and "truncated" in err
-    os.remove(os.path.join(hf, "fsdp_wrap_checkpoint.json"))  # a directory from elsewhere
+    # without the marker, the file's own seal (its CRC-32 in its header) still says it
+    os.remove(os.path.join(hf, "fsdp_wrap_checkpoint.json"))
     rc, _, err = _ckpt_here("convert", hf, str(tmp_path / "x"))
-    assert rc == 1 and "truncated or corrupt" in err
+    assert rc == 1 and "model-00001-of-00001.safetensors does not hold what fsdp_wrap wrote" \
+        in err and "truncated" in err, err
     # a .safetensors name for a torch.save file (the default format) is refused up front
     named = tmp_path / "model.safetensors"
     rc, _, err = _ckpt_here("consolidate", good, str(named))
@@ -339,3 +341,36 @@ def test_reads_dcp_metadata_of_a_newer_torch(tmp_path: Any, monkeypatch: Any) ->
     assert rc == 0, err
     got = torch.load(out, weights_only=True)
     assert _same(got["model"], state["model"]) == []
+
+
+def test_an_unfinished_save_names_the_last_complete_checkpoint_beside_it(
+        tmp_path: Any, monkeypatch: Any) -> None:
+    """Whatever the working directory: the sibling is looked for beside the
+    checkpoint.  (Found by mutation testing: the parent directory computed as
+    ``"."`` survived every checkpoint test of the fast selection.)"""
+    from fsdp_wrap.checkpoint import _atomic
+
+    ckpts = tmp_path / "ckpts"
+    good = str(ckpts / "step-1")
+    tmp = _atomic.begin(good, 1, "full-safetensors", {})
+    (ckpts / "step-1.incomplete" / "data.bin").write_bytes(b"x")
+    _atomic.commit(tmp, good, {})
+    _atomic.begin(str(ckpts / "step-2"), 2, "full-safetensors", {})  # never committed
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    with pytest.raises(ValueError) as err:
+        _atomic.check_complete(str(ckpts / "step-2"))
+    assert "is incomplete: ranks 0, 1 never finished" in str(err.value), err.value
+    assert f"the last complete one is {good}" in str(err.value), err.value
+    assert _atomic.check_complete(good)["complete"] is True  # (and it verifies)
+    # ranks that reported: the one that failed is named with its error's first
+    # line (at most 500 characters), the one that finished is not
+    tmp3 = _atomic.begin(str(ckpts / "step-3"), 3, "full-safetensors", {})
+    _atomic.report(tmp3, 0, None)
+    _atomic.report(tmp3, 1, RuntimeError("boom " + "x" * 600 + "\nsecond line"))
+    with pytest.raises(ValueError) as err:
+        _atomic.check_complete(str(ckpts / "step-3"))
+    msg = str(err.value)
+    assert f"is incomplete: rank 2 never finished; rank 1 failed (RuntimeError: boom {'x' * 481})" \
+        f"; the last complete one is {good}" in msg, msg

@@ -23,6 +23,13 @@ optimizer); a FULL_STATE_DICT ``torch.save`` file through ``torch.load`` and
 whether the model's parameters changed; a refusal must name the file (or the
 checkpoint) and say what is wrong, and leave the parameters as they were.
 
+The full checkpoint's completion marker is damaged too (``MARKER_DAMAGES``):
+deleted (with and without a byte flipped in a data file), rewritten without
+its file list (a marker from before checksums, or an edit), edited (a byte
+of it flipped).  Each is refused naming the marker or the file, unless the
+loader asks for ``verify=False`` (checked to load what the undamaged
+checkpoint holds where the data are intact).
+
 ``DETECTED_LATER`` lists the cases no loader can refuse today (the formats
 carry no checksum of their tensor data): they are run all the same and
 ``xfail(strict=True)``, so the day one is refused the test says so.
@@ -48,6 +55,7 @@ from tests._ckpt_common import same_nested
 from tests._dist import progress
 
 DAMAGES = ("truncate", "flip-meta", "flip-data", "delete", "swap")
+MARKER_DAMAGES = ("marker-missing", "marker-missing-flip", "marker-no-files", "marker-edited")
 FORMATS = ("full", "dcp", "torch")
 LOADERS = {
     "full": ("load_full_checkpoint", "load_pretrained"),
@@ -69,8 +77,10 @@ KNOWN: dict[tuple[str, str, str], str] = {
 # torch's own loaders: refused and untouched is asked of them, not fsdp_wrap's wording.
 TORCH_OWN = {"torch_load"}
 # Not damage for that reader: another model's whole torch.save file is a valid
-# checkpoint, and the offline tool has no model to compare it with (it converts it).
-VALID_ELSEWHERE = {("torch", "swap", "offline")}
+# checkpoint, and the offline tool has no model to compare it with (it converts it);
+# the offline tool reads a directory whose marker is gone (to inspect it) after
+# checking every file's own seal.
+VALID_ELSEWHERE = {("torch", "swap", "offline"), ("full", "marker-missing", "offline")}
 
 
 # ----------------------------------------------------------------- damage
@@ -134,6 +144,8 @@ def damage(fmt: str, how: str, d: str, other: str) -> str:
     files = _data_files(fmt, d)
     victim = files[0]
     path = os.path.join(d, victim)
+    if how.startswith("marker"):
+        return _damage_marker(how, d, path)
     if how == "truncate":
         _truncate(path)
     elif how == "delete":
@@ -160,6 +172,35 @@ def damage(fmt: str, how: str, d: str, other: str) -> str:
             begin, end = _zip_range(path, "data/0")
             _flip(path, (begin + end) // 2)
     return victim
+
+
+def _damage_marker(how: str, d: str, data_file: str) -> str:
+    """The full checkpoint's completion marker deleted, unsealed or edited."""
+    import json
+
+    from fsdp_wrap.checkpoint._atomic import MARKER
+
+    marker = os.path.join(d, MARKER)
+    if how in ("marker-missing", "marker-missing-flip"):
+        os.remove(marker)
+        if how.endswith("flip"):
+            _flip(data_file, os.path.getsize(data_file) - 3)
+            return os.path.basename(data_file)
+    elif how == "marker-no-files":
+        with open(marker) as f:
+            data = json.load(f)
+        data.pop("files")
+        data.pop("fsdp_wrap_crc32")
+        with open(marker, "w") as f:
+            json.dump(data, f, indent=2)
+    elif how == "marker-edited":  # a digit of its start time: still valid JSON
+        with open(marker, "rb") as f:
+            raw = f.read()
+        at = raw.index(b'"started_at": ') + len(b'"started_at": ') + 2
+        with open(marker, "r+b") as f:
+            f.seek(at)
+            f.write(b"7" if raw[at:at + 1] != b"7" else b"3")
+    return MARKER
 
 
 # ----------------------------------------------------------------- in the pool
@@ -204,6 +245,8 @@ def _load(loader: str, model: Any, opt: Any, path: str) -> None:
     fsdp = fsdp_wrap.FullyShardedDataParallel
     if loader == "load_full_checkpoint":
         load_full_checkpoint(model, path)
+    elif loader == "unverified":
+        load_full_checkpoint(model, path, verify=False)
     elif loader == "load_pretrained":
         from fsdp_wrap.checkpoint.weights.load import load_pretrained
 
@@ -258,8 +301,9 @@ def sweep(base: str, cases: list[tuple[str, str, str, Callable[..., str] | None]
             donor = os.path.join(wide if fmt == "torch" else other, fmt)
             out["victims"][name] = (fn or damage)(fmt, how, d, donor)
     dist.barrier()
-    for name, fmt, _, _ in cases:
-        for loader in LOADERS[fmt]:
+    for name, fmt, how, _ in cases:
+        marker = how.startswith("marker") or how == "none-unverified"
+        for loader in LOADERS[fmt] + (("unverified",) if marker else ()):
             out["answers"][(name, loader)] = _answer(loader, os.path.join(base, "cases", name))
             progress()
     return out
@@ -268,8 +312,10 @@ def sweep(base: str, cases: list[tuple[str, str, str, Callable[..., str] | None]
 # ----------------------------------------------------------------- the tests
 
 
-def _fixed_cases() -> list[tuple[str, str, str, None]]:
-    return [(f"{fmt}-{how}", fmt, how, None) for fmt in FORMATS for how in DAMAGES]
+def _fixed_cases() -> list[tuple[str, str, str, Callable[..., str] | None]]:
+    return ([(f"{fmt}-{how}", fmt, how, None) for fmt in FORMATS for how in DAMAGES]
+            + [(f"full-{how}", "full", how, None) for how in MARKER_DAMAGES]
+            + [("full-intact", "full", "none-unverified", functools.partial(_random_damage, 0))])
 
 
 @pytest.fixture(scope="module")
@@ -304,7 +350,8 @@ def _judge(fmt: str, how: str, loader: str, problems: list[str]) -> None:
         pytest.fail(f"{fmt}-{how} through {loader} is refused now: move it out of KNOWN")
 
 
-_PARAMS = [(f, h, ld) for f in FORMATS for h in DAMAGES for ld in (*LOADERS[f], "offline")]
+_PARAMS = ([(f, h, ld) for f in FORMATS for h in DAMAGES for ld in (*LOADERS[f], "offline")]
+           + [("full", h, ld) for h in MARKER_DAMAGES for ld in (*LOADERS["full"], "offline")])
 
 
 @pytest.mark.parametrize("fmt,how,loader", _PARAMS)
@@ -335,6 +382,19 @@ def test_damage_is_refused(swept: dict[str, Any], fmt: str, how: str, loader: st
         if bad:
             problems.append(bad)
     _judge(fmt, how, loader, problems)
+
+
+@pytest.mark.parametrize("how", MARKER_DAMAGES)
+def test_verify_false_loads_a_damaged_marker_only_when_asked(swept: dict[str, Any],
+                                                              how: str) -> None:
+    """``verify=False`` is the documented way past the marker's checks: it loads
+    what the undamaged checkpoint holds where only the marker is damaged."""
+    for rank, res in enumerate(swept["ranks"]):
+        ans = res["answers"][(f"full-{how}", "unverified")]
+        ref = res["answers"][("full-intact", "unverified")]
+        assert ans["error"] is None and ref["error"] is None, (rank, ans["error"], ref["error"])
+        same = all(torch.equal(ans["params"][k], ref["params"][k]) for k in ref["params"])
+        assert same == (how != "marker-missing-flip"), (rank, how)  # (the flip loads as is)
 
 
 # ----------------------------------------------------------------- seeded random mode

@@ -24,6 +24,10 @@ which fsdp_wrap builds its default hybrid groups.  The job is
   :func:`fsdp_wrap.checkpoint.save_full_checkpoint` /
   :func:`~fsdp_wrap.checkpoint.load_full_checkpoint` resumes from the last
   complete checkpoint to the losses of an uninterrupted run;
+* nodes launched with different settings (another
+  ``$FSDP_WRAP_QUANTIZE_COLLECTIVES`` or ``$FSDP_WRAP_BUCKET_CAP_MB`` on node 1)
+  get a RuntimeError on every rank at construction naming the setting, the
+  values and the ranks, in well under the process group's timeout;
 * nothing of a cluster is left behind on success, failure, timeout, Ctrl-C or
   SIGTERM, and ``fsdp-wrap cluster`` runs a command on every rank and says how
   each node ended.
@@ -71,6 +75,26 @@ CASES = [
 ]
 STEPS = 3
 
+# The nodes are launched differently: node 1 with another quantization and
+# gradient-bucket cap in its environment (the sweep's cases give both as
+# keywords, which win).  Each ``disagree`` case: its keywords, and the setting
+# every rank's RuntimeError must name with its values per node (None: accepted).
+NODE_ENVS = [{"FSDP_WRAP_QUANTIZE_COLLECTIVES": "off", "FSDP_WRAP_BUCKET_CAP_MB": "1"},
+             {"FSDP_WRAP_QUANTIZE_COLLECTIVES": "grads", "FSDP_WRAP_BUCKET_CAP_MB": "0"}]
+KEYWORDS = dict(quantize_collectives="off", bucket_cap_mb=1.0)
+_QUANT = ("quantize_collectives (or $FSDP_WRAP_QUANTIZE_COLLECTIVES) is off on rank(s) [0, 1] "
+          "and grads=int8/2048,where=cross_node on rank(s) [2, 3]")
+DISAGREE = [
+    # FULL_SHARD: node 1 alone would create the sub-groups of a routed reduction
+    (dict(strategy="FULL_SHARD", groups="world", kw=dict(bucket_cap_mb=1.0)), _QUANT),
+    # hybrid groups built from LOCAL_WORLD_SIZE after the check
+    (dict(strategy="HYBRID_SHARD", groups="default", kw=dict(bucket_cap_mb=1.0)), _QUANT),
+    (dict(strategy="FULL_SHARD", groups="world", kw=dict(quantize_collectives="off")),
+     "bucket_cap_mb (or $FSDP_WRAP_BUCKET_CAP_MB) is 1.0 on rank(s) [0, 1] and 0.0 on "
+     "rank(s) [2, 3]"),
+    (dict(strategy="FULL_SHARD", groups="world", kw=KEYWORDS), None),  # the keywords win
+]
+
 
 def _env() -> dict[str, str]:
     path = os.environ.get("PYTHONPATH", "")
@@ -102,10 +126,11 @@ def _failed(result: testbed.RunResult) -> str:
 @pytest.fixture(scope="module")
 def across_nodes(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = str(tmp_path_factory.mktemp("nodes_sweep"))
-    cases = [dict(c, steps=STEPS) for c in CASES]
+    cases = [dict(c, steps=STEPS, kw=KEYWORDS) for c in CASES]
+    config = dict(mode="sweep", out=out, cases=cases, disagree=[c for c, _ in DISAGREE])
     with testbed.Cluster(NODES, rate="1gbit") as cluster:
-        result = cluster.run(_job_cmd(dict(mode="sweep", out=out, cases=cases), out), PER_NODE,
-                             timeout=RUN_TIMEOUT_S, env=_env())
+        result = cluster.run(_job_cmd(config, out), PER_NODE, timeout=RUN_TIMEOUT_S,
+                             env=_env(), node_envs=NODE_ENVS)
         name = cluster.run_name
     assert result.ok, _failed(result)
     assert not testbed.leftovers(name), testbed.leftovers(name)
@@ -191,6 +216,24 @@ def test_bytes_across_the_link_match_the_strategy(across_nodes: list[dict[str, A
                 lines.append(f"node {node} step {step}: sent {sent} bytes, want {want:.0f} "
                              f"({sent / want:.3f}x; overhead {f:.4f})")
     assert not lines, f"{case}:\n" + "\n".join(lines)
+
+
+@pytest.mark.parametrize("case_index", range(len(DISAGREE)))
+def test_nodes_launched_differently_are_refused_on_every_rank(
+        across_nodes: list[dict[str, Any]], case_index: int) -> None:
+    """A setting that differs between the nodes is a RuntimeError on every rank
+    at construction, naming it, its values and the ranks (before the sub-groups
+    or hybrid groups it would build on one node only: never a hang)."""
+    case, named = DISAGREE[case_index]
+    for rank in range(NODES * PER_NODE):
+        res = across_nodes[rank]["disagree"][case_index]
+        if named is None:
+            assert res["got"] == "accepted", (case, rank, res)
+            continue
+        assert res["got"].startswith(f"RuntimeError: [rank {rank}] FSDP was constructed with "
+                                     "settings that differ between ranks [0, 1, 2, 3]"), res
+        assert named in res["got"], (named, res["got"])
+        assert res["after_s"] < job.PG_TIMEOUT_S, (case, rank, res)
 
 
 # ---------------------------------------------------------------------------

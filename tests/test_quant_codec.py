@@ -160,3 +160,23 @@ def test_setting_errors_name_the_variable(monkeypatch: pytest.MonkeyPatch) -> No
         resolve_quantization(None)
     with pytest.raises(TypeError, match="CollectiveQuantization, a string"):
         resolve_quantization(8)
+
+
+def test_settings_are_immutable_values() -> None:
+    """A setting is a value shared by every unit of a tree (the children get the
+    root's): it can be neither changed under one of them nor differ by identity
+    (hashable, equal by value).  (Found by mutation testing: ``frozen=False``
+    survived every test.)"""
+    import dataclasses
+
+    from fsdp_wrap.comm.quant.config import QuantSpec
+
+    q = CollectiveQuantization(grads="int4")
+    assert hash(q) == hash(CollectiveQuantization(grads="int4"))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        q.where = "all"  # type: ignore[misc]
+    spec = resolve_quantization(q)
+    assert isinstance(spec, QuantSpec) and hash(spec) == hash(resolve_quantization(q))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.where = "all"  # type: ignore[misc]
+    assert hash(Codec(8, 64)) == hash(Codec(8, 64))

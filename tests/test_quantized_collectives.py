@@ -22,11 +22,13 @@ moved some value (a comparison coding never touched would prove little).
   shard group across nodes, a group not made of whole nodes), a
   communication hook with coded gradients; ranks that disagree on the
   setting (a node launched with another ``$FSDP_WRAP_QUANTIZE_COLLECTIVES``),
-  at the first forward, within the shard group and across the replicas.
+  at construction, before the sub-groups a routed collective needs, over the
+  whole group and across the replicas.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -85,10 +87,10 @@ def _train_vs_emulation(cfg: dict[str, Any]) -> list[str]:
         got, want = full_params(ours), dict(emu.master.named_parameters())
         for name, p in want.items():
             fails.append(cmp(f"step {step} param {name}", p, got[name], 0.0))
-    coded = ours._all_handles[0].wire  # type: ignore[union-attr]
-    if coded.weights is not None and not emu.moved["weights"] > 0:
+    # (what the documentation says is coded, not what fsdp_wrap decided)
+    if any(u.wire.weights for u in emu.units) and not emu.moved["weights"] > 0:
         fails.append("coding the weights changed no value")
-    if (coded.grads or coded.replicas) is not None and not emu.moved["grads"] > 0:
+    if any(u.wire.grads or u.wire.replicas for u in emu.units) and not emu.moved["grads"] > 0:
         fails.append("coding the gradients changed no value")
     found = [f for f in fails if f]
     return [f"{tag}: " + "; ".join(found[:4])] if found else []
@@ -104,6 +106,67 @@ def test_equal_to_emulation_2_ranks(pool2: Any) -> None:
 
 def test_equal_to_emulation_2_nodes_x_2(pool4: Any) -> None:
     assert pool4.run(_sweep, _configs(4)) == [[]] * 4
+
+
+# ------------------------------------------------ the decision, against the docs
+
+
+def _coding_cases() -> list[tuple[int, str, str]]:
+    """(ranks per node, strategy, setting): 2 nodes x 2 and one node of 4."""
+    strategies = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
+    settings = ["weights", "grads=int4,block=64", "both,block=32,where=all", "weights,where=all",
+                "off"]
+    return ([(2, s, q) for s in strategies for q in settings]
+            + [(4, s, q) for s in strategies for q in ("both", "grads,where=all")])
+
+
+def _coding_of_every_unit() -> list[str]:
+    """Each unit's wire (which collectives fsdp_wrap codes, routed or flat)
+    against :func:`tests._quant_rules.documented_coding`: the decision itself,
+    checked against the documentation (the emulation sweeps above check the
+    numbers that follow from it)."""
+    import fsdp_wrap
+    from tests._quant_rules import documented_coding
+    from tests.models import LoraNet, TinyTransformer, lora_policy, transformer_policy
+
+    me, fails, compared = dist.get_rank(), [], 0
+    for per_node, strategy, quant in _coding_cases():
+        hybrid = "HYBRID" in strategy
+        kw: dict[str, Any] = dict(sharding_strategy=fsdp_wrap.ShardingStrategy[strategy],
+                                  quantize_collectives=quant)
+        shard, replicas = list(range(4)), None
+        if hybrid:
+            kw["device_mesh"] = mesh_2x2()  # (shard groups {0, 1} and {2, 3})
+            shard = [me - me % 2, me - me % 2 + 1]
+            replicas = [me % 2, me % 2 + 2]
+        models = [(TinyTransformer(), transformer_policy("ours"))]
+        if per_node == 2 and quant.startswith("both"):  # (frozen and trainable flat parameters)
+            models.append((LoraNet(), lora_policy("ours")))
+        for model, policy in models:
+            with nodes_of(per_node):
+                try:
+                    ours = fsdp_wrap.FullyShardedDataParallel(model, auto_wrap_policy=policy, **kw)
+                except ValueError as e:
+                    fails.append(f"{per_node}/node {strategy} {quant}: refused: {e}")
+                    continue
+                want = documented_coding(quant, strategy, shard, replicas, per_node)
+            units = fsdp_wrap.FullyShardedDataParallel.fsdp_modules(ours)
+            for h in (h for unit in units for h in unit._handles):  # type: ignore[union-attr]
+                compared += 1
+                w = h.wire
+                got = (w.weights, w.grads, w.replicas, w.hierarchy is not None)
+                if got != (want.weights, want.grads, want.replicas, want.routed):
+                    fails.append(f"[rank {me}] {per_node}/node {strategy} {quant!r} "
+                                 f"{type(model).__name__} unit {h.unit_fqn!r}: codes "
+                                 f"{got} but the docs say {want}")
+        progress()
+    if compared < len(_coding_cases()) * 3:  # (TinyTransformer: 3 flat parameters)
+        fails.append(f"[rank {me}] only {compared} flat parameters compared")
+    return fails
+
+
+def test_each_unit_codes_what_the_docs_say(pool4: Any) -> None:
+    assert pool4.run(_coding_of_every_unit) == [[]] * 4
 
 
 # ------------------------------------------------------- the collectives alone
@@ -224,36 +287,131 @@ def test_refusals(pool4: Any) -> None:
     assert len(same) == 1, same
 
 
-def _disagreements() -> list[str]:
-    """Ranks 2 and 3 (node 1) quantize, ranks 0 and 1 do not: the error each
-    rank raised at the first forward (FULL_SHARD over every rank; HYBRID_SHARD,
-    where each shard group agrees and only the replicas' all-reduce differs)."""
+def _no_effect_warnings() -> list[list[str]]:
+    """The warnings each construction gave (auto-wrapped: once per tree, not per unit)."""
+    import warnings
+
     import fsdp_wrap
     from tests.models import TinyTransformer, transformer_policy
 
-    quant = "grads,where=all" if dist.get_rank() >= 2 else "off"
+    S = fsdp_wrap.ShardingStrategy
     out = []
-    for kw in (dict(), dict(sharding_strategy=fsdp_wrap.ShardingStrategy.HYBRID_SHARD,
-                            device_mesh=mesh_2x2())):
-        with nodes_of(2):
-            torch.manual_seed(0)
-            model = fsdp_wrap.FullyShardedDataParallel(
+    for per_node, quant, kw in _NO_EFFECT:
+        if "sharding_strategy" in kw:
+            kw = dict(kw, sharding_strategy=S[kw["sharding_strategy"]])
+        if kw.get("sharding_strategy") in (S.HYBRID_SHARD, S._HYBRID_SHARD_ZERO2):
+            kw["device_mesh"] = mesh_2x2()
+        with nodes_of(per_node), warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            fsdp_wrap.FullyShardedDataParallel(
                 TinyTransformer(), auto_wrap_policy=transformer_policy("ours"),
                 quantize_collectives=quant, **kw)
-        try:
-            model(model_input("transformer", torch.Generator().manual_seed(0))).sum().backward()
-            out.append("accepted")
-        except RuntimeError as e:
-            out.append(str(e))
+        out.append([str(w.message) for w in seen if "quantize_collectives" in str(w.message)])
+    return out
+
+
+# (ranks per node, setting, keywords; what the warnings must say, "" for none)
+_NO_EFFECT: list[tuple[int, str, dict[str, Any]]] = [
+    (4, "grads", {}),  # one node: nothing crosses
+    (4, "both", {"sharding_strategy": "HYBRID_SHARD"}),
+    (2, "both", {"sharding_strategy": "HYBRID_SHARD"}),  # weights stay within a node
+    (2, "both,where=all", {"sharding_strategy": "NO_SHARD"}),
+    # neighbours: each setting codes what it says
+    (2, "both", {}),
+    (2, "grads", {"sharding_strategy": "_HYBRID_SHARD_ZERO2"}),
+    (4, "both,where=all", {}),
+    (4, "both,where=all", {"sharding_strategy": "HYBRID_SHARD"}),
+]
+_NO_EFFECT_SAYS = [
+    ["'grads' codes nothing: every rank of the unit's group is on one node "
+     "(LOCAL_WORLD_SIZE=4) and where='cross_node' codes only what crosses nodes"],
+    ["'weights' codes nothing: with a hybrid strategy where='cross_node' codes only the "
+     "replicas' all-reduce", "'grads' codes nothing: the replicas share a node (LOCAL_WORLD_SIZE=4)"],
+    ["'weights' codes nothing: with a hybrid strategy where='cross_node' codes only the "
+     "replicas' all-reduce"],
+    ["'weights' codes nothing: NO_SHARD all-gathers no parameters"],
+    [], [], [], [],
+]
+
+
+def test_settings_with_no_effect_warn_on_every_rank(pool4: Any) -> None:
+    for rank, res in enumerate(pool4.run(_no_effect_warnings)):
+        for case, says, got in zip(_NO_EFFECT, _NO_EFFECT_SAYS, res):
+            assert len(got) == len(says), (case, got)  # one per tree, not per unit
+            for want, message in zip(says, got):
+                assert message.startswith(f"[rank {rank}] FSDP unit of TinyTransformer: "
+                                          "quantize_collectives (or "
+                                          "$FSDP_WRAP_QUANTIZE_COLLECTIVES)"), message
+                assert want in message, (want, message)
+
+
+def _one_replica_warning() -> list[str]:
+    """HYBRID_SHARD on one node of 2 ranks (the default groups: a shard group of
+    2, replicate groups of 1), gradients coded between nodes: nothing crosses."""
+    import warnings
+
+    import fsdp_wrap
+    from tests.models import TinyTransformer, transformer_policy
+
+    with nodes_of(2), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fsdp_wrap.FullyShardedDataParallel(
+            TinyTransformer(), auto_wrap_policy=transformer_policy("ours"),
+            sharding_strategy=fsdp_wrap.ShardingStrategy.HYBRID_SHARD,
+            quantize_collectives="grads")
+    return [str(w.message) for w in seen if "quantize_collectives" in str(w.message)]
+
+
+def test_one_replica_warns_that_nothing_crosses(pool2: Any) -> None:
+    """(Found by mutation testing: the case of one replica had no test.)"""
+    for rank, got in enumerate(pool2.run(_one_replica_warning)):
+        assert len(got) == 1 and got[0].startswith(f"[rank {rank}] "), got
+        assert "'grads' codes nothing: the hybrid strategy has one replica (one node)" \
+            in got[0], got
+
+
+def _disagreements() -> list[str]:
+    """Ranks 2 and 3 (node 1) quantize, ranks 0 and 1 do not: the error each
+    rank raised (FULL_SHARD over every rank, coded between nodes, where node 1
+    alone would create the sub-groups of a routed reduction: a hang before
+    the check; FULL_SHARD coding every collective; HYBRID_SHARD, where each
+    shard group agrees and only the replicas differ).  Node 1's setting comes
+    from its environment, as a node launched differently."""
+    import fsdp_wrap
+    from tests.models import TinyTransformer, transformer_policy
+
+    env = "grads" if dist.get_rank() >= 2 else "off"
+    out = []
+    for quant, kw in ((None, dict()), ("grads,where=all", dict()),
+                      ("grads,where=all", dict(
+                          sharding_strategy=fsdp_wrap.ShardingStrategy.HYBRID_SHARD,
+                          device_mesh=mesh_2x2()))):
+        with nodes_of(2):
+            torch.manual_seed(0)
+            os.environ["FSDP_WRAP_QUANTIZE_COLLECTIVES"] = env
+            try:
+                model = fsdp_wrap.FullyShardedDataParallel(
+                    TinyTransformer(), auto_wrap_policy=transformer_policy("ours"),
+                    quantize_collectives=quant if dist.get_rank() >= 2 else None, **kw)
+                model(model_input("transformer", torch.Generator().manual_seed(0))).sum().backward()
+                out.append("accepted")
+            except RuntimeError as e:
+                out.append(str(e))
+            finally:
+                os.environ.pop("FSDP_WRAP_QUANTIZE_COLLECTIVES", None)
     return out
 
 
 def test_ranks_disagreeing_are_refused(pool4: Any) -> None:
     results = pool4.run(_disagreements)
+    setting = "quantize_collectives (or $FSDP_WRAP_QUANTIZE_COLLECTIVES) is off on rank(s) "
     for rank, res in enumerate(results):
-        # FULL_SHARD: the first rank of the other node; hybrid: this rank's replica
-        for got, other in zip(res, (2 if rank < 2 else 0, rank ^ 2)):
-            assert got.startswith(f"[rank {rank}] FSDP units differ between rank {rank} and "
-                                  f"rank {other} at unit #0"), got
-            assert "quantize_collectives weights=exact grads=int8/2048" in got, got
-            assert "quantize_collectives or $FSDP_WRAP_QUANTIZE_COLLECTIVES" in got, got
+        # over every rank; hybrid: over this rank's replicas (compared first)
+        for got, ranks, coded in zip(res, ([0, 1, 2, 3], [0, 1, 2, 3], [rank % 2, rank % 2 + 2]),
+                                     ("grads=int8/2048,where=cross_node",
+                                      "grads=int8/2048,where=all", "grads=int8/2048,where=all")):
+            assert got.startswith(f"[rank {rank}] FSDP was constructed with settings that "
+                                  f"differ between ranks {ranks}"), got
+            mine = [r for r in ranks if r < 2]
+            theirs = [r for r in ranks if r >= 2]
+            assert f"{setting}{mine} and {coded} on rank(s) {theirs}" in got, got

@@ -36,6 +36,12 @@ def test_rates_and_delays_in_tc_words() -> None:
     assert network.parse_delay(None) is None
     with pytest.raises(ValueError, match="link delay"):
         network.parse_delay("1 ms later")
+    # a list of rates must give one per node, checked before anything is made
+    from fsdp_wrap.testbed import Cluster
+
+    with pytest.raises(ValueError, match="1 link rates for 2 nodes"):
+        Cluster(2, rate=["1gbit"])
+    assert Cluster(2, rate=["1gbit", None]).rates == [10**9, None]
 
 
 def test_node_addresses_sort_as_the_nodes_do() -> None:

@@ -259,8 +259,9 @@ def test_the_torch_matrix_lists_test_files() -> None:
     one argument per line, no comments (pytest reads every line as an
     argument): test files or single tests of them (``file::test``), each file
     existing, this one among them, and ``--deselect=`` lines naming tests of
-    listed files (the sweeps' self-checks, which test the harness rather than
-    torch, and the parity sweeps at 3 and 4 ranks: docs/testing.rst says why)."""
+    listed files (the parity sweeps at 3 and 4 ranks and their non-vacuity
+    checks: docs/testing.rst says why), never the non-vacuity check of a sweep
+    the lanes run."""
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(here)
     with open(os.path.join(here, "torch_matrix.txt")) as f:
@@ -274,3 +275,14 @@ def test_the_torch_matrix_lists_test_files() -> None:
     assert not missing, f"tests/torch_matrix.txt names files that do not exist: {missing}"
     assert "tests/test_torch_sentences.py" in lines
     assert len(set(lines)) == len(lines), "a file listed twice runs twice"
+    # every parity sweep a lane runs keeps its non-vacuity check (the check that
+    # the sweep compared states, clipped, saw gradients: a sweep that compares
+    # nothing passes too)
+    from tests.test_parity import GROUPS
+
+    deselected = {p.split("=", 1)[1] for p in lines if p.startswith("--deselect=")}
+    check = "tests/test_parity.py::test_sweep_is_not_vacuous"
+    assert check not in deselected, "the lanes deselect every parity sweep's non-vacuity check"
+    for ws in ("2", "3", "4"):
+        if any(f"tests/test_parity.py::test_parity[{g}-{ws}]" not in deselected for g in GROUPS):
+            assert f"{check}[{ws}]" not in deselected, f"the {ws}-rank sweep runs unchecked"

@@ -87,10 +87,10 @@ def test_dpo_and_grpo_trainers(request: pytest.FixtureRequest) -> None:
                 # the reference model: TRL's own FSDP unit (full), the adapter disabled (PEFT)
                 assert r[run + "/ref"] == ("fsdp_wrap.fully_sharded_data_parallel"
                                            if kind == "full" else None), (run, r[run + "/ref"])
-                twin = _torch_twin(r, run)
-                if twin + "/losses" in r:
-                    assert r[run + "/losses"] == r[twin + "/losses"], (run, r)
-                if algo == "grpo" and twin + "/gathers_per_token" in r:
+                twin = _torch_twin(r, run)  # (every kind has one: LoRA, QLoRA, full)
+                assert r[twin + "/class"].startswith("torch.distributed.fsdp"), (twin, r)
+                assert r[run + "/losses"] == r[twin + "/losses"], (run, r)
+                if algo == "grpo":
                     calls, nbytes = r[run + "/gathers_per_token"]
                     t_calls, t_bytes = r[twin + "/gathers_per_token"]
                     assert calls > 0 and nbytes > 0, (run, calls, nbytes)  # (counted at all)

@@ -12,6 +12,12 @@ dies midway (a rank SIGKILLed) leaves the previous checkpoint untouched and
 ``PATH.incomplete`` behind, which every loader here rejects with a message
 naming the rank that never finished and the last complete checkpoint next to
 it.  The next save to ``PATH`` removes the stale ``PATH.incomplete``.
+
+The complete marker lists every file with its size and CRC-32 (or the
+file's own seal, see [Note: seals] in :mod:`._safetensors`) and is sealed
+itself.  Loaders verify a checkpoint fsdp_wrap wrote unless asked not to
+(``verify=False``): a missing marker (while the files carry seals), a marker
+without its file list or an edited one is refused, naming it.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import time
 import zlib
 from typing import Any
 
+import fsdp_wrap.checkpoint._safetensors as _st
+
 MARKER = "fsdp_wrap_checkpoint.json"
 INCOMPLETE_SUFFIX = ".incomplete"
 
@@ -33,10 +41,13 @@ def temp_path(path: str) -> str:
 
 def write_json(path: str, data: dict[str, Any]) -> None:
     """Write ``data`` to ``path`` durably (temp file, fsync, rename)."""
+    _write_bytes(path, (json.dumps(data, indent=2) + "\n").encode())
+
+
+def _write_bytes(path: str, raw: bytes) -> None:
     tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
+    with open(tmp, "wb") as f:
+        f.write(raw)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -106,17 +117,22 @@ def report(tmp: str, rank: int, error: BaseException | None) -> None:
         pass
 
 
-def commit(tmp: str, path: str, extra: dict[str, Any]) -> None:
+def commit(tmp: str, path: str, extra: dict[str, Any], seals: dict[str, int] | None = None,
+           ) -> None:
     """Rank 0, after every rank reported success: mark complete and rename into place.
 
     The marker records each file's size and CRC-32 (read back once, from the
-    page cache as a rule), so that a loader can tell a damaged, truncated or
-    swapped-in file from the one this save wrote (:func:`check_files`)."""
+    page cache as a rule; for the files in ``seals``, which carry their own,
+    that one), so that a loader can tell a damaged, truncated or swapped-in
+    file from the one this save wrote (:func:`check_files`).  The marker is
+    sealed itself (``_safetensors.sealed_json``): an edited one is refused."""
     marker = read_marker(tmp) or {}
     marker.update(extra)
-    marker["files"] = file_checksums(tmp)
+    marker["files"] = file_checksums(tmp, seals or {})
     marker.update(complete=True, finished_at=time.time())
-    write_json(os.path.join(tmp, MARKER), marker)
+    marker.pop(_st.SEAL_KEY, None)
+    raw, _ = _st.sealed_json(marker, metadata_key=None)
+    _write_bytes(os.path.join(tmp, MARKER), raw)
     for name in os.listdir(tmp):
         if name.startswith(".rank-"):
             os.remove(os.path.join(tmp, name))
@@ -144,25 +160,29 @@ def _crc32(path: str) -> int:
     return crc
 
 
-def file_checksums(directory: str) -> dict[str, dict[str, int]]:
+def file_checksums(directory: str, seals: dict[str, int]) -> dict[str, dict[str, int]]:
     """``{name: {"size": bytes, "crc32": int}}`` of every file the save wrote (the
-    marker and the ranks' progress files aside)."""
+    marker and the ranks' progress files aside); ``{"size", "seal"}`` for the
+    files in ``seals`` (their own CRC-32, :mod:`._safetensors`), not read again."""
     out: dict[str, dict[str, int]] = {}
     for name in sorted(os.listdir(directory)):
         full = os.path.join(directory, name)
         if name == MARKER or name.startswith(".rank-") or not os.path.isfile(full):
             continue
-        out[name] = {"size": os.path.getsize(full), "crc32": _crc32(full)}
+        if name in seals:
+            out[name] = {"size": os.path.getsize(full), "seal": seals[name]}
+        else:
+            out[name] = {"size": os.path.getsize(full), "crc32": _crc32(full)}
     return out
 
 
 def check_files(directory: str, marker: dict[str, Any]) -> None:
-    """Every file the marker lists is there, of its size and CRC-32; else a
-    ``ValueError`` naming the file and what is wrong (nothing is read into any
-    model before this passes).  Markers from before checksums list none."""
+    """Every file the marker lists is there, of its size and CRC-32 (or its own
+    seal, the one the marker recorded); else a ``ValueError`` naming the file
+    and what is wrong (nothing is read into any model before this passes)."""
     files = marker.get("files")
     if not isinstance(files, dict):
-        return
+        raise ValueError(_unverifiable(directory, f"its {MARKER} lists no files"))
     fix = "it is damaged; load an earlier checkpoint (or save this one again)"
     for name, want in sorted(files.items()):
         full = os.path.join(directory, name)
@@ -175,6 +195,15 @@ def check_files(directory: str, marker: dict[str, Any]) -> None:
                 f"checkpoint {directory}: {name} holds {size} bytes but the save wrote "
                 f"{want.get('size')} (truncated or replaced); {fix}"
             )
+        if "seal" in want:
+            seal = _st.read_seal(full)
+            if seal != want["seal"]:
+                raise ValueError(
+                    f"checkpoint {directory}: {name} is not the file this save wrote (its seal "
+                    f"{'none' if seal is None else f'{seal:08x}'}, recorded "
+                    f"{int(want['seal']):08x}: a swapped-in or edited file); {fix}")
+            _st.check_seal(full)
+            continue
         crc = _crc32(full)
         if crc != want.get("crc32"):
             raise ValueError(
@@ -234,11 +263,57 @@ def last_complete_sibling(path: str) -> str | None:
     return None if best is None else best[1]
 
 
-def check_complete(path: str) -> dict[str, Any]:
+def _unverifiable(directory: str, what: str) -> str:
+    return (f"checkpoint {directory} cannot be verified: {what} (edited, damaged, or written "
+            "before fsdp_wrap recorded checksums), so a damaged file would load silently; "
+            "load an earlier checkpoint, save this one again, or pass verify=False to load "
+            "it unverified")
+
+
+def check_marker_seal(directory: str) -> None:
+    """The completion marker is the one the save sealed; else a ``ValueError``
+    naming it."""
+    path = os.path.join(directory, MARKER)
+    try:
+        sealed = _st.check_seal(path)
+    except ValueError:
+        raise ValueError(_unverifiable(directory, f"{path} is not the marker the save wrote "
+                                       "(its seal does not match its contents)")) from None
+    if not sealed:
+        raise ValueError(_unverifiable(directory, f"{path} carries no seal"))
+
+
+def check_unmarked(directory: str) -> None:
+    """A directory without a completion marker: ``ValueError`` (naming the file)
+    if any of its files was written by fsdp_wrap (it carries a seal), since the
+    marker that says the save finished, and which files it wrote, is gone;
+    nothing for foreign checkpoints (Hugging Face's, DCP's)."""
+    for name in sorted(os.listdir(directory)):
+        full = os.path.join(directory, name)
+        if os.path.isfile(full) and name.endswith((".safetensors", ".json")) \
+                and _st.read_seal(full) is not None:
+            raise ValueError(_unverifiable(
+                directory, f"{name} was written by fsdp_wrap but the directory's completion "
+                f"marker {MARKER} is missing"))
+
+
+def check_sealed_files(directory: str) -> None:
+    """Every file of ``directory`` that carries a seal matches it (a directory
+    whose marker is gone, read by the offline tool: what can still be checked)."""
+    for name in sorted(os.listdir(directory)):
+        full = os.path.join(directory, name)
+        if os.path.isfile(full) and name.endswith((".safetensors", ".json")):
+            _st.check_seal(full)
+
+
+def check_complete(path: str, verify: bool = True) -> dict[str, Any]:
     """The marker of a complete checkpoint at ``path``; otherwise a clear ``ValueError``.
 
     ``path`` may name the final directory (absent after an interrupted save,
     which left ``path.incomplete``) or the ``.incomplete`` directory itself.
+    ``verify`` (the default): the marker is the sealed one the save wrote and
+    every file it lists is intact (:func:`check_files`); ``False`` only checks
+    that the save finished.
     """
     candidate = path
     if not os.path.exists(path) and os.path.isdir(temp_path(path)):
@@ -257,5 +332,7 @@ def check_complete(path: str) -> dict[str, Any]:
         raise ValueError(
             f"checkpoint {candidate} is incomplete: {incomplete_reason(candidate, marker)}; {tail}"
         )
-    check_files(candidate, marker)
+    if verify:
+        check_marker_seal(candidate)
+        check_files(candidate, marker)
     return marker

@@ -92,6 +92,8 @@ def open_source(path: str, trust_pickle: bool = False) -> Source:
     if os.path.isdir(path) or os.path.isdir(_atomic.temp_path(path)):
         if marker or not os.path.exists(path):
             _atomic.check_complete(path)  # a save of fsdp_wrap's that did not finish
+        else:  # (no marker: the files fsdp_wrap wrote still carry their own checksums)
+            _atomic.check_sealed_files(path)
         import fsdp_wrap.checkpoint._dcp as _dcp  # (DCP's import: only for a directory)
 
         if _dcp.is_dcp_dir(path):
@@ -104,6 +106,7 @@ def open_source(path: str, trust_pickle: bool = False) -> Source:
             "(model.safetensors.index.json / *.safetensors) or a torch.save file"
         )
     if path.endswith(".safetensors"):
+        _safetensors.check_seal(path)
         tensors, _ = _safetensors.read_header(path)
         return Source(path, "safetensors", [_st_leaf(("model", n), t) for n, t in tensors.items()])
     return _open_torch_file(path, trust_pickle)

@@ -12,6 +12,17 @@ the whole dict in memory first, which is why fsdp_wrap writes the format itself
 Hugging Face's layout for a sharded model: ``model-00001-of-00003.safetensors``
 ... plus ``model.safetensors.index.json`` = ``{"metadata": {"total_size": N},
 "weight_map": {name: file}}``.
+
+[Note: seals]
+Every file fsdp_wrap writes here carries its own CRC-32 (its *seal*): the
+header's ``__metadata__`` (an index's ``"metadata"``) holds
+``"fsdp_wrap_crc32": "<8 hex digits>"``, the CRC-32 of the whole file with
+those 8 digits read as ``--------``.  A loader that finds a seal checks it, so
+a flipped byte in a file fsdp_wrap wrote is refused even where the
+directory's completion marker is gone; files without one (Hugging Face's,
+torch's) are foreign and read as they are.  The seal is written last, after
+the data (:meth:`ShardedWriter.close`); the marker records each seal too, so
+a sealed file swapped in from another save is told apart.
 """
 
 from __future__ import annotations
@@ -19,7 +30,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -48,6 +61,10 @@ INDEX_SUFFIX = ".safetensors.index.json"
 #: leaves it, and no reader accepts a header of length 0).
 UNFINISHED = b"\0" * 8
 _ALIGN = 8  # data offsets aligned like the safetensors package aligns them
+SEAL_KEY = "fsdp_wrap_crc32"
+_SEAL_BLANK = "--------"
+_SEAL_RE = re.compile(rb'"fsdp_wrap_crc32":\s*"([0-9a-f-]{8})"')
+_CHUNK = 16 * 2**20
 
 
 @dataclass(frozen=True)
@@ -128,6 +145,98 @@ def write_tensor_bytes(f: BinaryIO, tensor: torch.Tensor) -> None:
     f.write(t.numpy().data)
 
 
+def _crc32_with_blank(path: str, at: int) -> int:
+    """CRC-32 of the file at ``path`` with the 8 bytes at ``at`` read as the blank seal."""
+    crc, pos = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            end = pos + len(chunk)
+            if pos < at + 8 and at < end:
+                buf = bytearray(chunk)
+                for i in range(max(at, pos), min(at + 8, end)):
+                    buf[i - pos] = _SEAL_BLANK.encode()[i - at]
+                chunk = bytes(buf)
+            crc = zlib.crc32(chunk, crc)
+            pos = end
+    return crc
+
+
+def seal_file(path: str, at: int, fsync: bool) -> int:
+    """Write the seal of the file at ``path`` (its 8 blank digits at ``at``); return it."""
+    crc = _crc32_with_blank(path, at)
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(f"{crc:08x}".encode())
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+    return crc
+
+
+def _seal_position(path: str) -> tuple[int, str] | None:
+    """Where a file's seal lies and what it says, or ``None`` (a foreign file).
+    A safetensors file's is in its header, a JSON file's anywhere in it."""
+    size = os.path.getsize(path)
+    base = 0
+    with open(path, "rb") as f:
+        if path.endswith(".safetensors"):
+            head = f.read(8)
+            if len(head) < 8:
+                return None
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > 100 * 2**20:
+                return None
+            base, text = 8, f.read(n)
+        else:
+            text = f.read(min(size, 16 * 2**20))
+    found = list(_SEAL_RE.finditer(text))
+    if len(found) != 1:
+        return None
+    return base + found[0].start(1), found[0].group(1).decode("ascii")
+
+
+def read_seal(path: str) -> int | None:
+    """The seal a file fsdp_wrap wrote carries (``None``: a foreign file, or no valid seal)."""
+    found = _seal_position(path)
+    if found is None:
+        return None
+    try:
+        return int(found[1], 16)
+    except ValueError:
+        return None
+
+
+def check_seal(path: str) -> bool:
+    """``True`` if the file carries a seal and its bytes match it; ``False`` for a
+    file without one (foreign); ``ValueError`` naming the file otherwise."""
+    found = _seal_position(path)
+    if found is None:
+        return False
+    at, digits = found
+    crc = _crc32_with_blank(path, at)
+    if digits != f"{crc:08x}":
+        raise ValueError(
+            f"{path} does not hold what fsdp_wrap wrote: its CRC-32 is {crc:08x} but its seal "
+            f"says {digits!r} (a damaged, truncated or edited file); load an earlier "
+            "checkpoint (or save this one again)"
+        )
+    return True
+
+
+def sealed_json(data: dict[str, Any], metadata_key: str | None = "metadata") -> tuple[bytes, int]:
+    """``data`` as indented JSON carrying its own seal (in ``data[metadata_key]``,
+    or at the top level with ``None``), and the seal."""
+    sealed = json.loads(json.dumps(data))
+    (sealed if metadata_key is None else sealed.setdefault(metadata_key, {}))[SEAL_KEY] = \
+        _SEAL_BLANK
+    raw = (json.dumps(sealed, indent=2) + "\n").encode()
+    found = list(_SEAL_RE.finditer(raw))
+    if len(found) != 1:
+        raise ValueError(f"sealed_json: {SEAL_KEY!r} must appear once, as the seal")
+    at, crc = found[0].start(1), zlib.crc32(raw)
+    return raw[:at] + f"{crc:08x}".encode() + raw[at + 8:], crc
+
+
 class ShardedWriter:
     """Write planned tensors, in any order, into Hugging Face-style shards in ``directory``.
 
@@ -171,10 +280,14 @@ class ShardedWriter:
         self.where: dict[str, tuple[int, int]] = {}  # name -> (file index, absolute offset)
         self.written: dict[str, int] = {}  # elements written per tensor
         self._handles: dict[int, BinaryIO] = {}
-        meta = {"format": "pt", **(metadata or {})}
+        meta = {"format": "pt", **(metadata or {}), SEAL_KEY: _SEAL_BLANK}
         self._lengths: list[bytes] = []
+        self._seal_at: list[int] = []
+        #: each file's seal once :meth:`close` wrote it (see [Note: seals])
+        self.seals: dict[str, int] = {}
         for i, (file, shard) in enumerate(zip(self.files, self.shards)):
             head, offsets = _header_bytes(shard, meta)
+            self._seal_at.append(_SEAL_RE.search(head).start(1))  # type: ignore[union-attr]
             with open(os.path.join(directory, file), "wb") as f:
                 # The header's length stays 0 until close(): a file whose
                 # writer died is refused by every safetensors reader instead
@@ -232,22 +345,21 @@ class ShardedWriter:
                 f"{len(missing)} planned tensor(s) were never written to {self.directory}, "
                 f"first '{missing[0]}'"
             )
-        for file, length in zip(self.files, self._lengths):  # the data are down: now valid
-            with open(os.path.join(self.directory, file), "r+b") as f:
+        for file, length, at in zip(self.files, self._lengths, self._seal_at):
+            path = os.path.join(self.directory, file)
+            with open(path, "r+b") as f:  # the data are down: now valid
                 f.write(length)
-                f.flush()
-                if self.fsync:
-                    os.fsync(f.fileno())
+            self.seals[file] = seal_file(path, at, self.fsync)  # (last: it covers the rest)
         if self.single_file is not None:
             return os.path.join(self.directory, self.single_file)
         index = {
             "metadata": {"total_size": self.total, **self.index_metadata},
             "weight_map": self.weight_map,
         }
+        raw, self.seals[self.prefix + INDEX_SUFFIX] = sealed_json(index)
         path = os.path.join(self.directory, self.prefix + INDEX_SUFFIX)
-        with open(path, "w", encoding="utf-8") as out:
-            json.dump(index, out, indent=2)
-            out.write("\n")
+        with open(path, "wb") as out:
+            out.write(raw)
             out.flush()
             if self.fsync:
                 os.fsync(out.fileno())

@@ -219,7 +219,9 @@ def save_full_checkpoint(
     if rank == 0:
         try:
             total = sum(e.nbytes for e in entries.values())
-            _atomic.commit(tmp, path, {"tensors": len(entries), "total_size": total})
+            seals = {k: v for w in (writer, optim_writer) if w is not None
+                     for k, v in w.seals.items()}
+            _atomic.commit(tmp, path, {"tensors": len(entries), "total_size": total}, seals)
         except OSError as e:
             commit_error = e
     _agree(commit_error, rank, "save_full_checkpoint could not finish")
@@ -455,7 +457,8 @@ def _agree(error: BaseException | None, rank: int, what: str) -> None:
 # ---------------------------------------------------------------------- load
 
 
-def verify_full_checkpoint(model: nn.Module, path: str, strict: bool = True) -> dict[str, Any]:
+def verify_full_checkpoint(model: nn.Module, path: str, strict: bool = True, *,
+                           verify: bool = True) -> dict[str, Any]:
     """Check ``path`` against ``model`` without touching it; raise on the first mismatch.
 
     Complete (the marker says so, every file it lists is there with the size
@@ -463,13 +466,23 @@ def verify_full_checkpoint(model: nn.Module, path: str, strict: bool = True) -> 
     long enough), every tensor the model needs present with its shape and
     dtype (a tied parameter under any one of its names), and (``strict``)
     nothing else.  Returns the stored tensors by name.
+
+    A checkpoint fsdp_wrap wrote is always verified: a completion marker that
+    is missing (while the files say fsdp_wrap wrote them), edited, or lists no
+    files is refused with a ``ValueError`` naming it.  ``verify=False`` loads
+    such a checkpoint unverified (no marker seal, no CRC-32; an unfinished save
+    is still refused).  Checkpoints written elsewhere (Hugging Face's
+    ``save_pretrained``) carry no marker and are read as they are.
     """
     root = _root(model, "load_full_checkpoint")
     rank = global_rank()
     if os.path.isdir(path) and _atomic.read_marker(path) is None:
-        pass  # a safetensors directory from elsewhere (e.g. Hugging Face): no marker to check
+        # a safetensors directory from elsewhere (e.g. Hugging Face): no marker to
+        # check, unless its files say fsdp_wrap wrote them
+        if verify:
+            _atomic.check_unmarked(path)
     else:
-        _atomic.check_complete(path)
+        _atomic.check_complete(path, verify)
     stored = _safetensors.stored_tensors(path)
     want = plan_entries(root)
     fix = "load a checkpoint saved from this model, or build the model the checkpoint was saved from"
@@ -523,10 +536,12 @@ def load_full_checkpoint(
     optim: torch.optim.Optimizer | None = None,
     *,
     strict: bool = True,
+    verify: bool = True,
 ) -> None:
     """Load a :func:`save_full_checkpoint` checkpoint (or a HF safetensors directory).
 
-    Verifies first (see :func:`verify_full_checkpoint`), then each rank reads
+    Verifies first (see :func:`verify_full_checkpoint`; ``verify=False`` skips
+    the checksums of a checkpoint fsdp_wrap wrote), then each rank reads
     only its own shard of every flat parameter plus the buffers and unmanaged
     parameters.  No collective (beyond fsdp_wrap's one-time lazy initialisation
     if the model has not run yet); all ranks should load the same checkpoint.
@@ -535,7 +550,7 @@ def load_full_checkpoint(
     chunks, and ``optim_state_dict_to_load`` moves them into the flat shards.
     """
     root = _root(model, "load_full_checkpoint")
-    stored = verify_full_checkpoint(root, path, strict)
+    stored = verify_full_checkpoint(root, path, strict, verify=verify)
     optim_stored: dict[str, Any] = {}
     objects: dict[str, Any] = {}
     if optim is not None:

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+import fsdp_wrap.runtime.agreement as agreement
 import fsdp_wrap.runtime.construct as _init
 import fsdp_wrap.runtime.dynamo as dynamo
 import fsdp_wrap.runtime.guards as guards
@@ -170,6 +171,12 @@ class FullyShardedDataParallel(TorchAttributes, OptimStateDictMethods, Accumulat
         ignored = _init.resolve_ignored(module, ignored_modules, ignored_states)
         # ... and what this machine cannot honour (a device it lacks, a dtype).
         device = setup.check_machine(module, device_id, mixed_precision, ignored[1])
+        # ... and, before the first collective, that every rank was given the same.
+        if not agreement.in_auto_wrap():
+            agreement.check_ranks_agree(agreement.construction_settings(
+                strategy, quant, cap_mb, batch_mb, backward_prefetch, forward_prefetch,
+                limit_all_gathers, mixed_precision, use_orig_params, sync_module_states,
+                auto_wrap_policy is not None), process_group, device_mesh, device)
         # 2. Process groups (their backends must carry the device's tensors).
         pg_state, child_group = settings_of.init_process_groups(
             process_group, device_mesh, strategy, auto_wrap_policy is not None, device

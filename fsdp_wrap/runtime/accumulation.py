@@ -11,6 +11,9 @@ partial sums.  What each one does, and how it meets FSDP1's own knobs
 from __future__ import annotations
 
 import warnings
+from typing import Any
+
+import torch.distributed as dist
 
 from fsdp_wrap.comm.collectives import global_rank
 from fsdp_wrap.runtime.state import TrainingState, UnitState, expect_state, state_of
@@ -21,6 +24,7 @@ __all__ = [
     "set_requires_gradient_sync",
     "set_reshard_after_backward",
     "warn_if_partial",
+    "warn_step_with_partial",
 ]
 
 
@@ -58,11 +62,52 @@ def set_requires_gradient_sync(state: UnitState, value: bool, recurse: bool) -> 
 
 
 def set_requires_all_reduce(state: UnitState, value: bool, recurse: bool) -> None:
-    """FSDP2's ``set_requires_all_reduce``."""
+    """FSDP2's ``set_requires_all_reduce``; ``False`` where no unit has
+    replicas warns that it changes nothing."""
     _check(state, "requires_all_reduce", value)
-    for st in _units(state, recurse):
-        for h in st._handles:
-            h.grads.requires_all_reduce = value
+    handles = [h for st in _units(state, recurse) for h in st._handles]
+    for h in handles:
+        h.grads.requires_all_reduce = value
+    if not value:
+        _warn_if_no_replicas(handles)
+
+
+def _warn_if_no_replicas(handles: list[Any]) -> None:
+    """``set_requires_all_reduce(False)`` changes nothing where no trainable
+    flat parameter has replicas (as in FSDP2): say so, with what would help."""
+    trainable = [h for h in handles if h.flat_param.requires_grad]
+    if not trainable or any(h.replicate_group is not None
+                            and dist.get_world_size(h.replicate_group) > 1 for h in trainable):
+        return
+    warnings.warn(
+        f"[rank {global_rank()}] set_requires_all_reduce(False) has no effect here: no FSDP "
+        "unit it applies to has replicas (only HYBRID_SHARD and _HYBRID_SHARD_ZERO2 with "
+        "more than one replicate rank all-reduce across replicas), so every backward still "
+        "reduces the gradients in full. To skip the reduction of a micro-batch, use no_sync() "
+        "or set_requires_gradient_sync(False)",
+        stacklevel=4,
+    )
+
+
+def warn_step_with_partial(optimizer: object, units: list[UnitState]) -> None:
+    """At ``optimizer.step()``: warn if the optimizer's units hold gradients in
+    sharded partial sums (``set_requires_all_reduce(False)`` left set at the
+    step: they are not in ``.grad``, and they outlive the step and
+    ``zero_grad()`` into the next all-reducing backward)."""
+    pending = [h for st in units for h in st._handles if h.grads.holds_partial]
+    if not pending:
+        return
+    names = sorted({h.unit_fqn or "<root>" for h in pending})
+    warnings.warn(
+        f"{type(optimizer).__name__}.step() [rank {global_rank()}] with "
+        f"set_requires_all_reduce(False) still in effect: the gradients of {len(pending)} flat "
+        f"parameter(s) (units {names[:4]}{'...' if len(names) > 4 else ''}) wait in sharded "
+        "partial sums for the replicas' all-reduce, so this step does not see them, and they "
+        "survive step() and zero_grad() into the next step's gradients. Call "
+        "set_requires_all_reduce(True) before the last micro-batch's backward of each "
+        "optimizer step",
+        stacklevel=4,
+    )
 
 
 def set_is_last_backward(state: UnitState, value: bool) -> None:

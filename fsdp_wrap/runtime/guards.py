@@ -9,7 +9,8 @@ what torch does and the test of each):
   (built before wrapping with ``use_orig_params=False``): refused at its
   ``step()`` (:func:`install_optimizer_check`);
 * ``optimizer.step()`` inside ``no_sync()``: refused for the sharded
-  strategies, warned about for ``NO_SHARD``;
+  strategies, warned about for ``NO_SHARD``; with ``set_requires_all_reduce(False)``
+  left set (partial sums waiting): warned about;
 * every trainable parameter ignored, so FSDP reduces no gradient: warned about
   at lazy init (:func:`check_tree`);
 * some ranks built a unit on the meta device and others with real weights,
@@ -40,6 +41,7 @@ import torch.distributed as dist
 import fsdp_wrap.comm.collectives as C
 from fsdp_wrap.api import ShardingStrategy
 from fsdp_wrap.comm.collectives import global_rank
+from fsdp_wrap.runtime.accumulation import warn_step_with_partial
 from fsdp_wrap.runtime.names import clean_fqn
 from fsdp_wrap.runtime.state import UnitState
 
@@ -116,10 +118,11 @@ def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         _OPTIMIZERS[optimizer] = seen
     if seen[2]:
         _refuse_replaced(optimizer, seen[2])
-    for key in seen[1]:
-        unit = _UNITS.get(key)
-        if unit is not None and not unit._sync_gradients:
+    live = [u for u in (_UNITS.get(key) for key in seen[1]) if u is not None]
+    for unit in live:
+        if not unit._sync_gradients:
             _step_in_no_sync(unit)
+    warn_step_with_partial(optimizer, live)
 
 
 def _param_name(mark: tuple[int, int, int]) -> str | None:
@@ -213,7 +216,11 @@ def meta_mismatch(state: UnitState, unit: str, built_from_meta: list[bool]) -> N
 
 
 def _fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """An exact fingerprint of ``t``'s bits: their sum as integers (int64 scalar)."""
+    """A fingerprint of ``t``'s bits: their sum as integers (an int64 scalar,
+    wrapping).  Order-insensitive, so not exact: any one element that differs
+    changes it, but a permutation of the elements, or differences that cancel
+    in the sum, do not (replicas built differently differ in many elements
+    at once, which a sum tells apart but for a 2**-64 chance)."""
     flat = t.detach().reshape(-1)
     if flat.numel() == 0:
         return torch.zeros((), dtype=torch.int64, device=t.device)

@@ -34,8 +34,9 @@ from fsdp_wrap.api import (
     coerce_enum,
 )
 from fsdp_wrap.comm.quant.config import QuantSpec
-from fsdp_wrap.comm.quant.wire import Wire, build_wire
+from fsdp_wrap.comm.quant.wire import Wire, build_wire, ineffective
 from fsdp_wrap.handle.config import UnitSettings
+from fsdp_wrap.runtime.agreement import in_auto_wrap
 from fsdp_wrap.runtime.construct import unit_tensors
 from fsdp_wrap.runtime.state import is_unit
 
@@ -230,10 +231,15 @@ def init_wire(quant: QuantSpec | None, pg_state: ProcessGroupState,
     checked here, before the handle is built and before any collective of
     the unit (it may create sub-groups for a group spanning nodes)."""
     label = f"[rank {C.global_rank()}] FSDP unit of {type(module).__name__}: "
-    return build_wire(
-        quant, pg_state.group,
-        pg_state.replicate_group if pg_state.replicate_size > 1 else None,
-        hybrid=strategy in HYBRID_STRATEGIES, label=label)
+    replicas = pg_state.replicate_group if pg_state.replicate_size > 1 else None
+    kinds = dict(hybrid=strategy in HYBRID_STRATEGIES,
+                 gathers=strategy is not ShardingStrategy.NO_SHARD)
+    wire = build_wire(quant, pg_state.group, replicas, label=label, **kinds)
+    if not in_auto_wrap():  # (once per tree: the children share the root's groups)
+        for why in ineffective(quant, wire, pg_state.group, replicas, **kinds):
+            warnings.warn(f"{label}quantize_collectives (or $FSDP_WRAP_QUANTIZE_COLLECTIVES) "
+                          f"{quant}: {why}", stacklevel=3)
+    return wire
 
 
 def resolve_settings(

@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import fsdp_wrap.runtime.construct as _init
+from fsdp_wrap.runtime.agreement import auto_wrapping
 from fsdp_wrap.wrap.mp_overrides import (
     _add_mixed_precision_overrides,
     _override_mixed_precision,
@@ -178,7 +179,9 @@ def _auto_wrap(
     unit_kwargs["auto_wrap_policy"] = None
     mp_classes = _mp_classes_to_ignore(unit_kwargs.get("mixed_precision"))
     step = _wrap_with_object_policy if _is_object_policy(policy) else _wrap_with_function_policy
-    step(root_module, policy, ignored_modules, ignored_params, unit_kwargs, mp_classes, fsdp_cls)
+    with auto_wrapping():  # (the children compare no settings: they are the root's)
+        step(root_module, policy, ignored_modules, ignored_params, unit_kwargs, mp_classes,
+             fsdp_cls)
     _warn_if_no_class_matched(root_module, policy, fsdp_cls)
 
 

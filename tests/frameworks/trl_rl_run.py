@@ -127,7 +127,7 @@ def generation_cost(key: str, tr: object) -> None:
 
 def torch_part() -> None:
     for algo in ("dpo", "grpo"):
-        for kind in ("lora", "full"):
+        for kind in ("lora", "qlora", "full"):
             run(algo, "torch", kind, "SHARDED_STATE_DICT", True)
 
 

@@ -100,11 +100,11 @@ def _convertible(src: torch.dtype, dst: torch.dtype) -> bool:
 
 
 def _check(
-    root: FSDP, path: str, strict: bool
+    root: FSDP, path: str, strict: bool, verify: bool = True
 ) -> tuple[dict[str, StoredTensor], NameMap, list[_Want]]:
     """Everything :func:`load_pretrained` will read, checked; raises on the first
     problem.  Local: no collective, nothing touched."""
-    stored = stored_tensors(path)
+    stored = stored_tensors(path, verify)
     want, tied, computed = _wanted(root)
     inner = root._fsdp_wrapped_module
     prefixes, patterns = hf_hints(inner)
@@ -256,7 +256,8 @@ def _read_into(dst: torch.Tensor, s: StoredTensor, start: int, src: _Source) -> 
 
 
 def load_pretrained(
-    model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True
+    model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
+    verify: bool = True,
 ) -> PretrainedLoad:
     """Fill the fsdp_wrap-wrapped ``model`` from the Hugging Face checkpoint at ``path``.
 
@@ -277,7 +278,10 @@ def load_pretrained(
     naming the tensor, and the model is untouched.  Then each rank reads only
     the bytes of its own shards, converting to the model's dtype (a bf16
     checkpoint into fp32 units).  Buffers the checkpoint lacks keep their values
-    (computed by the model's own init, see :func:`pretrained_init`).
+    (computed by the model's own init, see :func:`pretrained_init`).  A
+    checkpoint fsdp_wrap wrote (:func:`fsdp_wrap.checkpoint.save_full_checkpoint`)
+    is verified whole first (its completion marker and every file's CRC-32; a
+    missing or edited marker is refused); ``verify=False`` reads it unverified.
 
     A collective: call it on every rank of the model.  Returns
     :class:`PretrainedLoad` (what was not filled).
@@ -296,7 +300,7 @@ def load_pretrained(
     error: BaseException | None = None
     checked: Any = None
     try:
-        checked = _check(root, os.fspath(path), strict)
+        checked = _check(root, os.fspath(path), strict, verify)
     except (OSError, ValueError, RuntimeError, TypeError, KeyError) as e:
         error = e
     groups = [g for g in (root.process_group, root._inter_node_pg) if g is not None]

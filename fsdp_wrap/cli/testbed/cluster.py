@@ -205,6 +205,9 @@ class Cluster:
     def __init__(self, nodes: int = 2, rate: str | Sequence[str | None] | None = None,
                  delay: str | None = None) -> None:
         rates = [rate] * nodes if rate is None or isinstance(rate, str) else list(rate)
+        if len(rates) != nodes:
+            raise ValueError(f"{len(rates)} link rates for {nodes} nodes: give one rate, or "
+                             "one per node")
         self.rates = [parse_rate(r) for r in rates]  # validated before anything is made
         self.delay_s = parse_delay(delay)
         self.nodes_count = nodes
@@ -284,10 +287,14 @@ class Cluster:
     def start(self, cmd: Sequence[str], nproc_per_node: int = 1, *,
               env: dict[str, str] | None = None, max_restarts: int = 0,
               torchrun_args: Sequence[str] = (), echo: TextIO | None = None,
-              rdzv_timeout: float = 120) -> Run:
+              rdzv_timeout: float = 120,
+              node_envs: Sequence[dict[str, str]] | None = None) -> Run:
         """Start ``cmd`` on every rank of every node; see :meth:`run`."""
         net = self._net()
         env = dict(env or {})
+        if node_envs is not None and len(node_envs) != len(net.nodes):
+            raise ValueError(f"node_envs: expected one dict per node ({len(net.nodes)}) but "
+                             f"got {len(node_envs)}")
         if max_restarts > 0:
             # torchrun's restarted ranks read the previous ranks' addresses from
             # the store they share with its rendezvous and fail to connect
@@ -304,8 +311,9 @@ class Cluster:
                                        run_id=net.run, max_restarts=max_restarts,
                                        rdzv_timeout=rdzv_timeout, extra=torchrun_args),
                         *cmd]
+                own = {**env, **node_envs[node.index]} if node_envs is not None else env
                 procs.append(subprocess.Popen(
-                    argv, env=node_env(node, len(net.nodes), env), stdout=subprocess.PIPE,
+                    argv, env=node_env(node, len(net.nodes), own), stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT, text=True, start_new_session=True, bufsize=1))
         except BaseException:
             for p in procs:
@@ -318,16 +326,18 @@ class Cluster:
     def run(self, cmd: Sequence[str], nproc_per_node: int = 1, *, timeout: float | None = None,
             env: dict[str, str] | None = None, max_restarts: int = 0,
             torchrun_args: Sequence[str] = (), echo: TextIO | None = None,
-            on_start: Callable[[Run], None] | None = None, fail_grace: float = 60.0) -> RunResult:
+            on_start: Callable[[Run], None] | None = None, fail_grace: float = 60.0,
+            node_envs: Sequence[dict[str, str]] | None = None) -> RunResult:
         """Run ``cmd`` (``[sys.executable, "train.py", ...]``) on ``nproc_per_node``
         ranks of every node under torchrun, and wait for it (at most ``timeout``
         seconds, then stop it and say so).  ``env`` is added to this process's
-        environment; ``max_restarts`` is torchrun's; ``echo``: a stream every
+        environment, then ``node_envs[i]`` (one dict per node) to node ``i``'s
+        (nodes launched differently); ``max_restarts`` is torchrun's; ``echo``: a stream every
         node's output goes to as it comes, each line prefixed ``[node i]``;
         ``on_start(run)`` is called once it has started; ``fail_grace``: see
         :meth:`Run.wait`."""
         run = self.start(cmd, nproc_per_node, env=env, max_restarts=max_restarts,
-                         torchrun_args=torchrun_args, echo=echo)
+                         torchrun_args=torchrun_args, echo=echo, node_envs=node_envs)
         try:
             if on_start is not None:
                 on_start(run)

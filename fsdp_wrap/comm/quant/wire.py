@@ -11,6 +11,7 @@ every rank, so every rank takes the same path.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ from fsdp_wrap.comm.quant.codec import Codec
 from fsdp_wrap.comm.quant.config import QuantSpec
 from fsdp_wrap.comm.quant.topology import Hierarchy, hierarchy, topology_from_env
 
-__all__ = ["EXACT", "Wire", "build_wire"]
+__all__ = ["EXACT", "Wire", "build_wire", "ineffective"]
 
 
 @dataclass(frozen=True)
@@ -110,10 +111,12 @@ EXACT = Wire()
 
 
 def build_wire(spec: QuantSpec | None, group: ProcessGroup,
-               replicate_group: ProcessGroup | None, *, hybrid: bool, label: str) -> Wire:
+               replicate_group: ProcessGroup | None, *, hybrid: bool, label: str,
+               gathers: bool = True) -> Wire:
     """The wire of a unit over ``group`` (its shard group) and, for hybrid
     strategies, ``replicate_group``.  ``label`` (rank and unit) starts every
-    error message.
+    error message.  ``gathers=False`` (NO_SHARD): the unit all-gathers
+    nothing, so its weights are never coded.
 
     ``where='cross_node'`` (the default of :class:`CollectiveQuantization`):
     with a hybrid strategy the replicas' all-reduce is coded where the
@@ -127,7 +130,7 @@ def build_wire(spec: QuantSpec | None, group: ProcessGroup,
         return EXACT
     shard_ws = dist.get_world_size(group)
     rep_ws = dist.get_world_size(replicate_group) if replicate_group is not None else 1
-    weights = spec.weights if shard_ws > 1 else None
+    weights = spec.weights if shard_ws > 1 and gathers else None
     grads = spec.grads if shard_ws > 1 else None
     replicas = spec.grads if rep_ws > 1 else None
     if spec.where == "all":
@@ -156,3 +159,46 @@ def build_wire(spec: QuantSpec | None, group: ProcessGroup,
     if hier is None:
         return EXACT  # (the group lies within one node: nothing crosses)
     return Wire(weights, grads, None, hier)
+
+
+def ineffective(spec: QuantSpec | None, wire: Wire, group: ProcessGroup,
+                replicate_group: ProcessGroup | None, *, hybrid: bool,
+                gathers: bool = True) -> list[str]:
+    """What of ``spec`` codes nothing on the groups :func:`build_wire` made
+    ``wire`` for, each with why and what would code it (for a warning: a
+    setting that worked on a cluster may meet one node, and nothing is wrong
+    with the run, only with the expectation)."""
+    if spec is None:
+        return []
+    shard_ws = dist.get_world_size(group)
+    rep_ws = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+    topo = "" if spec.where == "all" else os.environ.get("LOCAL_WORLD_SIZE", "")
+    one_node = (f"every rank of the unit's group is on one node (LOCAL_WORLD_SIZE={topo}) and "
+                "where='cross_node' codes only what crosses nodes; quantize every collective "
+                "with where='all' to code within a node")
+    out = []
+    if spec.weights is not None and wire.weights is None:
+        if not gathers:
+            why = "NO_SHARD all-gathers no parameters; leave 'weights' out"
+        elif shard_ws == 1:
+            why = "the unit's shard group has one rank, so nothing is gathered"
+        elif hybrid:
+            why = ("with a hybrid strategy where='cross_node' codes only the replicas' "
+                   "all-reduce of the gradients (the shard group's gathers stay within a "
+                   "node); where='all' codes the gathers too")
+        else:
+            why = one_node
+        out.append(f"'weights' codes nothing: {why}")
+    if spec.grads is not None and wire.grads is None and wire.replicas is None:
+        if hybrid and shard_ws > 1 and rep_ws == 1:
+            why = ("the hybrid strategy has one replica (one node), so no all-reduce crosses "
+                   "nodes; where='all' codes the shard group's reductions")
+        elif hybrid and rep_ws > 1:
+            why = ("the replicas share a node (LOCAL_WORLD_SIZE="
+                   f"{os.environ.get('LOCAL_WORLD_SIZE', '')}); where='all' codes them")
+        elif shard_ws == 1 and rep_ws == 1:
+            why = "the unit's groups have one rank, so nothing is reduced across ranks"
+        else:
+            why = one_node
+        out.append(f"'grads' codes nothing: {why}")
+    return out
