@@ -70,7 +70,7 @@ def _qmax(bits: int) -> Callable[[], int]:
 
 
 def _first_host() -> str:
-    from fsdp_wrap.testbed import network
+    from fsdp_wrap.cli.testbed import network
 
     return f"{network.SUBNET}.({network._FIRST_HOST} + i)"
 
