@@ -35,6 +35,7 @@ from fsdp_wrap.frameworks.installer import install, installed, uninstall
 from fsdp_wrap.fully_sharded_data_parallel import FullyShardedDataParallel, OptimStateKeyType
 from fsdp_wrap.handle.flat_tensor import FlatParameter
 from fsdp_wrap.planning import Plan, plan
+from fsdp_wrap.runtime.explicit.api import UnshardHandle, register_fsdp_forward_method
 
 __all__ = [
     "BackwardPrefetch",
@@ -57,11 +58,13 @@ __all__ = [
     "StateDictConfig",
     "StateDictSettings",
     "StateDictType",
+    "UnshardHandle",
     "install",
     "installed",
     "iter_full_weights",
     "load_pretrained",
     "plan",
     "pretrained_init",
+    "register_fsdp_forward_method",
     "uninstall",
 ]

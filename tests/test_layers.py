@@ -31,7 +31,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("checkpoints and planning", ["fsdp_wrap.checkpoint", "fsdp_wrap.planning"]),
     (
         "the install step and the applications",
-        ["fsdp_wrap.frameworks", "fsdp_wrap.cli", "fsdp_wrap.demo", "fsdp_wrap.cli.testbed", "fsdp_wrap.__main__", "fsdp_wrap"],
+        ["fsdp_wrap.frameworks", "fsdp_wrap.cli", "fsdp_wrap.demo", "fsdp_wrap.cli.testbed",
+         "fsdp_wrap.cli.timeline", "fsdp_wrap.__main__", "fsdp_wrap"],
     ),
 ]
 

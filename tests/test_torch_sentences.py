@@ -35,6 +35,8 @@ TORCH_FILES = (
       for f in sorted(os.listdir(os.path.join(TORCH, "distributed", "fsdp")))
       if f.endswith(".py")),
     os.path.join("distributed", "distributed_c10d.py"),
+    # FSDP2's controls, which fsdp_wrap's units offer too (fsdp_wrap/runtime/explicit/)
+    os.path.join("distributed", "fsdp", "_fully_shard", "_fully_shard.py"),
     os.path.join("nn", "modules", "module.py"),
 )
 
@@ -57,7 +59,6 @@ SENTENCES: dict[str, list[str]] = {
     "fully_sharded_data_parallel/facade.py": [
         'A communication hook is already registered',
         'Communication hook is not supported for hybrid strategies:',
-        'FSDP will not all-gather parameters for containers that do not implement forward:',
         'The communication hook must be callable but got',
         '`no_sync()` on inner FSDP instances is not supported. Please call `no_sync()` on root FSDP module.',
         'register_comm_hook can only be called on a root instance.',
@@ -82,6 +83,7 @@ SENTENCES: dict[str, list[str]] = {
         'FSDP does not support changing the parameters between forward and backward for',
     ],
     "runtime/construct.py": [
+        'FSDP will not all-gather parameters for containers that do not implement forward:',
         'Cannot pass both ignored_modules and ignored_states at the same time. Please just pass ignored_states.',
         'Trying to ignore the top-level module passed into the FSDP constructor itself will result in all parameters being ignored and is not well-supported',
         '`ignored_modules` should be an iterable of `torch.nn.Module`s',
@@ -99,6 +101,11 @@ SENTENCES: dict[str, list[str]] = {
         'a newly-added parameter since construction time',
         'is all-gathering parameters for',
         'to all-gather parameters for',
+    ],
+    "runtime/explicit/api.py": [
+        'Expects FSDPModule but got',
+        'does not have a method',
+        'reshard_after_forward should be a bool, got',
     ],
     "runtime/grad_norm.py": [
         'Called FSDP.clip_grad_norm_() on rank',
@@ -168,7 +175,7 @@ SENTENCES: dict[str, list[str]] = {
         ': copying a param with shape',
         'from checkpoint, the shape in current model is',
     ],
-    "weights/load.py": [
+    "checkpoint/weights/load.py": [
         ': copying a param with shape',
         'Error(s) in loading state_dict for',
         'Missing key(s) in state_dict:',

@@ -12,7 +12,10 @@
 * ``fsdp-wrap cluster -- CMD ...``: run a command on N nodes made on this
   machine (network namespaces, a rate-limited link, torchrun's multi-node
   rendezvous) (:mod:`fsdp_wrap.cli.cluster`, the test bed in
-  :mod:`fsdp_wrap.cli.testbed`).
+  :mod:`fsdp_wrap.cli.testbed`);
+* ``fsdp-wrap trace [-- CMD ...]``: profile a few steps of a script (or of the
+  demo) and draw each unit's gathers and reductions per rank on a time axis
+  (:mod:`fsdp_wrap.cli.trace`, the analysis in :mod:`fsdp_wrap.cli.timeline`).
 
 Exit codes and error lines are shared (:mod:`fsdp_wrap.cli._common`).  This
 package is an application of the library; nothing in the library imports it.
@@ -32,6 +35,7 @@ import fsdp_wrap.cli.cluster as cluster_cmd
 import fsdp_wrap.cli.demo as demo_cmd
 import fsdp_wrap.cli.plan as plan_cmd
 import fsdp_wrap.cli.run as run_cmd
+import fsdp_wrap.cli.trace as trace_cmd
 from fsdp_wrap import __version__
 from fsdp_wrap.cli._common import (
     EXIT_FAILURE,
@@ -52,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, formatter_class=HelpFormatter,
         description="fsdp_wrap's command line: a demo, a memory planner, an offline checkpoint "
-        "tool, a launcher that switches torch's FSDP1 to fsdp_wrap, and a multi-node test bed "
-        "on one machine.",
+        "tool, a launcher that switches torch's FSDP1 to fsdp_wrap, a multi-node test bed "
+        "on one machine, and a step timeline.",
         epilog="Run 'fsdp-wrap COMMAND --help' for a command's options.")
     parser.add_argument(
         "--version", action="version",
@@ -61,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"Python {platform.python_version()})")
     add_debug(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
-    for cmd in (demo_cmd, plan_cmd, ckpt_cmd, run_cmd, cluster_cmd):
+    for cmd in (demo_cmd, plan_cmd, ckpt_cmd, run_cmd, cluster_cmd, trace_cmd):
         cmd.add_parser(sub)
     return parser
 
@@ -76,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_usage(sys.stderr)
-        print(f"{PROG}: error: choose a command: demo, plan, ckpt, run or cluster "
+        print(f"{PROG}: error: choose a command: demo, plan, ckpt, run, cluster or trace "
               f"('{PROG} --help' says what each does)", file=sys.stderr)
         return EXIT_USAGE
     prog = f"{PROG} {args.command}"

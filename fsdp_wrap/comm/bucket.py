@@ -37,7 +37,11 @@ strategies (a replicate-group all-reduce follows each reduce-scatter), world
 size 1, and every unit when the cap is 0.  A unit whose gradient alone
 reaches the cap, and a bucket that holds one unit, are reduced as without
 buckets too (synchronously, and in place when no padding is needed: no
-copy into a bucket buffer, so large units cost no extra memory).
+copy into a bucket buffer, so large units cost no extra memory).  These
+decisions are :func:`fsdp_wrap.comm.schedule.place_gradient` and
+:func:`~fsdp_wrap.comm.schedule.issue_bucket`, over a description of each
+gradient (:class:`~fsdp_wrap.comm.schedule.GradItem`): the rule the planner
+replays too.
 
 [Note: the reduction stream]
 On CUDA every reduction that communicates (bucketed or alone, or through a
@@ -79,7 +83,9 @@ import torch
 import torch.distributed as dist
 
 import fsdp_wrap.comm.collectives as C
+import fsdp_wrap.comm.labels as L
 import fsdp_wrap.comm.reduce as R
+import fsdp_wrap.comm.schedule as S
 
 
 class UnitGrads(Protocol):
@@ -88,6 +94,7 @@ class UnitGrads(Protocol):
 
     reduce_spec: R.ReduceSpec
     flat_param: torch.nn.Parameter
+    unit_name: str  # its unit's clean FQN (profiler labels)
 
     @property
     def can_bucket_reduction(self) -> bool: ...
@@ -146,12 +153,24 @@ def resolve_mb(value: float | None, name: str, env_var: str, default: float) -> 
 
 @dataclass
 class _Bucket:
-    """Gradients waiting to be reduced together (all with the same ``key``)."""
+    """Gradients waiting to be reduced together; ``shape`` is what the rule
+    (:mod:`fsdp_wrap.comm.schedule`) knows of them."""
 
-    key: tuple[object, ...] = ()
+    shape: S.OpenBucket = field(default_factory=S.OpenBucket)
     units: list[UnitGrads] = field(default_factory=list)
     grads: list[torch.Tensor] = field(default_factory=list)
-    nbytes: int = 0
+
+
+def _describe(unit: UnitGrads, bucketable: bool) -> S.GradItem:
+    """What the bucketing rule reads of ``unit``'s gradient (on ``flat_param``)."""
+    spec = unit.reduce_spec
+    grad = unit.flat_param.grad
+    if grad is None or not bucketable:
+        return S.GradItem(0, False, spec.sharded, None)
+    numel = spec.padded_numel if spec.sharded else grad.numel()
+    key = (spec.sharded, spec.reduce_dtype, grad.device, id(spec.group), spec.world_size,
+           spec.divide, spec.wire)
+    return S.GradItem(numel * spec.reduce_dtype.itemsize, True, spec.sharded, key)
 
 
 @dataclass
@@ -215,39 +234,38 @@ class GradBuckets:
         self._unjoined.clear()
 
     def _reduce(self, unit: UnitGrads, sync: bool, alone: bool) -> None:
-        if alone or not sync or self.cap_bytes <= 0 or not unit.can_bucket_reduction:
-            # Reduced on its own, after every earlier unit's (same order on all ranks).
-            if sync:
-                self._issue()
+        if not sync:
+            unit.reduce_gradient(sync)  # (no_sync: kept on flat_param, nothing reduced)
+            return
+        bucketable = not alone and unit.can_bucket_reduction
+        if bucketable:
+            if unit in self._open.units or any(unit in f.units for f in self._in_flight):
+                # A second post-backward of one unit in one backward: finish the
+                # first reduction before taking the new gradient, as without buckets.
+                self.finish()
+            if unit.flat_param.grad is None:
+                return
+        placed = S.place_gradient(self._open.shape, _describe(unit, bucketable), self.cap_bytes)
+        if placed.issue_open:
+            # (reductions keep the post-backward order, the same on every rank)
+            self._issue()
+        if not placed.joins:
+            # Alone, exactly as without buckets (in place where the gradient
+            # needs no padding: no copy into a bucket, so large units cost no
+            # extra memory).
+            if L.profiler_enabled():
+                with L.span(L.POST_BACKWARD_REDUCE, L.names((unit.unit_name,))):
+                    unit.reduce_gradient(sync)
+                return
             unit.reduce_gradient(sync)
             return
-        if unit in self._open.units or any(unit in f.units for f in self._in_flight):
-            # A second post-backward of one unit in one backward: finish the
-            # first reduction before taking the new gradient, as without buckets.
-            self.finish()
         grad = unit.take_grad_for_reduction(sync)
-        if grad is None:
+        if grad is None:  # (checked above; take_grad never returns None then)
             return
-        spec = unit.reduce_spec
-        numel = spec.padded_numel if spec.sharded else grad.numel()
-        nbytes = numel * spec.reduce_dtype.itemsize
-        if nbytes >= self.cap_bytes:
-            # Alone in any case: reduced exactly as without buckets (in place
-            # where the gradient needs no padding, no copy into a bucket).
-            self._issue()
-            _reduce_alone(unit, grad)
-            return
-        key = (spec.sharded, spec.reduce_dtype, grad.device, id(spec.group), spec.world_size,
-               spec.divide, spec.wire)
-        bucket = self._open
-        if bucket.units and (key != bucket.key or bucket.nbytes + nbytes > self.cap_bytes):
-            self._issue()
-            bucket = self._open
-        bucket.key = key
-        bucket.units.append(unit)
-        bucket.grads.append(grad)
-        bucket.nbytes += nbytes
-        if bucket.nbytes >= self.cap_bytes:
+        self._open.shape = placed.open
+        self._open.units.append(unit)
+        self._open.grads.append(grad)
+        if placed.issue_full:
             self._issue()
 
     def finish(self, wait_partial: bool = True) -> None:
@@ -291,15 +309,13 @@ class GradBuckets:
         if not bucket.units:
             return
         spec = bucket.units[0].reduce_spec
-        if spec.sharded:
-            # At most one sharded bucket in flight: its buffers are memory the
-            # step would not otherwise hold.  A NO_SHARD bucket's buffer takes
-            # the place of its units' gradients (freed once copied in) and then
-            # *is* their reduced gradients, so NO_SHARD buckets are not held
-            # back: every one is in flight until the end of backward, as DDP's.
+        issue = S.issue_bucket(bucket.shape)
+        if issue.wait_in_flight:
+            # (at most one sharded bucket in flight; NO_SHARD buffers, which
+            # become the reduced gradients, are not held back: as DDP's)
             while self._in_flight:
                 self._wait()
-        if len(bucket.units) == 1:
+        if issue.alone:
             _reduce_alone(bucket.units[0], bucket.grads[0])
             return
         pre, post = spec.divide
@@ -322,14 +338,18 @@ class GradBuckets:
         bucket.grads.clear()  # the unsharded gradients can go now
         if pre > 1:
             flat_in.div_(pre)
-        if spec.sharded:
-            # (a coded wire's blocks start at each unit's columns: ``widths``)
-            output = flat_in.new_empty(sum(widths), dtype=spec.wire.sum_dtype(flat_in.dtype))
-            work = spec.wire.reduce_scatter(output, flat_in, spec.group, segments=widths,
-                                            async_op=True, input_is_scratch=True)
-        else:
-            output = flat_in
-            work = C.all_reduce(output, spec.group, async_op=True)
+        label = (L.span(L.POST_BACKWARD_REDUCE, L.names(u.unit_name for u in bucket.units))
+                 if L.profiler_enabled() else contextlib.nullcontext())
+        with label:
+            if spec.sharded:
+                # (a coded wire's blocks start at each unit's columns: ``widths``)
+                output = flat_in.new_empty(sum(widths),
+                                           dtype=spec.wire.sum_dtype(flat_in.dtype))
+                work = spec.wire.reduce_scatter(output, flat_in, spec.group, segments=widths,
+                                                async_op=True, input_is_scratch=True)
+            else:
+                output = flat_in
+                work = C.all_reduce(output, spec.group, async_op=True)
         self._in_flight.append(_InFlight(work, bucket.units, list(output.split(widths)), output,
                                          flat_in, post))
 
@@ -338,7 +358,11 @@ class GradBuckets:
             return
         flight = self._in_flight.popleft()
         if flight.work is not None:
-            flight.work.wait()
+            if L.profiler_enabled():
+                with L.span(L.POST_BACKWARD_RS_WAIT, L.names(u.unit_name for u in flight.units)):
+                    flight.work.wait()
+            else:
+                flight.work.wait()
         if flight.post > 1:
             flight.output.div_(flight.post)
         for unit, result in zip(flight.units, flight.results):
@@ -353,6 +377,10 @@ class GradBuckets:
 
 def _reduce_alone(unit: UnitGrads, grad: torch.Tensor) -> None:
     """``unit``'s reduction on its own, as ``reduce_gradient`` does it."""
+    if L.profiler_enabled():
+        with L.span(L.POST_BACKWARD_REDUCE, L.names((unit.unit_name,))):
+            unit.reduce_taken(grad)
+        return
     unit.reduce_taken(grad)
 
 

@@ -13,6 +13,11 @@ result then holds rank ``r``'s shards, which are copied into each unit's own
 unsharded buffer (the same storage object as always: autograd holds views of
 it).  No arithmetic is involved, so the data are exactly a per-unit gather's.
 
+Which units a batch takes is decided by :func:`fsdp_wrap.comm.schedule.gather_batch`
+over a description of each (:class:`~fsdp_wrap.comm.schedule.GatherItem`),
+the same rule the planner replays; a "unit" here is one flat parameter
+(a handle), chained one by one across FSDP units.
+
 [Note: what a batch costs]
 The followers are gathered early, like a prefetch: until their own forward
 (or backward) they hold their unsharded copy, at most ``cap`` bytes beyond
@@ -32,9 +37,9 @@ early (activations grow while a batch lasts), but in backward it would come
 where activations are at their most, so there each member copies its own part
 out at its turn (``each_at_its_turn``) and the receive buffer goes with the
 last part: the batch's bytes plus the member computing, where that holds
-less at its worst (:func:`by_member_pays`: the largest member under half the
-batch).  A
-follower that then does not run (control flow) is freed with every other
+less at its worst (:func:`~fsdp_wrap.comm.schedule.by_member_pays`: the
+largest member under half the batch).  A follower that then does not run
+(control flow) is freed with every other
 unit at the end of backward, or, with no backward, at the next root forward
 (a forward without grad does not batch, since neither of those would follow).
 """
@@ -42,7 +47,7 @@ unit at the end of backward, or, with no backward, at the next root forward
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator
 from typing import Callable, Protocol, TypeVar
 
 import torch
@@ -50,8 +55,10 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 import fsdp_wrap.comm.collectives as C
+import fsdp_wrap.comm.labels as L
 from fsdp_wrap.comm.bucket import resolve_mb
 from fsdp_wrap.comm.quant.wire import Wire
+from fsdp_wrap.comm.schedule import GatherItem, by_member_pays, gather_batch, starts_batch
 
 
 class GatherUnit(Protocol):
@@ -63,6 +70,8 @@ class GatherUnit(Protocol):
     async_gathers: bool
     wire: Wire
 
+    @property
+    def unit_fqn(self) -> str: ...
     @property
     def world_size(self) -> int: ...
     @property
@@ -121,30 +130,44 @@ def _plan(
     cap_bytes: int,
     next_of: Callable[[H], H | None],
 ) -> list[H]:
-    # A unit computing in full precision (FSDP_USE_FULL_PREC_IN_EVAL) gathers its
-    # full-precision parameters, not the compute copies a batch holds.
-    if (cap_bytes <= 0 or handle.async_gathers or not handle.needs_gather()
-            or handle.computes_in_full_precision):
-        return [handle]
-    batch = [handle]
-    nbytes = handle.gather_nbytes
+    """``handle`` and the units ``next_of`` chains to that one gather takes
+    (the rule: :func:`fsdp_wrap.comm.schedule.gather_batch`)."""
+    first = _describe(handle)
+    if not starts_batch(first, cap_bytes):
+        return [handle]  # (the rule's first test, before any follower is looked at)
+    chained: list[H] = []
+
+    def followers() -> Iterator[GatherItem]:
+        for h in _chain(handle, next_of):
+            chained.append(h)
+            yield _describe(h)
+
+    count = gather_batch(first, followers(), cap_bytes)
+    return [handle, *chained[: count - 1]]
+
+
+def _chain(handle: H, next_of: Callable[[H], H | None]) -> Iterator[H]:
+    """The units gathered after ``handle``, in order, each once."""
+    seen = [handle]
     nxt = next_of(handle)
-    while nxt is not None and nxt not in batch:
-        if (
-            not nxt.needs_gather()
-            or nxt.async_gathers
-            or nxt.computes_in_full_precision
-            or nxt.process_group is not handle.process_group
-            or nxt.compute_dtype != handle.compute_dtype
-            or nxt.wire != handle.wire
-            or nxt.device != handle.device
-            or nbytes + nxt.gather_nbytes > cap_bytes
-        ):
-            break
-        batch.append(nxt)
-        nbytes += nxt.gather_nbytes
+    while nxt is not None and nxt not in seen:
+        seen.append(nxt)
+        yield nxt
         nxt = next_of(nxt)
-    return batch
+
+
+def _describe(h: GatherUnit) -> GatherItem:
+    """What the batching rule reads of a unit.  (A unit computing in full
+    precision, ``FSDP_USE_FULL_PREC_IN_EVAL``, gathers its full-precision
+    parameters, not the compute copies a batch holds.)"""
+    if not h.needs_gather():
+        return _GATHERS_NOTHING  # (NO_SHARD, or gathered: read no further, every step)
+    return GatherItem(h.gather_nbytes, True,
+                      not h.async_gathers and not h.computes_in_full_precision,
+                      (h.process_group, h.compute_dtype, h.wire, h.device))
+
+
+_GATHERS_NOTHING = GatherItem(0, False, False, None)
 
 
 def _gather(batch: list[H], async_op: bool = False, each_at_its_turn: bool = False) -> None:
@@ -160,11 +183,16 @@ def _gather(batch: list[H], async_op: bool = False, each_at_its_turn: bool = Fal
         send = torch.cat(inputs)
     del inputs  # (cast copies of the shards: sent, or in ``send`` until it is)
     # (a coded wire's blocks start at each unit's shard: ``widths``)
-    work = wire.all_gather(rows.view(-1), send, group, segments=widths, async_op=async_op)
+    if L.profiler_enabled():
+        with L.span(L.ALL_GATHER, L.names(h.unit_fqn for h in batch)):
+            work = wire.all_gather(rows.view(-1), send, group, segments=widths,
+                                   async_op=async_op)
+    else:
+        work = wire.all_gather(rows.view(-1), send, group, segments=widths, async_op=async_op)
     # (each member's columns; views of ``rows``: the buffer goes with the last)
     parts = rows.split(widths, dim=1)
     del rows
-    if each_at_its_turn and by_member_pays(widths):
+    if each_at_its_turn and by_member_pays([h.gather_nbytes for h in batch]):
         flight = _InFlight(work, send)
         del send
         for h, part in zip(batch, parts):
@@ -181,20 +209,6 @@ def _gather(batch: list[H], async_op: bool = False, each_at_its_turn: bool = Fal
     pending = C.PendingWork([], then=functools.partial(_finish, work, send, copy_out))
     for h in batch:
         h.expect_gathered(pending)
-
-
-def by_member_pays(sizes: Sequence[int]) -> bool:
-    """Whether copying a batch out member by member, each at its turn, holds
-    less at its worst than copying every member out at the first one's.
-
-    At once, the copy-out holds the receive buffer beside every member's copy:
-    twice the batch.  Member by member, the receive buffer stays until the
-    last turn, and a member's turn holds it beside that member's copy and the
-    gradient its backward makes (about its size again): the batch plus twice
-    the largest member.  Less, then, only where the largest member is under
-    half the batch (three members or more of similar size; two equal members
-    would hold as much at the peak and more after it)."""
-    return 2 * max(sizes) < sum(sizes)
 
 
 def _finish(work: C.Work | C.PendingWork, send: torch.Tensor,

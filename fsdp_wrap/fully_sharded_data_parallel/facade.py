@@ -15,7 +15,6 @@ methods are in their own modules of this package.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Generator, Iterable, Iterator
 from typing import Any, Callable
 
@@ -49,6 +48,7 @@ from fsdp_wrap.comm.collectives import global_rank
 from fsdp_wrap.comm.gather_batch import resolve_all_gather_batch_mb
 from fsdp_wrap.comm.quant.config import CollectiveQuantization, resolve_quantization
 from fsdp_wrap.fully_sharded_data_parallel.accumulation_methods import AccumulationMethods
+from fsdp_wrap.fully_sharded_data_parallel.explicit_methods import ExplicitMethods
 from fsdp_wrap.fully_sharded_data_parallel.optim_methods import OptimStateDictMethods
 from fsdp_wrap.fully_sharded_data_parallel.torch_attributes import TorchAttributes
 from fsdp_wrap.runtime.grad_norm import clip_grad_norm
@@ -64,7 +64,7 @@ from fsdp_wrap.runtime.tensors import cast_floating
 __all__ = ["FullyShardedDataParallel", "OptimStateKeyType"]
 
 class FullyShardedDataParallel(TorchAttributes, OptimStateDictMethods, AccumulationMethods,
-                               nn.Module):
+                               ExplicitMethods, nn.Module):
     """Shard a module's parameters across data-parallel ranks (FSDP1 semantics).
 
     The wrapped module's parameters (except those of nested FSDP units and
@@ -142,26 +142,7 @@ class FullyShardedDataParallel(TorchAttributes, OptimStateDictMethods, Accumulat
         quantize_collectives: CollectiveQuantization | str | None = None,
     ) -> None:
         super().__init__()
-        if isinstance(module, FullyShardedDataParallel):
-            raise ValueError(
-                "FSDP was given a module that is already wrapped by FullyShardedDataParallel; "
-                "wrap the inner module once (nest FSDP around submodules instead)."
-            )
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-            # First, before anything that can block: when ranks are threads of
-            # one process (torch's threaded process group), a thread waiting in
-            # a collective lets the other enter its own warnings.catch_warnings
-            # (process-wide state), and the warning would land in the wrong
-            # thread's record.  Names, not the repr: a child unit's repr spells
-            # out FSDP's internals.
-            children = [clean_fqn(n) for n, _ in module.named_children()]
-            warnings.warn(
-                "FSDP will not all-gather parameters for containers that do "
-                f"not implement forward: {type(module).__name__} (children {children}) "
-                f"[rank {global_rank()}]; wrap its "
-                "children, or a module whose forward uses them, instead",
-                stacklevel=2,
-            )
+        _init.check_wrapped_module(module)  # (first: it may warn, see there)
         # 1. Arguments, checked before any collective.
         strategy, backward_prefetch, cpu_offload, mixed_precision = settings_of.coerce_arguments(
             sharding_strategy, backward_prefetch, cpu_offload, mixed_precision)
@@ -251,6 +232,12 @@ class FullyShardedDataParallel(TorchAttributes, OptimStateDictMethods, Accumulat
         Hooks on the outputs make backward gather the parameters again (where
         they were freed) and reduce the gradients.
         """
+        return self._forward_with(self._fsdp_wrapped_module, args, kwargs)
+
+    def _forward_with(self, fn: Callable[..., Any], args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> Any:
+        """``fn(*args, **kwargs)`` as this unit's forward (``forward`` itself, and
+        the methods of ``register_fsdp_forward_method``)."""
         state = self._fsdp_state
         args, kwargs = _runtime.root_pre_forward(state, args, kwargs)
         mp = state.settings.mixed_precision
@@ -263,7 +250,7 @@ class FullyShardedDataParallel(TorchAttributes, OptimStateDictMethods, Accumulat
         ):
             args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
         _runtime.pre_forward(state, (args, kwargs))
-        output = self._fsdp_wrapped_module(*args, **kwargs)
+        output = fn(*args, **kwargs)
         return _runtime.post_forward(state, output)
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:

@@ -28,7 +28,7 @@ from fsdp_wrap.api import (
 from fsdp_wrap.comm.collectives import DivideFactors
 from fsdp_wrap.comm.quant.wire import EXACT, Wire
 
-__all__ = ["UnitSettings"]
+__all__ = ["SettingsView", "UnitSettings"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,3 +96,31 @@ class UnitSettings:
         """FSDP1's rule: FULL_SHARD and HYBRID_SHARD free the gathered
         parameters after forward; the others keep them for backward."""
         return self.strategy in RESHARD_AFTER_FORWARD
+
+class SettingsView:
+    """Read-only attributes of an object holding a unit's settings as
+    ``config`` (the handle): each reads the one settings object, nothing is
+    copied."""
+
+    config: UnitSettings
+
+    @property
+    def device(self) -> torch.device: return self.config.device
+    @property
+    def strategy(self) -> ShardingStrategy: return self.config.strategy
+    @property
+    def process_group(self) -> ProcessGroup: return self.config.process_group
+    @property
+    def replicate_group(self) -> ProcessGroup | None: return self.config.replicate_group
+    @property
+    def rank(self) -> int: return self.config.rank
+    @property
+    def world_size(self) -> int: return self.config.world_size
+    @property
+    def use_orig_params(self) -> bool: return self.config.use_orig_params
+    @property
+    def uses_sharded_strategy(self) -> bool: return self.config.uses_sharded_strategy
+    @property
+    def reshard_after_forward(self) -> bool: return self.config.reshard_after_forward
+    @property
+    def offload_params(self) -> bool: return self.config.offload_params

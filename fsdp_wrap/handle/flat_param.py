@@ -20,19 +20,19 @@ in :mod:`fsdp_wrap.handle.layout`; padding holds ``42`` as torch's does.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from typing import Callable
 
 import torch
 import torch.nn as nn
-from torch.distributed import ProcessGroup
 
 import fsdp_wrap.comm.collectives as C
+import fsdp_wrap.comm.labels as L
 import fsdp_wrap.comm.reduce as R
-from fsdp_wrap.api import ShardingStrategy
 from fsdp_wrap.comm.quant.wire import EXACT, Wire
-from fsdp_wrap.handle.config import UnitSettings
+from fsdp_wrap.handle.config import SettingsView, UnitSettings
 from fsdp_wrap.handle.flat_tensor import (
     FLAT_PARAM_NAME,
     FlatParameter,
@@ -71,7 +71,7 @@ __all__ = [
 ]
 
 
-class FlatParamHandle:
+class FlatParamHandle(SettingsView):
     """Owns one unit's flat parameter: layout, shard, unshard, reshard, reduce.
 
     Nothing outside this class and its parts mutates ``flat_param``, the local
@@ -96,7 +96,7 @@ class FlatParamHandle:
         # the others ``_flat_param_1``, ...).
         self.flat_name = flat_name
         self.module = module  # the unit's wrapped module
-        self.unit_fqn = unit_fqn
+        self._unit_fqn = unit_fqn
         # Accelerators gather asynchronously (overlapping compute on the
         # communication stream).  On CPU an asynchronous prefetch competes with
         # compute for the cores, and gloo's all-gather (used under 1 MiB; larger
@@ -143,30 +143,6 @@ class FlatParamHandle:
             raise AssertionError(
                 f"Expects {expected} but got {got} [rank {self.rank}, FSDP unit "
                 f"'{self.unit_fqn or '<root>'}', {self.flat_name}]: {action}")
-
-    # ------------------------------------------------- the unit's settings
-    # (read from the one object the unit holds, never copied onto the handle)
-
-    @property
-    def device(self) -> torch.device: return self.config.device
-    @property
-    def strategy(self) -> ShardingStrategy: return self.config.strategy
-    @property
-    def process_group(self) -> ProcessGroup: return self.config.process_group
-    @property
-    def replicate_group(self) -> ProcessGroup | None: return self.config.replicate_group
-    @property
-    def rank(self) -> int: return self.config.rank
-    @property
-    def world_size(self) -> int: return self.config.world_size
-    @property
-    def use_orig_params(self) -> bool: return self.config.use_orig_params
-    @property
-    def uses_sharded_strategy(self) -> bool: return self.config.uses_sharded_strategy
-    @property
-    def reshard_after_forward(self) -> bool: return self.config.reshard_after_forward
-    @property
-    def offload_params(self) -> bool: return self.config.offload_params
 
     def _init_layout(
         self, params: Sequence[tuple[str, nn.Module, str, nn.Parameter]],
@@ -265,6 +241,7 @@ class FlatParamHandle:
             keep_low_precision_grads=self.config.keep_low_precision_grads,
             shard_offset=self.shard_offset,
         )
+        self.grads.unit_name = self._unit_fqn  # (named in profiler labels of its reductions)
         self.views = ParamViews(
             self.module, self.infos, self.shared, self.layout, self._shard_slices,
             use_orig_params=self.use_orig_params, sharded=self.uses_sharded_strategy,
@@ -275,6 +252,16 @@ class FlatParamHandle:
         """Take up a ``flat_param.data`` replaced since construction (see
         :func:`~fsdp_wrap.handle.writeback.adopt_replaced_data`)."""
         adopt_replaced_data(self)
+
+    @property
+    def unit_fqn(self) -> str:
+        """The unit's clean FQN under its root (set at lazy init; ``""``: the root)."""
+        return self._unit_fqn
+
+    @unit_fqn.setter
+    def unit_fqn(self, fqn: str) -> None:
+        self._unit_fqn = fqn
+        self.grads.unit_name = fqn  # (named in profiler labels of its reductions)
 
     # ------------------------------------------------------------------ views
     # (``self.views``, :class:`~fsdp_wrap.handle.views.ParamViews`; these give it
@@ -329,24 +316,15 @@ class FlatParamHandle:
     # Sizes come from the layout (names kept: the state-dict code reads them).
 
     @property
-    def unpadded_numel(self) -> int:
-        return self.layout.unpadded_numel
-
+    def unpadded_numel(self) -> int: return self.layout.unpadded_numel
     @property
-    def shard_numel(self) -> int:
-        return self.layout.shard_numel
-
+    def shard_numel(self) -> int: return self.layout.shard_numel
     @property
-    def padded_numel(self) -> int:
-        return self.layout.padded_numel
-
+    def padded_numel(self) -> int: return self.layout.padded_numel
     @property
-    def _segments(self) -> tuple[int, ...]:
-        return self.layout.segments
-
+    def _segments(self) -> tuple[int, ...]: return self.layout.segments
     @property
-    def _info_segment(self) -> tuple[int, ...]:
-        return self.layout.info_segment
+    def _info_segment(self) -> tuple[int, ...]: return self.layout.info_segment
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -371,12 +349,14 @@ class FlatParamHandle:
             return gather_source(self.local_shard, self.device, pad_mask=self._pad_mask)
         return gather_source(self.local_shard, self.device, dtype)
 
-    def start_unshard(self, full_precision: bool = True) -> None:
+    def start_unshard(self, full_precision: bool = True, async_op: bool | None = None) -> None:
         """Issue the all-gather (asynchronously) unless the data is already there.
 
         ``full_precision=False`` gathers the compute-dtype copy forward and
         backward use; everything else (state dicts, summon) wants the
-        original dtype, which is the default.
+        original dtype, which is the default.  ``async_op``: whether the
+        gather stays in flight (``None``: as the unit gathers, see
+        ``async_gathers``; an explicit ``unshard(async_op=True)`` says ``True``).
         """
         slot = self._slot(full_precision)
         if not slot.checked:
@@ -395,8 +375,15 @@ class FlatParamHandle:
             return
         coded = not full_precision and self.wire.weights is not None
         src = self.gather_source(dtype, coded)
-        slot.gather(src, self.padded_numel, dtype, self.device, self.wire if coded else EXACT,
-                    self.process_group, self.async_gathers)
+        wire = self.wire if coded else EXACT
+        async_op = self.async_gathers if async_op is None else async_op
+        if L.profiler_enabled():
+            with L.span(L.ALL_GATHER, L.names((self.unit_fqn,))):
+                slot.gather(src, self.padded_numel, dtype, self.device, wire,
+                            self.process_group, async_op)
+        else:
+            slot.gather(src, self.padded_numel, dtype, self.device, wire, self.process_group,
+                        async_op)
 
     # Batched all-gathers (see fsdp_wrap.comm.gather_batch): the gather itself is
     # shared, the buffers stay each handle's own.
@@ -463,7 +450,11 @@ class FlatParamHandle:
         """Wait for the gather and point ``flat_param`` at the unsharded data."""
         self.start_unshard(full_precision)
         slot = self._slot(full_precision)
-        slot.wait()
+        if slot.pending is not None and L.profiler_enabled():
+            with L.span(L.ALL_GATHER_WAIT, L.names((self.unit_fqn,))):
+                slot.wait()
+        else:
+            slot.wait()
         slot.checked = False  # (the next unshard checks again)
         if self._needs_copy and slot.buffer is not None:
             self.flat_param.data = slot.buffer[: self.unpadded_numel]
@@ -489,6 +480,11 @@ class FlatParamHandle:
         if self.state is HandleState.UNSHARDED:
             self.state = HandleState.SHARDED
             self.use_sharded_views()
+
+    def set_gradient_divide(self, divide: C.DivideFactors) -> None:
+        """Gradients divided by ``divide.pre`` before, ``.post`` after their sum."""
+        self._reduce_spec = dataclasses.replace(self._reduce_spec, divide=divide)
+        self.grads.reduce_spec = self._reduce_spec
 
     def _shard_version(self) -> int:
         """Grows whenever the shard is written in place between steps (an

@@ -12,11 +12,13 @@ devices the handle resolved (:meth:`FlatGrads.retype` when they change).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
 
 import fsdp_wrap.comm.collectives as C
+import fsdp_wrap.comm.labels as L
 import fsdp_wrap.comm.reduce as R
 from fsdp_wrap._compat import backward_will_accumulate, current_backward
 from fsdp_wrap.handle.layout import FlatLayout, ParamInfo
@@ -42,6 +44,7 @@ class FlatGrads:
         shard_offset: int = 0,
     ) -> None:
         self.flat_param = flat_param
+        self.unit_name = ""  # the unit's clean FQN (its handle's ``unit_fqn``; profiler labels)
         self.infos = infos
         self.layout = layout
         self._shard_slices = shard_slices
@@ -241,7 +244,10 @@ class FlatGrads:
         that got no gradient in it (the unit was unused) is all-reduced and
         installed all the same, so no micro-batch is lost."""
         if self._partial is not None and not self.accumulating:
-            total = R.sum_over_replicas(self._take_partial(None), self.reduce_spec)
+            label = (L.span(L.POST_BACKWARD_REDUCE, L.names((self.unit_name,)))
+                     if L.profiler_enabled() else contextlib.nullcontext())
+            with label:
+                total = R.sum_over_replicas(self._take_partial(None), self.reduce_spec)
             self.install_reduced_grad(total, release_input=True)
 
     @property

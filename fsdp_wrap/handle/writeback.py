@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 import torch.nn as nn
 
+import fsdp_wrap.comm.labels as L
 from fsdp_wrap.api import ShardingStrategy
 from fsdp_wrap.comm.reduce import ReduceSpec
 from fsdp_wrap.handle.flat_tensor import HandleState, _Gathered, same_storage
@@ -150,6 +151,11 @@ def check_still_frozen(handle: OwningHandle) -> None:
             )
 
 
+def _unit_of(handle: OwningHandle) -> str:
+    return L.names((handle.unit_fqn,))
+
+
+@L.labelled(L.WRITEBACK, _unit_of)
 def write_back_orig_params(handle: OwningHandle) -> bool:
     """Copy replaced original parameters and gradients into the flat ones.
 

@@ -29,7 +29,7 @@ import torch.nn as nn
 from fsdp_wrap.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_wrap.comm.bucket import resolve_bucket_cap_mb
 from fsdp_wrap.comm.gather_batch import resolve_all_gather_batch_mb
-from fsdp_wrap.planning._memory import OPTIMIZERS, RankMemory, estimate
+from fsdp_wrap.planning._memory import OPTIMIZERS, RankMemory, Schedule, estimate
 from fsdp_wrap.planning._options import (
     checked_backend,
     coerce_options,
@@ -39,7 +39,8 @@ from fsdp_wrap.planning._options import (
 from fsdp_wrap.planning._report import Plan, find_warnings
 from fsdp_wrap.planning._units import FlatPlan, ParamEntry, UnitPlan, discover_units
 
-__all__ = ["OPTIMIZERS", "FlatPlan", "ParamEntry", "Plan", "RankMemory", "UnitPlan", "plan"]
+__all__ = ["OPTIMIZERS", "FlatPlan", "ParamEntry", "Plan", "RankMemory", "Schedule", "UnitPlan",
+           "plan"]
 
 
 def plan(

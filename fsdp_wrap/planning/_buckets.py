@@ -2,9 +2,11 @@
 
 :class:`fsdp_wrap.comm.bucket.GradBuckets` holds the gradients of consecutive
 units until their bytes reach the cap, then copies them into one buffer and
-reduces it at once.  :class:`BucketModel` replays the same decisions on the
+reduces it at once.  :class:`BucketModel` makes the same decisions on the
 plan's flat parameters (one per unit unless the unit is split; "unit" below),
-in backward order, and keeps the bytes they hold:
+in backward order, with the same rule (:func:`fsdp_wrap.comm.schedule.place_gradient`
+and :func:`~fsdp_wrap.comm.schedule.issue_bucket`, over a description of each
+gradient built here from the plan's rows), and keeps the bytes they hold:
 
 * **open**: the unsharded flat gradients waiting in the open bucket (compute
   dtype); they are not freed when their unit's backward ends, as they are
@@ -30,14 +32,14 @@ import dataclasses
 from collections.abc import Callable
 
 from fsdp_wrap.api import HYBRID_STRATEGIES
+from fsdp_wrap.comm.schedule import GradItem, OpenBucket, issue_bucket, place_gradient
 from fsdp_wrap.planning._units import FlatPlan
 
 
 @dataclasses.dataclass
 class _Open:
-    key: tuple[object, ...] = ()
+    shape: OpenBucket = OpenBucket()  # what the rule knows: key, reduce-dtype bytes, members
     units: list[FlatPlan] = dataclasses.field(default_factory=list)
-    nbytes: int = 0  # reduce-dtype bytes, as the runtime compares them with the cap
     held: int = 0  # the unsharded gradients' bytes
 
 
@@ -67,6 +69,8 @@ class BucketModel:
         self.alone = alone
         self.done_bytes = done_bytes
         self.open = _Open()
+        #: the buckets of two gradients or more, in the order they are issued
+        self.issued: list[tuple[FlatPlan, ...]] = []
         self.in_flight: list[tuple[int, list[FlatPlan], bool]] = []  # (bytes, units, sharded)
         self.released = 0  # sharded gradients handed back (units reduced alone: the walk adds)
         self.base = 0
@@ -87,28 +91,32 @@ class BucketModel:
         self.peak_with_grads = max(self.peak_with_grads, here + self.released)
         self.timeline.append((self.label, here + self.released))
 
-    def bucketed(self, u: FlatPlan) -> bool:
-        """Whether ``u``'s gradient goes through a bucket (else it is reduced alone)."""
-        if self.cap <= 0 or not u.trainable or u.layout.world_size <= 1:
-            return False
-        if u.strategy in HYBRID_STRATEGIES and self.replicate_size > 1:
-            return False
-        return self._nbytes(u) < self.cap
+    def describe(self, u: FlatPlan) -> GradItem:
+        """What the bucketing rule reads of ``u``'s gradient (as the runtime's
+        ``FlatGrads.can_bucket_reduction`` and reduce spec say it)."""
+        bucketable = u.trainable and u.layout.world_size > 1 and not (
+            u.strategy in HYBRID_STRATEGIES and self.replicate_size > 1)
+        return GradItem(self._nbytes(u), bucketable, u.sharded, (u.sharded, u.reduce_dtype))
 
     def reduce(self, u: FlatPlan, grad_bytes: int) -> None:
-        """``u``'s unsharded gradient (``grad_bytes``) joins the buckets."""
-        nbytes = self._nbytes(u)
-        key = (u.sharded, u.reduce_dtype)
+        """``u``'s unsharded gradient (``grad_bytes``) joins the buckets, or is
+        reduced on its own after the open bucket is issued."""
+        placed = place_gradient(self.open.shape, self.describe(u), self.cap)
+        if not placed.joins:
+            if placed.issue_open:
+                self.issue()
+            self.note(self.alone(u))
+            self.released += self.done_bytes(u)
+            return
         self.note(grad_bytes)
-        if self.open.units and (key != self.open.key or self.open.nbytes + nbytes > self.cap):
+        if placed.issue_open:
             self.base += grad_bytes
             self.issue()
             self.base -= grad_bytes
-        self.open.key = key
+        self.open.shape = placed.open
         self.open.units.append(u)
-        self.open.nbytes += nbytes
         self.open.held += grad_bytes
-        if self.open.nbytes >= self.cap:
+        if placed.issue_full:
             self.issue()
 
     def issue(self) -> None:
@@ -116,15 +124,17 @@ class BucketModel:
         bucket, self.open = self.open, _Open()
         if not bucket.units:
             return
-        sharded = bool(bucket.key[0])
-        if sharded:
+        issue = issue_bucket(bucket.shape)
+        sharded = bucket.shape.sharded
+        if issue.wait_in_flight:
             self.base += bucket.held
             self.wait_all()
             self.base -= bucket.held
-        if len(bucket.units) == 1:  # reduced as without buckets
+        if issue.alone:  # reduced as without buckets
             self.note(self.alone(bucket.units[0]))
             self.released += self.done_bytes(bucket.units[0])
             return
+        self.issued.append(tuple(bucket.units))
         u0 = bucket.units[0]
         r = u0.reduce_dtype.itemsize
         if sharded:

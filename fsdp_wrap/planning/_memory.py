@@ -52,6 +52,25 @@ OPTIMIZERS: dict[str, tuple[int, bool, str]] = {
 }
 
 
+FlatName = tuple[str, int]  # a flat parameter: its unit's clean FQN, its index in ``flats``
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """The runtime's decisions the plan counts, made with the runtime's rules
+    (:mod:`fsdp_wrap.comm.schedule`): each a tuple of flat parameters, in the
+    order they happen.
+
+    ``forward_batches`` / ``backward_batches``: the flat parameters each batched
+    all-gather takes (none where gathers are asynchronous or the cap is 0);
+    ``buckets``: the gradients reduced in one collective (two or more).
+    """
+
+    forward_batches: tuple[tuple[FlatName, ...], ...] = ()
+    backward_batches: tuple[tuple[FlatName, ...], ...] = ()
+    buckets: tuple[tuple[FlatName, ...], ...] = ()
+
+
 @dataclasses.dataclass(frozen=True)
 class RankMemory:
     """Bytes one rank holds; ``device`` is the compute device, ``cpu`` the host."""
@@ -74,6 +93,8 @@ class RankMemory:
     #: device total).  Forward unit by unit, backward unit by unit, the optimizer step.
     timeline: tuple[tuple[str, int], ...] = dataclasses.field(default=(), compare=False,
                                                               repr=False)
+    #: which flat parameters gather together and which gradients share a bucket
+    schedule: Schedule = dataclasses.field(default=Schedule(), compare=False, repr=False)
 
     @property
     def persistent_device(self) -> int:
@@ -119,14 +140,17 @@ def gathered_bytes(unit: UnitPlan) -> int:
 
 def gather_source_bytes(unit: UnitPlan) -> int:
     """The shard copies a gather starts from: moved to the device and/or cast."""
+    return sum(_flat_source(f) for f in unit.flats)
+
+
+def _flat_source(f: FlatPlan) -> int:
+    if not f.sharded:
+        return 0
     out = 0
-    for f in unit.flats:
-        if not f.sharded:
-            continue
-        if f.offload_params:
-            out += f.layout.shard_numel * _itemsize(f, "param")
-        if f.compute_dtype != f.dtype:
-            out += f.layout.shard_numel * _itemsize(f, "compute")
+    if f.offload_params:
+        out += f.layout.shard_numel * _itemsize(f, "param")
+    if f.compute_dtype != f.dtype:
+        out += f.layout.shard_numel * _itemsize(f, "compute")
     return out
 
 
@@ -254,8 +278,14 @@ def estimate(
     buckets = BucketModel(bucket_cap_bytes, replicate_size,
                           staging=lambda u, nbytes: _staging_of(u, nbytes, backend),
                           alone=lambda u: _alone_bytes(u, backend), done_bytes=_done_bytes)
-    fwd, bwd, step = _unsharded_peaks(units, backward_prefetch, forward_prefetch, backend,
-                                      buckets, gather_batch_bytes)
+    fwd, bwd, step, batches = _unsharded_peaks(units, backward_prefetch, forward_prefetch,
+                                               backend, buckets, gather_batch_bytes)
+    names = [(u.fqn, j) for u in units for j in range(len(u.flats))]
+    name_of = {id(f): (u.fqn, j) for u in units for j, f in enumerate(u.flats)}
+    fwd_formed, bwd_formed = (tuple(tuple(names[f] for f in b) for b in side.batches)
+                              for side in batches)
+    schedule = Schedule(fwd_formed, bwd_formed,
+                        tuple(tuple(name_of[id(f)] for f in b) for b in buckets.issued))
     out = []
     for rank in ranks:
         optim = {"optimizer_device": 0, "optimizer_cpu": 0}
@@ -267,7 +297,8 @@ def estimate(
                 optim["optimizer_cpu"] += 4 * tensors
         out.append(RankMemory(rank=rank, unsharded_forward=fwd, unsharded_backward=bwd,
                               step_device=step, ignored_device=ignored_bytes,
-                              timeline=tuple(buckets.timeline), **same, **optim))
+                              timeline=tuple(buckets.timeline), schedule=schedule,
+                              **same, **optim))
     return tuple(out)
 
 
@@ -278,8 +309,9 @@ def _unsharded_peaks(
     backend: Backend,
     buckets: BucketModel,
     gather_batch_bytes: int = 0,
-) -> tuple[int, int, int]:
-    """Walk one step's schedule; return three device peaks in bytes.
+) -> tuple[int, int, int, tuple[BatchedAhead, BatchedAhead]]:
+    """Walk one step's schedule; return three device peaks in bytes (and the
+    batched gathers of forward and backward).
 
     ``(forward, backward, step)``: unsharded parameters in flight in forward;
     in flight plus gradient transients (and what gradient buckets hold) in
@@ -300,11 +332,8 @@ def _unsharded_peaks(
     ahead_of = [gathering[i] if backend.async_gathers else g[i] for i in range(len(units))]
     kept = [u.sharded and (i == 0 or not u.reshard_after_forward) for i, u in enumerate(units)]
     dq = [dequantized_bytes(u) for u in units]
-    keys = [u.flats[0].compute_dtype if u.flats else None for u in units]
-    order = list(range(len(units)))
-    fwd_batches = batched_ahead(order, g, [u.sharded and g[i] > 0 for i, u in enumerate(units)],
-                                keys, gather_batch_bytes, True, src,
-                                prefetch_alone=forward_prefetch)
+    fwd_batches, bwd_batches = _gather_batches(units, kept, gather_batch_bytes, forward_prefetch,
+                                               backward_prefetch is not None)
     fwd = held = 0
     for i in range(len(units)):
         ahead = ahead_of[i + 1] if forward_prefetch and i + 1 < len(units) else 0
@@ -318,15 +347,37 @@ def _unsharded_peaks(
         fwd = max(fwd, here)
         if kept[i]:
             held += g[i]
-    bwd_order = order[::-1]
-    bwd_batches = batched_ahead(
-        bwd_order, g, [u.sharded and g[i] > 0 and not kept[i] for i, u in enumerate(units)],
-        keys, gather_batch_bytes, backward_prefetch is not None, src, each_at_its_turn=True)
     walk = _BackwardWalk(units, g, gathering, ahead_of, kept, dq, held, backward_prefetch,
                          backend, buckets, bwd_batches)
     bwd, step, done = walk.run()
     buckets.timeline.append(("optimizer step", done))
-    return fwd, bwd, max(step, fwd, done)
+    return fwd, bwd, max(step, fwd, done), (fwd_batches, bwd_batches)
+
+
+def _gather_batches(units: Sequence[UnitPlan], kept: Sequence[bool], cap_bytes: int,
+                    forward_prefetch: bool, backward_prefetch: bool,
+                    ) -> tuple[BatchedAhead, BatchedAhead]:
+    """The batched gathers of forward and backward, flat parameter by flat
+    parameter as the runtime chains them (positions: units, in each walk's order)."""
+    flats = [f for u in units for f in u.flats]
+    ids, i = [], 0  # per unit, its flat parameters' indices in ``flats``
+    for u in units:
+        ids.append(list(range(i, i + len(u.flats))))
+        i += len(u.flats)
+    g = [_flat_gathered(f) for f in flats]
+    src = [_flat_source(f) for f in flats]
+    keys = [f.compute_dtype for f in flats]
+    needs = [f.sharded and g[j] > 0 for j, f in enumerate(flats)]
+    fwd = batched_ahead(ids, g, needs, keys, cap_bytes, True, src,
+                        prefetch_alone=forward_prefetch)
+    # (backward: units last to first, a unit's flat parameters last to first; a
+    # unit kept gathered since forward gathers nothing)
+    for u_ids, keep in zip(ids, kept):
+        for j in u_ids:
+            needs[j] = needs[j] and not keep
+    bwd = batched_ahead([x[::-1] for x in ids[::-1]], g, needs, keys, cap_bytes,
+                        backward_prefetch, src, each_at_its_turn=True)
+    return fwd, bwd
 
 
 @dataclasses.dataclass
@@ -393,14 +444,10 @@ class _BackwardWalk:
             frozen_prev = sum(_flat_gathered(f) for f in u.flats
                               if not f.requires_grad and f.sharded)
             buckets.base = held + post
-            # Each trainable flat parameter is reduced on its own (last first).
+            # Each trainable flat parameter's gradient is handed over on its own
+            # (last first): into a bucket, or reduced alone.
             for f in reversed([f for f in u.flats if f.trainable]):
-                if buckets.bucketed(f):
-                    buckets.reduce(f, f.layout.unpadded_numel * _itemsize(f, "compute"))
-                else:  # reduced on its own, after the open bucket is issued
-                    buckets.issue()
-                    buckets.note(_flat_grad_stages(f)[1] + _collective_staging(f, self.backend))
-                    buckets.released += _done_bytes(f)
+                buckets.reduce(f, f.layout.unpadded_numel * _itemsize(f, "compute"))
         buckets.base = 0
         buckets.label = "end of backward"
         buckets.finish()  # the end-of-backward callback

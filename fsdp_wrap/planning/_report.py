@@ -41,7 +41,8 @@ class Plan:
         return render(self)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data (for ``json.dumps``): settings, units, per-rank bytes, warnings."""
+        """Plain data (for ``json.dumps``): settings, units, per-rank bytes, the
+        schedule (batches and buckets), warnings."""
         m = self.memory
         return {
             "world_size": self.world_size,
@@ -75,12 +76,16 @@ class Plan:
                 for u in self.units
             ],
             "memory": {
-                **{f.name: getattr(m, f.name) for f in dataclasses.fields(m)},
+                **{f.name: getattr(m, f.name) for f in dataclasses.fields(m)
+                   if f.name != "schedule"},
                 "persistent_device": m.persistent_device,
                 "persistent_cpu": m.persistent_cpu,
                 "unsharded_peak": m.unsharded_peak,
                 "peak_device": m.peak_device,
             },
+            # which flat parameters gather together, which gradients share a
+            # bucket: ``[unit FQN, index in flat_params]`` each
+            "schedule": dataclasses.asdict(m.schedule),
             "warnings": list(self.warnings),
         }
 

@@ -62,6 +62,31 @@ def check_not_wrapped(
         )
 
 
+def check_wrapped_module(module: nn.Module) -> None:
+    """The module given to the constructor: not a unit already; a container
+    without ``forward`` (``ModuleList``, ``ModuleDict``) is warned about."""
+    if is_unit(module):
+        raise ValueError(
+            "FSDP was given a module that is already wrapped by FullyShardedDataParallel; "
+            "wrap the inner module once (nest FSDP around submodules instead)."
+        )
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        # First, before anything that can block: when ranks are threads of
+        # one process (torch's threaded process group), a thread waiting in
+        # a collective lets the other enter its own warnings.catch_warnings
+        # (process-wide state), and the warning would land in the wrong
+        # thread's record.  Names, not the repr: a child unit's repr spells
+        # out FSDP's internals.
+        children = [clean_fqn(n) for n, _ in module.named_children()]
+        warnings.warn(
+            "FSDP will not all-gather parameters for containers that do "
+            f"not implement forward: {type(module).__name__} (children {children}) "
+            f"[rank {C.global_rank()}]; wrap its "
+            "children, or a module whose forward uses them, instead",
+            stacklevel=3,  # (the constructor's caller)
+        )
+
+
 def resolve_ignored(
     module: nn.Module,
     ignored_modules: Iterable[nn.Module] | None,

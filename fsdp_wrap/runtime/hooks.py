@@ -29,7 +29,9 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch.autograd import Variable
 
+import fsdp_wrap.comm.labels as L
 import fsdp_wrap.runtime.construct as _init
+import fsdp_wrap.runtime.explicit.controls as explicit_controls
 import fsdp_wrap.runtime.guards as guards
 import fsdp_wrap.runtime.tree as tree
 from fsdp_wrap._compat import in_backward
@@ -37,7 +39,8 @@ from fsdp_wrap.api import BackwardPrefetch, ShardingStrategy
 from fsdp_wrap.comm.gather_batch import gather_ahead
 from fsdp_wrap.handle.flat_tensor import HandleTrainingState
 from fsdp_wrap.runtime.state import TrainingState, UnitState, enter
-from fsdp_wrap.runtime.tensors import grad_tensors, map_tensors, to_device
+from fsdp_wrap.runtime.tensors import map_tensors, to_device
+from fsdp_wrap.runtime.unit_end import frees_after_backward, note_inputs, watch_unit_end
 
 if TYPE_CHECKING:
     from fsdp_wrap.handle.flat_param import FlatParamHandle
@@ -71,6 +74,11 @@ def register_handle_hooks(state: UnitState) -> None:
             handle.views.in_nested_backward = handle.grads.is_partial
 
 
+def unit_label(state: UnitState, *_: Any) -> str:
+    """The unit's name in profiler labels (``fsdp_wrap.comm.labels``)."""
+    return L.names(h.unit_fqn for h in state._handles)
+
+
 # ----------------------------------------------------------------- forward
 
 
@@ -90,8 +98,19 @@ def root_pre_forward(state: UnitState, args: tuple[Any, ...], kwargs: dict[str, 
         if state._is_root and state.compute_device.type != "cpu":
             args, kwargs = to_device((args, kwargs), state.compute_device)
         return args, kwargs
+    if L.profiler_enabled():
+        with L.span(L.ROOT_PRE_FORWARD):
+            return _root_pre_forward(state, args, kwargs)
+    return _root_pre_forward(state, args, kwargs)
+
+
+def _root_pre_forward(state: UnitState, args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """The root's part of :func:`root_pre_forward`."""
     if not state._replicas_checked:
         guards.check_replicas(state)  # once: replicas must start alike (a collective if any)
+    if state._explicit is not None:
+        explicit_controls.wait_post_optim_event(state)
     training = torch.is_grad_enabled()
     for handle in state._all_handles:
         if handle.use_orig_params:
@@ -135,6 +154,7 @@ def _buffers_for_eval(root: UnitState) -> None:
     root._buffers_in_full_precision = full
 
 
+@L.labelled(L.PRE_FORWARD, unit_label)
 def pre_forward(state: UnitState, inputs: Any = None) -> None:
     """Gather this unit's parameters (all its flat parameters) and expose them
     as unsharded views; ``inputs`` (the forward's arguments) tell when a
@@ -142,6 +162,8 @@ def pre_forward(state: UnitState, inputs: Any = None) -> None:
     enter(state, TrainingState.FORWARD_BACKWARD)
     handles = state._handles
     if not handles:
+        if state._explicit is not None:
+            _forward_prefetch_listed(state)
         return
     root = state._root
     if torch.is_grad_enabled():
@@ -163,7 +185,9 @@ def pre_forward(state: UnitState, inputs: Any = None) -> None:
         handle.finish_unshard(full_precision=handle.computes_in_full_precision)
     nxt = (order.next_in_forward(handles[-1])
            if state.settings.forward_prefetch or batch_bytes else None)
-    if nxt is not None and state.settings.forward_prefetch:
+    if state._explicit is not None and _forward_prefetch_listed(state):
+        pass  # (set_modules_to_forward_prefetch: these, and only these)
+    elif nxt is not None and state.settings.forward_prefetch:
         _start_unit_gathers(root._state_of[nxt], batch_bytes, chain)
     elif nxt is not None:
         # The last unit of a batch computes: the next batch is gathered meanwhile
@@ -173,7 +197,22 @@ def pre_forward(state: UnitState, inputs: Any = None) -> None:
     for handle in handles:
         handle.use_unsharded_views(track_graph=True)
     if torch.is_grad_enabled():
-        _note_inputs(state, inputs)
+        note_inputs(state, inputs)
+
+
+def _forward_prefetch_listed(state: UnitState) -> bool:
+    """Start the gathers of the units ``set_modules_to_forward_prefetch`` listed
+    for ``state``; whether it listed any (the default is then skipped).  Not
+    without grad nor in a recomputation, where nothing would free a listed
+    unit that then does not run (as for batches)."""
+    units = state._explicit.forward_prefetch
+    if units and torch.is_grad_enabled() and not in_backward():
+        root = state._root
+        chain = functools.partial(_next_in_forward, root)
+        for unit in units:
+            if unit._handles:
+                _start_unit_gathers(unit, root._all_gather_batch_bytes, chain)
+    return bool(units)
 
 
 def _next_in_forward(root: UnitState, handle: FlatParamHandle) -> FlatParamHandle | None:
@@ -186,6 +225,7 @@ def _next_in_forward(root: UnitState, handle: FlatParamHandle) -> FlatParamHandl
     return root._exec_order.next_in_forward(handle)
 
 
+@L.labelled(L.FORWARD_PREFETCH, unit_label)
 def _start_unit_gathers(state: UnitState, batch_bytes: int,
                         chain: Callable[[FlatParamHandle], FlatParamHandle | None]) -> None:
     """Start gathering every flat parameter of ``state`` (a prefetch: a batch
@@ -195,59 +235,7 @@ def _start_unit_gathers(state: UnitState, batch_bytes: int,
         h.start_unshard(full_precision=h.computes_in_full_precision)
 
 
-def _note_inputs(state: UnitState, inputs: Any) -> None:
-    """The forward's inputs that require grad, kept weakly: their gradients
-    mark the end of the unit's backward where no parameter hook can (frozen
-    flat parameters, :func:`_register_frozen_free`; gradients that arrive
-    from reentrant checkpoints' backwards only, :func:`_watch_unit_end`)."""
-    tensors = grad_tensors(inputs, [])
-    # (weakly: an input nothing else keeps is not kept alive for this)
-    state._grad_inputs = [weakref.ref(t) for t in tensors]
-    if tensors:
-        for h in state._handles:
-            if not h.flat_param.requires_grad:
-                _register_frozen_free(state, tensors)
-                break
-
-
-def _register_frozen_free(state: UnitState, tensors: list[torch.Tensor]) -> None:
-    """A unit with frozen flat parameters frees them once the gradients of its
-    forward's inputs are computed: its backward no longer needs them (torch's
-    reshard-only hook).  Inputs without grad: the end-of-backward callback
-    frees them.  Several forwards before one backward: the last one frees."""
-    state._frozen_open_graphs += 1
-
-    def free_frozen(state: UnitState) -> None:
-        state._frozen_open_graphs -= 1
-        if state._frozen_open_graphs > 0:
-            return
-        for h in state._handles:
-            if not h.flat_param.requires_grad and (h.is_unsharded or h.holds_unsharded_storage):
-                h.reshard(free=frees_after_backward(state, h))
-
-    _once_inputs_done(state, tensors, free_frozen)
-
-
-def _once_inputs_done(state: UnitState, tensors: list[torch.Tensor],
-                      fn: Callable[[UnitState], None]) -> None:
-    """Call ``fn(state)`` once, when the gradients of ``tensors`` (the unit's
-    forward inputs) are computed in this backward; the hook then removes
-    itself.  The unit is held weakly: the hook is held from C++ by the
-    inputs' graph, where a cycle back to the unit is out of the collector's
-    sight."""
-    registered: list[Any] = []
-    state_ref = weakref.ref(state)
-
-    def done(grads: Any) -> None:
-        for r in registered:
-            r.remove()
-        unit = state_ref()
-        if unit is not None:
-            fn(unit)
-
-    registered.append(torch.autograd.graph.register_multi_grad_hook(tensors, done))
-
-
+@L.labelled(L.POST_FORWARD, unit_label)
 def post_forward(state: UnitState, output: Any) -> Any:
     """Reshard as the strategy says and hook the outputs for backward."""
     grad_enabled = torch.is_grad_enabled()
@@ -256,7 +244,7 @@ def post_forward(state: UnitState, output: Any) -> Any:
         state._root._exec_order.record_post_forward(handle)
         if not grad_enabled or handle.frees_copy_after_forward:
             handle.reshard(free=True)
-        elif handle.reshard_after_forward and not state._is_root:
+        elif explicit_controls.reshards_after_forward(state, handle):
             handle.reshard(free=True)
         elif handle.use_orig_params and handle.strategy not in KEEP_VIEWS_AFTER_FORWARD:
             # The root of FULL_SHARD / HYBRID_SHARD and every NO_SHARD unit keep
@@ -285,6 +273,7 @@ def _register_pre_backward_hooks(state: UnitState, output: Any) -> Any:
 # ---------------------------------------------------------------- backward
 
 
+@L.labelled(L.PRE_BACKWARD, unit_label)
 def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor | None:
     """Runs when the gradient of one of the unit's outputs is ready.
 
@@ -301,6 +290,8 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor | N
     enter(state, TrainingState.FORWARD_BACKWARD)
     handles = state._handles
     if not handles:
+        if state._explicit is not None:
+            _backward_prefetch_listed(state)
         return None
     for handle in handles:
         if (handle.use_orig_params and handle.is_unsharded and handle.uses_sharded_strategy
@@ -313,14 +304,18 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor | N
         handle.grads.begin_backward()
         nested_only = nested_only or handle.grads.awaits_nested_parts
     if nested_only:
-        _watch_unit_end(state)
+        watch_unit_end(state, _reduce_pending)
     root = state._root
+    explicit = state._explicit
     # (backward order: the unit's flat parameters last to first, then the unit before)
     # (in backward a batch's members copy their parts out each at its own turn
     # where that holds less than all at once: see gather_batch.by_member_pays)
-    gather_ahead(handles[-1], root._all_gather_batch_bytes,
-                 functools.partial(_next_backward_pending, root), each_at_its_turn=True)
+    if explicit_controls.unshards_in_backward(state):
+        gather_ahead(handles[-1], root._all_gather_batch_bytes,
+                     functools.partial(_next_backward_pending, root), each_at_its_turn=True)
     for handle in handles:
+        if not handle.is_unsharded and not explicit_controls.unshards_in_backward(state):
+            continue  # (set_unshard_in_backward(False): its backward reads no parameter)
         handle.finish_unshard(full_precision=handle.computes_in_full_precision)
         # Hooks run with grad disabled; reentrant activation checkpointing
         # recomputes the forward through these views and needs them tracked:
@@ -328,7 +323,9 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor | N
         if not handle.forward_views_reusable():
             with torch.enable_grad():
                 handle.use_unsharded_views()
-    if state.settings.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+    if explicit is not None and _backward_prefetch_listed(state):
+        pass  # (set_modules_to_backward_prefetch: these, and only these)
+    elif state.settings.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
         _prefetch_backward(state)
     for handle in handles:
         handle.grads.prepare_gradient_for_backward()
@@ -365,6 +362,10 @@ def make_post_backward_hook(state: UnitState, handle: FlatParamHandle) -> Callab
             # reads freed parameters).
             handle.grads.note_nested_part()
             return
+        if L.profiler_enabled():
+            with L.span(L.POST_BACKWARD, unit_label(state)):
+                _reduce_unit(state, handle)
+            return
         _reduce_unit(state, handle)
 
     return post_backward
@@ -378,7 +379,8 @@ def _reduce_unit(state: UnitState, handle: FlatParamHandle, prefetch: bool = Tru
     _queue_final_callback(state._root)
     sync = state._sync_gradients
     handle.reshard(free=frees_after_backward(state, handle))
-    if prefetch and state.settings.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+    if (prefetch and state.settings.backward_prefetch is BackwardPrefetch.BACKWARD_POST
+            and (state._explicit is None or not state._explicit.backward_prefetch)):
         _prefetch_backward(state)
     if sync and state._optims_in_backward:
         # The optimizers step right after this unit's own reduction: alone.
@@ -386,16 +388,6 @@ def _reduce_unit(state: UnitState, handle: FlatParamHandle, prefetch: bool = Tru
         _step_optimizers_in_backward(handle)
     else:
         state._root._grad_buckets.reduce(handle.grads, sync)
-
-
-def _watch_unit_end(state: UnitState) -> None:
-    """The unit's gradient reaches it only through reentrant activation
-    checkpoints' backwards (one per checkpoint), and nothing says which is the
-    last: reduce once the gradients of the unit's inputs are computed, when
-    every checkpoint inside it has run (else at the end of backward)."""
-    inputs = [t for t in (r() for r in state._grad_inputs) if t is not None]
-    if inputs:  # (else finalize_units reduces what is pending)
-        _once_inputs_done(state, inputs, _reduce_pending)
 
 
 def _reduce_pending(state: UnitState) -> None:
@@ -430,20 +422,6 @@ def make_early_free_hook(state: UnitState, handle: FlatParamHandle) -> Callable[
     return free_early
 
 
-def frees_after_backward(state: UnitState, handle: FlatParamHandle) -> bool:
-    """Whether ``handle`` frees its gathered parameters once its backward is done.
-
-    FSDP1's rule: a sharded unit does, except SHARD_GRAD_OP-like units under
-    ``no_sync`` (the next micro-batch reuses them).
-    ``set_reshard_after_backward`` overrides it either way.
-    """
-    if not handle.uses_sharded_strategy:
-        return False
-    if state._reshard_after_backward is not None:
-        return state._reshard_after_backward
-    return state._sync_gradients or handle.reshard_after_forward
-
-
 def _next_backward_pending(root: UnitState, handle: FlatParamHandle) -> FlatParamHandle | None:
     """The flat parameter whose backward comes after ``handle``'s (the one before
     it in its unit, else the unit before), unless that other unit's backward
@@ -452,9 +430,20 @@ def _next_backward_pending(root: UnitState, handle: FlatParamHandle) -> FlatPara
     if nxt is None:
         return None
     unit = root._state_of[nxt]
-    if unit is not root._state_of[handle] and unit._ran_pre_backward:
+    if unit is not root._state_of[handle] and (unit._ran_pre_backward
+                                               or not explicit_controls.unshards_in_backward(unit)):
         return None
     return nxt
+
+
+def _backward_prefetch_listed(state: UnitState) -> bool:
+    """Start the gathers of the units ``set_modules_to_backward_prefetch``
+    listed for ``state`` (not one whose backward began); whether it listed any."""
+    units = state._explicit.backward_prefetch
+    for unit in units:
+        if unit._handles and not unit._ran_pre_backward and explicit_controls.unshards_in_backward(unit):
+            start_backward_gathers(unit)
+    return bool(units)
 
 
 def _prefetch_backward(state: UnitState) -> None:
@@ -462,13 +451,19 @@ def _prefetch_backward(state: UnitState) -> None:
     root = state._root
     nxt = _next_backward_pending(root, state._handles[0])
     if nxt is not None:
-        unit = root._state_of[nxt]
-        # (a batch stays in flight while this unit's backward computes)
-        gather_ahead(unit._handles[-1], root._all_gather_batch_bytes,
-                     functools.partial(_next_backward_pending, root), async_op=True,
-                     each_at_its_turn=True)
-        for h in unit._handles:
-            h.start_unshard(full_precision=h.computes_in_full_precision)
+        start_backward_gathers(root._state_of[nxt])
+
+
+@L.labelled(L.BACKWARD_PREFETCH, unit_label)
+def start_backward_gathers(unit: UnitState) -> None:
+    """Start gathering every flat parameter of ``unit`` for its backward (a
+    prefetch: a batch stays in flight while the current unit's backward computes)."""
+    root = unit._root
+    gather_ahead(unit._handles[-1], root._all_gather_batch_bytes,
+                 functools.partial(_next_backward_pending, root), async_op=True,
+                 each_at_its_turn=True)
+    for h in unit._handles:
+        h.start_unshard(full_precision=h.computes_in_full_precision)
 
 
 def _queue_final_callback(root: UnitState) -> None:
@@ -477,6 +472,7 @@ def _queue_final_callback(root: UnitState) -> None:
         Variable._execution_engine.queue_callback(functools.partial(_final_callback, root))
 
 
+@L.labelled(L.ROOT_POST_BACKWARD)
 def _final_callback(root: UnitState) -> None:
     """End of backward: every unit resharded, every state IDLE."""
     finalize_units(root, free_all=False)

@@ -129,6 +129,9 @@ class UnitState:
         self._final_callback_queued = False
         self._buffers_in_full_precision = False
         self._replicas_checked = False
+        # FSDP2's explicit controls, once one is set (runtime.explicit.controls;
+        # None: the default schedule, one attribute read in the hooks).
+        self._explicit: Any = None
 
         # ----------------------------------------------------------- the tree
         self._is_root: bool | None = None  # None until lazy init

@@ -15,8 +15,10 @@ import torch.nn as nn
 import fsdp_wrap.comm.collectives as C
 import fsdp_wrap.runtime.construct as construct
 import fsdp_wrap.runtime.guards as guards
+import fsdp_wrap.runtime.step_trace as step_trace
 from fsdp_wrap.comm.collectives import global_rank
 from fsdp_wrap.runtime.exec_order import ForwardOrderCheck
+from fsdp_wrap.runtime.explicit.controls import check_schedules, schedule_signature
 from fsdp_wrap.runtime.names import clean_fqn
 from fsdp_wrap.runtime.state import UnitState, state_of
 
@@ -94,6 +96,7 @@ def lazy_init(state: UnitState) -> None:
         h.adopt_flat_param_data()
     for st in states:
         st._buffer_orig_dtypes = construct.cast_buffers(st)
+    step_trace.attach_if_asked(state.module)  # ($FSDP_WRAP_TRACE: fsdp-wrap trace)
 
 
 def unit_signature(state: UnitState) -> tuple[Any, ...]:
@@ -132,10 +135,12 @@ def all_gather_unit_signatures(state: UnitState) -> None:
     mine = [(unit_signature(s), unit_names(s)) for s in state._all_fsdp_states]
     # (plus whether each unit came from the meta device here: runtime.guards)
     meta = [s._built_from_meta for s in state._all_fsdp_states]
-    everyone = _compare_signatures(mine, meta, state.process_group)
+    # (and the explicit controls set so far: fsdp_wrap.runtime.explicit.controls)
+    everyone = _compare_signatures(mine, meta, state.process_group, schedule_signature(state))
+    check_schedules(state, [e[2] for e in everyone], state.process_group)
     for i, st in enumerate(state._all_fsdp_states):
         unit = st._handles[0].unit_fqn or "<root>" if st._handles else "<root>"
-        guards.meta_mismatch(st, unit, [m[i] for _, m in everyone])
+        guards.meta_mismatch(st, unit, [m[i] for _, m, _ in everyone])
     replicas = state.settings.inter_node_pg
     if replicas is not None and dist.get_world_size(replicas) > 1:
         # Hybrid strategies: the replicas' all-reduce must line up too (a node
@@ -144,11 +149,11 @@ def all_gather_unit_signatures(state: UnitState) -> None:
 
 
 def _compare_signatures(mine: list[Any], meta: list[bool],
-                        group: dist.ProcessGroup) -> list[Any]:
+                        group: dist.ProcessGroup, extra: Any = None) -> list[Any]:
     """``RuntimeError`` unless every rank of ``group`` has the signatures
-    ``mine``; returns every rank's ``(signatures, meta)``."""
-    everyone: list[Any] = C.all_gather_objects((mine, meta), group)
-    for r, (theirs, _) in enumerate(everyone):
+    ``mine``; returns every rank's ``(signatures, meta, extra)``."""
+    everyone: list[Any] = C.all_gather_objects((mine, meta, extra), group)
+    for r, (theirs, *_) in enumerate(everyone):
         theirs_list: list[Any] = theirs
         if [sig for sig, _ in theirs_list] == [sig for sig, _ in mine]:
             continue
