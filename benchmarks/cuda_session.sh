@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# Everything a lent GPU machine is asked in one go (docs/performance.rst, "On a
-# GPU"): the world-size-1 step against torch's FSDP1 and the plain module on a
+# Everything a lent GPU machine is asked in one go (docs/performance/gpu.rst): the world-size-1 step against torch's FSDP1 and the plain module on a
 # quiet machine first, then tests/test_cuda*.py on the GPU while the CPU suite
 # runs beside it on that machine's torch (an older one than CI's).
 #

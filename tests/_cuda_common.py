@@ -21,7 +21,7 @@ from tests.models import fsdp_api, fsdp_kwargs, wrap_api
 
 CUDA = "cuda:0"
 # Tolerances, derived as the CPU suite's are (tests/_options_common.py), and
-# checked on an H100 with torch 2.11 (docs/performance.rst, "On a GPU"):
+# checked on an H100 with torch 2.11 (docs/performance/gpu.rst):
 #
 # * against torch's FSDP1 where both run the same kernels on the same values
 #   in the same order (the fp16 scaler, CPU offload once torch agrees with the

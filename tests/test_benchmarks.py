@@ -3,7 +3,7 @@ the GPU part's ``gpu_unit_cost.py`` and ``profile_cuda.py`` in their CPU forms, 
 they run and print their tables.
 
 Toy sizes, few steps, a subset of the configurations.  Nothing here looks at a
-timing: the benchmark's numbers are for ``docs/performance.rst``, not for CI.
+timing: the benchmark's numbers are for ``docs/performance/``, not for CI.
 """
 
 from __future__ import annotations

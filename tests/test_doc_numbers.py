@@ -70,7 +70,7 @@ def _qmax(bits: int) -> Callable[[], int]:
 
 
 def _first_host() -> str:
-    from fsdp_wrap.testbed import network
+    from fsdp_wrap.cli.testbed import network
 
     return f"{network.SUBNET}.({network._FIRST_HOST} + i)"
 
@@ -78,7 +78,7 @@ def _first_host() -> str:
 # (file, pattern with one group, the source's value, how to read the group)
 QUOTES: list[tuple[str, str, Callable[[], object], Callable[[str], object]]] = [
     ("docs/options.rst", r"the error would be (\d+) times\s+int8's", _codec_ratio, int),
-    ("docs/performance.rst", r"int4's error bound is (\d+) times int8's", _codec_ratio, int),
+    ("docs/performance/fewer_bytes.rst", r"int4's error bound is (\d+) times int8's", _codec_ratio, int),
     ("fsdp_wrap/comm/quant/config.py", r"error would be (\d+)x int8's", _codec_ratio, int),
     ("docs/options.rst", r"\(default (\d+); blocks restart", _block, int),
     ("docs/options.rst", r"``absmax / (\d+)`` \(int8\)", _qmax(8), int),

@@ -14,7 +14,7 @@ which fsdp_wrap builds its default hybrid groups.  The job is
   fsdp_wrap's 1 MiB gradient buckets, so each reduction is one all-reduce of
   one unit's gradient over the same 4 ranks, as torch's (gloo's ring sums in
   the same order wherever the ranks run; a bucket of several units would sum
-  some elements in another order, docs/performance.rst);
+  some elements in another order, docs/performance/step.rst);
 * the bytes each node's link sends per step equal what the strategy must send
   (:func:`fsdp_wrap.cli.testbed.wire.step_bytes`) times the link's protocol
   overhead, measured in the same run by exchanging a known payload, within 5%;

@@ -37,7 +37,7 @@ def test_rates_and_delays_in_tc_words() -> None:
     with pytest.raises(ValueError, match="link delay"):
         network.parse_delay("1 ms later")
     # a list of rates must give one per node, checked before anything is made
-    from fsdp_wrap.testbed import Cluster
+    from fsdp_wrap.cli.testbed import Cluster
 
     with pytest.raises(ValueError, match="1 link rates for 2 nodes"):
         Cluster(2, rate=["1gbit"])

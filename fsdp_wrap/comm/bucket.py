@@ -51,7 +51,7 @@ issued on the compute stream meanwhile, are not queued behind the
 reduce-scatters, casts and copies of the units before them.  A reduction
 that is only casts and copies (world size 1, no hook) stays on the compute
 stream: measured on an H100, switching streams cost more host time per unit
-than the overlap of a cast gained (docs/performance.rst).  The order of
+than the overlap of a cast gained (docs/performance/gpu.rst).  The order of
 events:
 
 * the reduction stream waits for the compute stream when a unit's gradient

@@ -3,7 +3,7 @@
 These know tensors and process groups, never modules or handles, so tests can
 patch this module to count calls and bytes.  Every function is one logical
 collective.  On gloo with CPU tensors two of them are carried by faster c10d
-collectives (measured on torch 2.13, 2 ranks, ``docs/performance.rst``):
+collectives (measured on torch 2.13, 2 ranks, ``docs/performance/step.rst``):
 
 * over two ranks, an all-gather by one exchange (:func:`exchange`: this
   rank's row of the output sent to the other rank, the other's received in
@@ -38,7 +38,7 @@ rooted at the source (``r -> r+1``, then ``r -> r+2`` and ``r+1 -> r+3``, ...),
 whose edges cross the node boundary more often: at 2 nodes x 2 ranks the four
 broadcasts of a gather send 1.25x the output per node, the ring 0.75x
 (measured with the interface counters of ``fsdp_wrap.cli.testbed``:
-``docs/performance.rst``, "Across nodes").  So a group of more than two
+``docs/performance/archive/nodes.rst``).  So a group of more than two
 ranks that spans nodes gathers with gloo's all-gather, as torch's FSDP1 does;
 a group of two exchanges rows wherever its ranks are (each sends its row
 once, as in the ring).  A rank's node is
