@@ -92,6 +92,12 @@ SWEEPS: dict[str, tuple[str, str, int, Callable[[], list[Any]]]] = {
                                     if c["numel"] == 1000 and not c["async_op"]]),  # the world, the subgroup
     "gloo-big-2": ("tests.test_gloo_collectives", "_sweep_big", 2,
                    lambda: importlib.import_module("tests.test_gloo_collectives")._big_configs()[:2]),
+    "two-d-vs-torch-4": ("tests.test_two_d", "_vs_torch_sweep", 4,
+                         lambda: importlib.import_module("tests.test_two_d")._torch_configs()[:2]),
+    "two-d-replicated-4": ("tests.test_two_d", "_replicated_sweep", 4,
+                           lambda: importlib.import_module("tests.test_two_d")._replicated_configs()[:2]),
+    "two-d-formats-4": ("tests.test_two_d_state_dict", "_formats_sweep", 4,
+                        lambda: importlib.import_module("tests.test_two_d_state_dict")._configs()[1:2]),
     "hybrid-vs-torch-4": ("tests.test_hybrid_shard", "_vs_torch_sweep", 4,
                           lambda: importlib.import_module("tests.test_hybrid_shard")._torch_configs()[:2]),
     "hybrid-replicated-4": ("tests.test_hybrid_shard", "_replicated_sweep", 4,

@@ -45,6 +45,7 @@ import fsdp_wrap.checkpoint._adapter as _adapter
 import fsdp_wrap.checkpoint._atomic as _atomic
 import fsdp_wrap.checkpoint._full_optim as _full_optim
 import fsdp_wrap.checkpoint._safetensors as _safetensors
+import fsdp_wrap.checkpoint._two_d as _two_d
 from fsdp_wrap.checkpoint._safetensors import Entry, ShardedWriter
 from fsdp_wrap.comm.collectives import global_rank
 from fsdp_wrap.handle.layout import walk_unit_modules
@@ -110,8 +111,9 @@ def plan_entries(model: FSDP, trainable_only: bool = False) -> dict[str, Entry]:
             for i, info in enumerate(h.infos):
                 if trainable_only and not _trains(h, i):
                     continue
+                shape = info.spec.shape if info.spec is not None else info.shape  # (whole)
                 for key in _names(h, unit_name, i):
-                    out[key] = Entry(key, tuple(info.shape), h.orig_dtype)
+                    out[key] = Entry(key, tuple(shape), h.orig_dtype)
         for key, t, dtype in _unmanaged_tensors(unit_name, st, trainable_only):
             out.setdefault(key, Entry(key, tuple(t.shape), dtype))
     return out
@@ -163,6 +165,7 @@ def save_full_checkpoint(
     """
     root = _root(model, "save_full_checkpoint")
     path = _check_save_args(path, max_shard_size, window_bytes, trainable_only, optim)
+    _two_d.refuse_optim(root, optim, "save_full_checkpoint")
     rank = dist.get_rank()
     world = dist.get_world_size()
     entries = plan_entries(root, trainable_only)
@@ -295,7 +298,11 @@ def _stream_units(
     for done, (unit_name, st) in enumerate(units, start=1):
         for h in st._handles:
             chosen = [i for i in range(len(h.infos)) if not trainable_only or _trains(h, i)]
-            if chosen:
+            if chosen and _two_d.has_dtensors(h):  # (2-D: gathered whole, see _two_d)
+                _two_d.stream_handle(h, chosen, lambda i: _names(h, unit_name, i),  # noqa: B023
+                                     None if sink.writer is None else
+                                     lambda name, flat: sink.write(name, 0, flat))
+            elif chosen:
                 _stream_handle(h, unit_name, sink, window_bytes, chosen)
         if sink.writer is not None:
             for name, tensor, dtype in _unmanaged_tensors(unit_name, st, trainable_only):
@@ -550,6 +557,7 @@ def load_full_checkpoint(
     chunks, and ``optim_state_dict_to_load`` moves them into the flat shards.
     """
     root = _root(model, "load_full_checkpoint")
+    _two_d.refuse_optim(root, optim, "load_full_checkpoint")
     stored = verify_full_checkpoint(root, path, strict, verify=verify)
     optim_stored: dict[str, Any] = {}
     objects: dict[str, Any] = {}
@@ -570,6 +578,10 @@ def load_full_checkpoint(
                     h.invalidate_unsharded()
                     for i, info in enumerate(h.infos):
                         sl = h.param_shard_slice(i)
+                        if info.spec is not None:  # (a DTensor parameter: read whole)
+                            s = stored[_join(unit_name, clean_fqn(info.fqn))]
+                            _two_d.load_param(h, i, _safetensors.read_tensor(s, fh(s.file)))
+                            continue
                         if sl is None:
                             continue
                         start = sl[0] + h.shard_offset - info.offset

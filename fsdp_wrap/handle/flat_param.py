@@ -33,6 +33,7 @@ import fsdp_wrap.comm.labels as L
 import fsdp_wrap.comm.reduce as R
 from fsdp_wrap.comm.quant.wire import EXACT, Wire
 from fsdp_wrap.handle.config import SettingsView, UnitSettings
+from fsdp_wrap.handle.dtensor import localize
 from fsdp_wrap.handle.flat_tensor import (
     FLAT_PARAM_NAME,
     FlatParameter,
@@ -106,6 +107,8 @@ class FlatParamHandle(SettingsView):
         self.async_gathers = config.device.type != "cpu" or not config.limit_all_gathers
         self._skip_writeback_check = os.environ.get("FSDP_SKIP_WRITEBACK_CHECK", "") == "1"
         where = f"(rank {self.rank}, FSDP unit '{unit_fqn or '<root>'}')"
+        # DTensor parameters: their local tensors are flattened (handle/dtensor.py)
+        self.originals, params, self._tp_specs = localize(params, config, unit_fqn, VALUES_PENDING)
         check_unit_params(params, where, self.use_orig_params)
         check_flat_group(params, where, self.use_orig_params)
         self._init_layout(params, shared)
@@ -171,8 +174,9 @@ class FlatParamHandle(SettingsView):
             sharded=self.uses_sharded_strategy,
         )
         self.infos = [
-            ParamInfo(fqn, mod, name, p, p.shape, offset, p.numel())
-            for (fqn, mod, name, p), offset in zip(params, self.layout.offsets)
+            ParamInfo(fqn, mod, name, p, p.shape, offset, p.numel(), spec)
+            for (fqn, mod, name, p), offset, spec in zip(params, self.layout.offsets,
+                                                         self._tp_specs)
         ]
         self.shared = [SharedParamInfo(fqn, mod, name, idx) for fqn, mod, name, idx in shared]
         self._reduce_spec = R.ReduceSpec(

@@ -87,7 +87,8 @@ def gather_source(shard: torch.Tensor, device: torch.device, dtype: torch.dtype 
 
 
 def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` are views of one storage."""
+    """Whether ``a`` and ``b`` are views of one storage (a DTensor: its local tensor's)."""
+    a, b = getattr(a, "_local_tensor", a), getattr(b, "_local_tensor", b)
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -38,6 +38,9 @@ class ParamInfo:
     shape: torch.Size
     offset: int  # start in the unsharded flat parameter
     numel: int
+    # A DTensor parameter's mesh and placements (handle/dtensor.py); ``param``
+    # and ``shape`` are then its local tensor's.
+    spec: Any = None
 
 
 #: What torch's FSDP1 (and so fsdp_wrap) writes into alignment padding.

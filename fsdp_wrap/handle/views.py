@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from fsdp_wrap.handle.dtensor import as_dtensor
 from fsdp_wrap.handle.flat_tensor import FLAT_PARAM_NAME, same_storage
 from fsdp_wrap.handle.layout import FlatLayout, ParamInfo, SharedParamInfo
 
@@ -52,6 +53,8 @@ class ParamViews:
         self._pieces = [(seg, info.shape if len(info.shape) != 1 else None)
                         for info, seg in zip(infos, layout.info_segment)]
         self._shard_slices = shard_slices
+        # DTensor parameters (handle/dtensor.py): index -> spec, only those.
+        self._specs = {i: info.spec for i, info in enumerate(infos) if info.spec is not None}
         self.use_orig_params = use_orig_params
         self.uses_sharded_strategy = sharded
         # Swapping views calls a module's own __setattr__/__delattr__ override,
@@ -78,6 +81,7 @@ class ParamViews:
         # the runtime with on_view_grads_ready; see _view_grads_ready).
         self.in_nested_backward: Callable[[], bool] | None = None
         self._stale_views: list[torch.Tensor] = []
+        self.shown: list[nn.Parameter] = []  # what register_params registered last
         # use_orig_params=True: where use_sharded_views last put each original
         # parameter (see _registered_as_before).
         self._registered: tuple[int, torch.dtype, list[tuple[Any, ...]]] | None = None
@@ -104,7 +108,7 @@ class ParamViews:
         freed storage (shape only), so ``repr(module)`` and attribute checks
         work before the first forward.
         """
-        self._stale_views = self._split(flat.detach())
+        self._stale_views = self._outward(self._split(flat.detach()))
         self._install_views(self._stale_views)
 
     def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -116,6 +120,12 @@ class ParamViews:
         for parameters of more than one dimension)."""
         return [pieces[seg] if shape is None else pieces[seg].view(shape)
                 for seg, shape in self._pieces]
+
+    def _outward(self, views: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The views as the modules see them: DTensor parameters as DTensors again."""
+        for i, spec in self._specs.items():
+            views[i] = as_dtensor(views[i], spec)
+        return views
 
     def _install_views(self, tensors: Sequence[torch.Tensor]) -> None:
         for info, view in zip(self.infos, tensors):
@@ -156,6 +166,8 @@ class ParamViews:
             if track_graph:
                 self._track_graph(pieces[0].grad_fn)
             tensors = self._views_of(pieces)
+            if self._specs:
+                tensors = self._outward(tensors)
             if orig:
                 for i, info in enumerate(self.infos):
                     if not info.param.requires_grad:
@@ -404,15 +416,34 @@ class ParamViews:
         they take the flat parameter's ``requires_grad`` (frozen after
         wrapping or not), as torch's fresh Parameters do.
         """
-        for info, t in zip(self.infos, tensors):
-            info.param.data = t
-            if not self.use_orig_params:
-                info.param.requires_grad_(flat_param.requires_grad)
-            self._set_param(info.module, info.name, info.param)
+        shown: list[nn.Parameter] = []
+        for i, (info, t) in enumerate(zip(self.infos, tensors)):
+            spec = self._specs.get(i)
+            if spec is not None:
+                # A DTensor cannot be a Parameter's ``.data``: a new Parameter
+                # (torch registers one too); ``info.param`` stays the local one.
+                trains = info.param.requires_grad if self.use_orig_params else \
+                    flat_param.requires_grad
+                param = nn.Parameter(as_dtensor(t, spec), requires_grad=trains)
+            else:
+                param = info.param
+                param.data = t
+                if not self.use_orig_params:
+                    param.requires_grad_(flat_param.requires_grad)
+            self._set_param(info.module, info.name, param)
+            shown.append(param)
         for shared in self.shared:
-            self._set_param(shared.module, shared.name, self.infos[shared.index].param)
+            self._set_param(shared.module, shared.name, shown[shared.index])
         self.module._parameters.pop(self.flat_name, None)
         self.params_registered = True
+        self.shown = shown
+
+    def show_dtensor_grads(self) -> None:
+        """With the originals registered (:meth:`register_params`), the DTensor
+        ones' ``.grad``: their local parameters' gradients, as DTensors (views)."""
+        for i, spec in self._specs.items():
+            grad = self.infos[i].param.grad
+            self.shown[i].grad = None if grad is None else as_dtensor(grad, spec)
 
 
 def _overrides_setattr(module: nn.Module) -> bool:

@@ -27,6 +27,7 @@ from fsdp_wrap.api import (
     coerce_enum,
 )
 from fsdp_wrap.api import SHARDED_STRATEGIES as SHARDED
+from fsdp_wrap.handle.dtensor import is_dtensor
 from fsdp_wrap.handle.layout import (
     FlatLayout,
     alignment,
@@ -225,8 +226,10 @@ def meta_copy(model: nn.Module) -> tuple[nn.Module, dict[int, Any]]:
     """
     memo: dict[int, Any] = {}
     for p in model.parameters():
+        # (a DTensor parameter, tensor parallelism: its local shape, what a rank flattens)
+        shape = p.to_local().shape if is_dtensor(p) else p.shape  # type: ignore[attr-defined]
         shadow_p = nn.Parameter(
-            torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad
+            torch.empty(shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad
         )
         if is_quantized(p):
             # What the flat parameter needs to know of a 4-bit weight, kept on

@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 import fsdp_wrap.comm.collectives as C
+from fsdp_wrap.handle.dtensor import local_of
 from fsdp_wrap.handle.layout import walk_unit_modules
 from fsdp_wrap.runtime.names import clean_fqn
 from fsdp_wrap.runtime.state import UnitState, is_unit, state_of
@@ -254,11 +255,12 @@ def sync_module_states(
     For hybrid sharding the replicate group goes first, then the shard group,
     so global rank 0's values reach everyone.
     """
-    tensors = [t for _, t in unit_tensors(module, stop, ignored)]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t.data if isinstance(t, nn.Parameter) else t)
     with torch.no_grad():
+        # (a DTensor parameter: its local tensor, the same within a data-parallel group)
+        tensors = [local_of(t) for _, t in unit_tensors(module, stop, ignored)]
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t.data if isinstance(t, nn.Parameter) else t)
         for group in groups:
             src = dist.get_global_rank(group, 0)
             for same in by_dtype.values():
@@ -278,8 +280,9 @@ def check_no_cross_unit_sharing(
     for name, sub in module.named_modules():
         unit = state_of(sub)
         if unit is not None:
-            for info in (i for h in unit._handles for i in h.infos):
-                owned[info.param] = f"{name}.{info.fqn}"
+            for h in unit._handles:  # (the user's objects: a DTensor's local one differs)
+                for orig, info in zip(h.originals, h.infos):
+                    owned[orig] = f"{name}.{info.fqn}"
     for fqn, *_, p in params:
         if p in owned:
             raise ValueError(

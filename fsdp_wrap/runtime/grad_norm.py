@@ -18,6 +18,7 @@ import torch.nn as nn
 
 import fsdp_wrap.comm.collectives as C
 from fsdp_wrap.runtime.accumulation import warn_if_partial
+from fsdp_wrap.runtime.grad_norm_two_d import clip_two_d, tp_group_of
 from fsdp_wrap.runtime.state import TrainingState, UnitState, expect_state
 from fsdp_wrap.runtime.tree import lazy_init
 
@@ -37,6 +38,9 @@ def clip_grad_norm(state: UnitState, max_norm: float | int,
                  fix="call it after backward and before the optimizer step")
     warn_if_partial(state, "clip_grad_norm_()")
     max_norm, norm_type = float(max_norm), float(norm_type)
+    tp_group = tp_group_of(state)  # (DTensor parameters: TP shards counted once)
+    if tp_group is not None:
+        return clip_two_d(state, max_norm, norm_type, tp_group)
     sharded: list[torch.Tensor] = []
     nonsharded: list[torch.Tensor] = []
     managed: set[nn.Parameter] = set()

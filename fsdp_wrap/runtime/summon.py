@@ -127,4 +127,5 @@ def _summon_handle(handle: FlatParamHandle, rank: int, rank0_only: bool, offload
         handle.use_unsharded_views(as_params=True)
     if with_grads and shown:
         handle.grads.show_full(full_grad)
+        handle.views.show_dtensor_grads()  # (DTensor parameters: registered apart)
     return cpu_copy, shown, full_grad if shown else None

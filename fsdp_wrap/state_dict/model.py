@@ -44,6 +44,7 @@ import fsdp_wrap._compat as _compat
 import fsdp_wrap.comm.collectives as _collectives
 import fsdp_wrap.handle.full_copies as full_copies
 import fsdp_wrap.state_dict.chunks as CH
+import fsdp_wrap.state_dict.two_d as two_d
 from fsdp_wrap.api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -248,6 +249,8 @@ def _pre_state_dict_hook(state: UnitState, prefix: str, keep_vars: bool) -> None
                  fix="call it outside forward/backward and outside summon_full_params")
     if sd_type is StateDictType.LOCAL_STATE_DICT:
         return
+    if sd_type is StateDictType.SHARDED_STATE_DICT:
+        two_d.check_sharded_supported(state, prefix.rstrip("."))
     if state._is_root:
         check_same_call(state.process_group, state.rank, f"state_dict({sd_type.name})")
     for handle in state._handles:
@@ -263,6 +266,9 @@ def _pre_state_dict_hook(state: UnitState, prefix: str, keep_vars: bool) -> None
                                                    to_cpu=cfg.offload_to_cpu)
             if copies is not None:
                 handle.register_params(copies)
+            continue
+        if two_d.is_two_d(state):  # (torch's 2-D values are made from gathered ones)
+            handle.register_params(full_copies.full_param_copies(handle, False, False) or [])
             continue
         # SHARDED: register this rank's dim-0 chunks, moved point to point from the
         # flat shards (one all-to-all, nothing gathered); the post-hook wraps them.
@@ -320,6 +326,9 @@ def _sharded_post_state_dict(state: UnitState, state_dict: dict[str, Any], prefi
     The values in the dict are already this rank's chunks (see the pre-hook).
     """
     cfg = state._state_dict_config
+    if two_d.is_two_d(state):
+        two_d.outgoing_sharded_values(state, state_dict, prefix + WRAPPED, cfg.offload_to_cpu)
+        return
     layout = CH.chunk_layout(state, CH.uses_dtensor(state))
     shapes = {clean_fqn(i.fqn): i.shape for h in state._handles for i in h.infos}
     shapes.update({clean_fqn(s.fqn): h.infos[s.index].shape
@@ -413,6 +422,11 @@ def _pre_load_for_type(
         return
     if state._is_root:
         check_same_call(state.process_group, state.rank, f"load_state_dict({sd_type.name})")
+    if two_d.applies(state):  # DTensor values -> gathered local tensors, loaded as FULL
+        if sd_type is StateDictType.SHARDED_STATE_DICT:
+            two_d.check_sharded_supported(state, prefix.rstrip("."))
+        two_d.incoming_model_values(state, state_dict, wrapped)
+        sd_type = StateDictType.FULL_STATE_DICT
     if sd_type is StateDictType.FULL_STATE_DICT:
         for h in state._handles:
             _full_pre_load(
@@ -461,9 +475,10 @@ def _full_pre_load(
                 continue
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(info.shape):
                 shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
+                want = info.spec.shape if info.spec is not None else info.shape  # (global)
                 error_msgs.append(
                     f"size mismatch for {key}: copying a param with shape {shape} from "
-                    f"checkpoint, the shape in current model is {tuple(info.shape)}."
+                    f"checkpoint, the shape in current model is {tuple(want)}."
                 )
             else:
                 h.load_param(i, value)

@@ -36,6 +36,7 @@ import fsdp_wrap.comm.collectives as _collectives
 import fsdp_wrap.state_dict.chunks as CH
 import fsdp_wrap.state_dict.model as SD
 import fsdp_wrap.state_dict.sharded_io as _sharded_io
+import fsdp_wrap.state_dict.two_d as two_d
 from fsdp_wrap.api import (
     FullOptimStateDictConfig,
     StateDictType,
@@ -166,6 +167,8 @@ def _gather_optim(
     )
     if not index.units:
         raise ValueError(f"{type(model).__name__} has no FSDP unit with parameters")
+    for unit in index.units if not full else []:
+        two_d.check_sharded_supported(unit.state, unit.handle.unit_fqn)
     root = index.units[0].state
     SD.check_same_call(root.process_group, root.rank, "optim_state_dict")
     per_unit, order = _local_unit_states(index, groups, local_state)
@@ -197,7 +200,7 @@ def _gather_optim(
         for name in shard_names:
             holders = [k for k, st in merged.items() if st.get(name, ("",))[0] == "shard"]
             dtype = merged[holders[0]][name][1]
-            if not full and h.uses_sharded_strategy:
+            if not full and h.uses_sharded_strategy and not two_d.is_two_d(unit.state):
                 # SHARDED: move only the pieces of this rank's chunks (no all-gather)
                 shard = _flat_state_shard(h, per_unit[i], name, dtype, flat_unit[i])
                 chunks = _sharded_io.chunks_from_shard(h, shard, holders)
@@ -215,6 +218,9 @@ def _gather_optim(
                     continue
                 if full:
                     value = t.to("cpu", copy=True) if offload_to_cpu else t.clone()
+                    value = two_d.full_value(value, info.spec)
+                elif two_d.is_two_d(unit.state):  # (torch's 2-D values, a collective)
+                    value = two_d.to_sharded(t, info.spec, unit.state, offload_to_cpu)
                 else:
                     value = CH.chunk_tensor(t, layout, offload_to_cpu)  # type: ignore[arg-type]
                 values.setdefault(unit.fqns[k], {})[name] = value

@@ -15,6 +15,7 @@ from fsdp_wrap.api import StateDictType
 from fsdp_wrap.runtime.names import clean_fqn
 from fsdp_wrap.runtime.state import UnitState, state_of
 from fsdp_wrap.runtime.tree import initialised_units
+from fsdp_wrap.state_dict.two_d import is_two_d
 
 if TYPE_CHECKING:
     from fsdp_wrap.handle.flat_param import FlatParamHandle
@@ -106,7 +107,7 @@ def _rank0_group(root: UnitState, group: Any) -> Any:
     """
     if group is not None:
         return group
-    if root.settings.inter_node_pg is not None:
+    if root.settings.inter_node_pg is not None or is_two_d(root):  # (2-D: as torch, rank 0)
         return dist.group.WORLD
     return root.process_group
 

@@ -14,6 +14,7 @@ import torch.nn as nn
 import fsdp_wrap.state_dict.chunks as CH
 import fsdp_wrap.state_dict.model as SD
 import fsdp_wrap.state_dict.sharded_io as _sharded_io
+import fsdp_wrap.state_dict.two_d as two_d
 from fsdp_wrap.state_dict.optim_index import _Index, _index, _piece, _rank0_group, _Unit
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ def _check_loadable(
     shape_of: dict[str, torch.Size] = {}
     for unit in index.units:
         for fqn, info in zip(unit.fqns, unit.handle.infos):
-            shape_of[fqn] = info.shape
+            shape_of[fqn] = info.spec.shape if info.spec is not None else info.shape
     known = {f for _, _, fqns in index.where.values() for f in fqns}
     bad_keys = [k for k in osd["state"] if k not in known]
     if bad_keys:
@@ -110,7 +111,8 @@ def _flat_unit_problems(index: _Index, state_in: dict[Any, Any]) -> list[str]:
                 continue
             pos = [isinstance(v, torch.Tensor) and v.dim() > 0 for v in given]
             zero = [isinstance(v, torch.Tensor) and v.dim() == 0 for v in given]
-            if len({type(v) for v in given}) != 1 or not (all(pos) or all(zero) or not any(pos + zero)):
+            kinds = {torch.Tensor if isinstance(v, torch.Tensor) else type(v) for v in given}
+            if len(kinds) != 1 or not (all(pos) or all(zero) or not any(pos + zero)):
                 problems.append(
                     f"Differing optimizer state types for state {name}, values "
                     f"{[type(v).__name__ for v in values]}, and unflattened parameter names "
@@ -155,6 +157,12 @@ def _flatten_optim(
     if collective_check is not None:
         SD.check_same_call(root.process_group, root.rank, collective_check)
     state_in: dict[str, dict[str, Any]] = osd["state"]
+    if any(two_d.applies(x.state) for x in index.units):
+        # 2-D: values as gathered local tensors (a copy of the dicts: the caller's stay)
+        state_in = {k: dict(v) if isinstance(v, dict) else v for k, v in state_in.items()}
+        for x in index.units:
+            if two_d.applies(x.state):
+                two_d.localize_state(x.handle, x.fqns, state_in, x.state)
     pid_of: dict[int, int] = {}
     for params in groups:
         for p in params:

@@ -29,6 +29,9 @@ _SUBSTITUTIONS = (
     (re.compile(r"""torch\.device\((["'])cuda\1\)"""), 'torch.device("cpu")'),
     (re.compile(r"""device=(["'])cuda\1"""), 'device="cpu"'),
     (re.compile(r"\.cuda\(\)"), ".cpu()"),
+    (re.compile(r"""init_device_mesh\(\s*(["'])cuda\1"""), 'init_device_mesh("cpu"'),
+    (re.compile(r"\.to\(self\.rank\)"), '.to("cpu")'),
+    (re.compile(r"\.cuda\(self\.rank\)"), ".cpu()"),
 )
 
 
@@ -62,10 +65,11 @@ def outcomes(xml_path: Path) -> dict[str, str]:
 
 
 def run(src: Path, impl: str, names: list[str], keyword: str | None, work: Path,
-        world: int, timeout: int) -> dict[str, str]:
+        world: int, timeout: int, cpu_device_id: bool = False) -> dict[str, str]:
     files = prepare(src, work / impl, names)
     xml = work / f"{impl}.xml"
     env = dict(os.environ, TORCH_SUITE_IMPL=impl, TORCH_SUITE_WORLD=str(world),
+               TORCH_SUITE_CPU_DEVICE_ID="1" if cpu_device_id else "0",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
            "--rootdir", str(work / impl), f"--junitxml={xml}", *map(str, files)]
@@ -96,11 +100,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/torch_suite_work"))
     ap.add_argument("--world", type=int, default=2, help="ranks of FSDPTest (default: 2)")
     ap.add_argument("--timeout", type=int, default=7200, help="seconds per run (default: 7200)")
+    ap.add_argument("--cpu-device-id", action="store_true",
+                    help="torch's FSDP1 gets device_id=cpu where a test gives none, and "
+                         "DTensorTestBase's nccl runs on gloo (see shim.py)")
     ap.add_argument("files", nargs="*", help="file names in --src (default: every test_*.py)")
     args = ap.parse_args(argv)
     names = args.files or sorted(p.name for p in args.src.glob("test_*.py"))
     impls = ("torch", "fsdp_wrap") if args.compare else (args.impl,)
-    results = {i: run(args.src, i, names, args.keyword, args.work, args.world, args.timeout)
+    results = {i: run(args.src, i, names, args.keyword, args.work, args.world, args.timeout,
+                      args.cpu_device_id)
                for i in impls}
     for impl, res in results.items():
         print(f"{impl}: {summary(res)}")

@@ -15,7 +15,13 @@ What it changes, in torch's test helpers only:
   ``FSDPTest._run`` skips when there are fewer accelerators than ranks);
 * ``instantiate_device_type_tests`` also instantiates the CPU variant (the
   files list only accelerators in ``only_for``);
-* ``torch.cuda.set_device`` does nothing (the files call it in ``setUp``).
+* ``torch.cuda.set_device`` does nothing (the files call it in ``setUp``);
+* with ``TORCH_SUITE_CPU_DEVICE_ID=1`` (``run.py --cpu-device-id``), for files
+  whose tests pass no ``device_id`` (the 2-D files): torch's FSDP1 gets
+  ``device_id=cpu`` when none is given and no accelerator exists (it refuses
+  CPU otherwise: "FSDP needs a non-CPU accelerator device"), and
+  ``DTensorTestBase`` tests asking for ``"cpu:gloo,cuda:nccl"`` run on gloo
+  (they skip otherwise: "Need at least 4 CUDA devices").
 """
 
 from __future__ import annotations
@@ -66,3 +72,28 @@ def _instantiate_with_cpu(generic_test_class: Any, scope: Any, except_for: Any =
 
 _cdt.instantiate_device_type_tests = _instantiate_with_cpu
 torch.cuda.set_device = lambda *_a, **_k: None  # type: ignore[assignment]
+
+
+if os.environ.get("TORCH_SUITE_CPU_DEVICE_ID") == "1" and not torch.cuda.is_available():
+    try:
+        _DTensorTestBase = _cdt_dtensor.DTensorTestBase
+        _init_pg = _DTensorTestBase.init_pg
+
+        def _init_pg_on_gloo(self: Any, eager_init: Any, backend: Any = None) -> Any:
+            backend = self.backend if backend is None else backend
+            return _init_pg(self, eager_init, "gloo" if "nccl" in backend else backend)
+
+        _DTensorTestBase.init_pg = _init_pg_on_gloo
+    except NameError:  # pragma: no cover - older torch layouts
+        pass
+    if os.environ.get("TORCH_SUITE_IMPL", "torch") == "torch":
+        import torch.distributed.fsdp as _fsdp
+
+        _fsdp_init = _fsdp.FullyShardedDataParallel.__init__
+
+        def _init_on_cpu(self: Any, module: Any, *args: Any, **kwargs: Any) -> None:
+            if len(args) < 9 and kwargs.get("device_id") is None:
+                kwargs["device_id"] = torch.device("cpu")
+            _fsdp_init(self, module, *args, **kwargs)
+
+        _fsdp.FullyShardedDataParallel.__init__ = _init_on_cpu  # type: ignore[method-assign]

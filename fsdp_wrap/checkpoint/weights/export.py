@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from fsdp_wrap.checkpoint.full import _fsdp_cls, _names, _units, _unmanaged_tensors
 from fsdp_wrap.comm.collectives import global_rank
+from fsdp_wrap.handle.dtensor import full_global
 from fsdp_wrap.handle.full_copies import gather_full_flat, param_views
 from fsdp_wrap.runtime.state import TrainingState, expect_state
 
@@ -105,12 +106,20 @@ def _stream(
     mine = not rank0_only or dist.get_rank() == 0
     for unit_name, st in _units(root):
         for h in st._handles:  # one per flat parameter (a split unit has several)
-            take_part, only0 = _gather_plan(h, rank0_only)
+            # DTensor parameters (2-D): every rank gathers over its data-parallel
+            # group, then each TP group gathers the whole parameter.
+            tp = any(info.spec is not None for info in h.infos)
+            take_part, only0 = (True, False) if tp else _gather_plan(h, rank0_only)
             full = gather_full_flat(h, to_rank0_only=only0) if take_part else None
-            views = param_views(h, full) if full is not None and mine else []
+            views = param_views(h, full) if full is not None and (mine or tp) else []
             del full  # (the views hold the gathered unit from here on)
             for i in range(len(views)):
-                value = _out(views[i], dtype, to_cpu)
+                spec = h.infos[i].spec
+                whole = full_global(views[i], spec) if spec is not None else views[i]
+                if not mine:
+                    continue
+                value = _out(whole, dtype, to_cpu)
+                del whole
                 if i == len(views) - 1:
                     views = []  # the unit's gathered copy goes before its last copy is handed out
                 for name in _names(h, unit_name, i):

@@ -31,6 +31,7 @@ import torch.nn as nn
 
 import fsdp_wrap.checkpoint._safetensors as _st
 from fsdp_wrap.checkpoint._safetensors import StoredTensor
+from fsdp_wrap.checkpoint._two_d import load_param as load_tp_param
 from fsdp_wrap.checkpoint.full import _fsdp_cls, _join, _names, _units, _unmanaged_tensors
 from fsdp_wrap.checkpoint.weights._files import stored_tensors
 from fsdp_wrap.checkpoint.weights._names import NameMap, adapter_prefix, hf_hints, match_names
@@ -78,8 +79,9 @@ def _wanted(root: FSDP) -> tuple[list[_Want], list[list[str]], set[str]]:
                 names = _names(h, unit_name, i)
                 if len(names) > 1:
                     tied.append(names)
+                shape = info.spec.shape if info.spec is not None else info.shape  # (whole)
                 for key in names:
-                    want.append(_Want(key, tuple(info.shape), h.orig_dtype, True))
+                    want.append(_Want(key, tuple(shape), h.orig_dtype, True))
                     seen.add(key)
         for key, t, dtype in _unmanaged_tensors(unit_name, st):
             if key not in seen:
@@ -324,6 +326,12 @@ def _fill(root: FSDP, stored: dict[str, StoredTensor], nm: NameMap) -> None:
                     sl = h.param_shard_slice(i)
                     name = next((nm.stored_for[k] for k in _names(h, unit_name, i)
                                  if k in nm.stored_for), None)
+                    if info.spec is not None and name is not None:  # (DTensor: read whole)
+                        s = stored[name]
+                        whole = torch.empty(s.shape, dtype=h.orig_dtype)
+                        _read_into(whole, s, 0, fh(s.file))
+                        load_tp_param(h, i, whole)
+                        continue
                     if sl is None or name is None:
                         continue
                     s = stored[name]
