@@ -57,34 +57,37 @@ from tests._parity_run import (
 from tests.models import build, new_model
 
 # ---------------------------------------------------------------------------
-# tests: one pool.run per world size, checked per group of configs
+# tests: one pool.run per world size and group of configs (so that ``-k``
+# runs one group alone: the mutation tool's fast selections, tools/mutation.py)
 # ---------------------------------------------------------------------------
 
-_RESULTS: dict[tuple[int, str], list[tuple[list[tuple[str, str]], dict[str, float]]]] = {}
+_RESULTS: dict[tuple[int, str, str], list[tuple[list[tuple[str, str]], dict[str, float]]]] = {}
 GROUPS = ["transformer", "frozen", "frozen_mixed", "deep", "accumulation"]
 
 
 def _results(
-    request: pytest.FixtureRequest, sweep: tuple[int, str]
+    request: pytest.FixtureRequest, sweep: tuple[int, str], group: str
 ) -> list[tuple[list[tuple[str, str]], dict[str, float]]]:
+    """Each rank's ``(failures, counters)`` for ``group``'s configs of ``sweep``."""
     ws, part = sweep
-    if sweep not in _RESULTS:
+    key = (ws, part, group)
+    if key not in _RESULTS:
         pool = request.getfixturevalue(f"pool{ws}")
-        _RESULTS[sweep] = pool.run(_sweep, _configs(ws, part))
-        for rank, (_, stats) in enumerate(_RESULTS[sweep]):
+        _RESULTS[key] = pool.run(_sweep, [c for c in _configs(ws, part) if _group(c) == group])
+        for rank, (_, stats) in enumerate(_RESULTS[key]):
             print(
-                f"[ws {ws} {part} rank {rank}] "
+                f"[ws {ws} {part} {group} rank {rank}] "
                 + ", ".join(
                     f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()
                 )
             )
-    return _RESULTS[sweep]
+    return _RESULTS[key]
 
 
 def _check(request: pytest.FixtureRequest, sweep: tuple[int, str], group: str) -> None:
     ws = sweep[0]
     configs = [c for c in _configs(*sweep) if _group(c) == group]
-    results = _results(request, sweep)
+    results = _results(request, sweep, group)
     failures = [f for fails, _ in results for g, f in fails if g == group]
     assert not failures, (
         f"{len(failures)} parity failure(s) in {group} (world size {ws}):\n" + "\n".join(failures)
@@ -99,7 +102,12 @@ def test_sweep_is_not_vacuous(request: pytest.FixtureRequest, sweep: tuple[int, 
     assert {c["cap"] for c in configs} == set(CAPS), sweep
     assert {c["strategy"] for c in configs} == set(STRATEGIES), sweep
     assert {_group(c) for c in configs} == set(GROUPS), sweep
-    for rank, (_, stats) in enumerate(_results(request, sweep)):
+    per_group = [_results(request, sweep, g) for g in GROUPS]
+    for rank in range(sweep[0]):
+        stats: dict[str, float] = {}
+        for results in per_group:
+            for k, v in results[rank][1].items():
+                stats[k] = stats.get(k, 0) + v
         assert stats["sd_checked"] == sum(
             c["sd"] for c in configs if c["model"] not in BROKEN_GROUPS
         ), (rank, stats)

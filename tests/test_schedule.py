@@ -270,18 +270,28 @@ def test_bucket_rules() -> None:
     # Past the cap: the open bucket goes first; reaching it: issued at once.
     assert place_gradient(second.open, GradItem(3, True, True, "k"), 10).issue_open
     assert place_gradient(second.open, GradItem(2, True, True, "k"), 10).issue_full
-    # Another key goes in a bucket of its own.
+    # Another key goes in a bucket of its own (also after a bucket of one).
     other = place_gradient(second.open, GradItem(1, True, True, "j"), 10)
     assert other.issue_open and other.open == OpenBucket("j", 1, 1, True)
-    # Alone (after the open bucket is issued): at the cap, not bucketable, cap 0.
+    assert place_gradient(first.open, GradItem(1, True, False, "j"), 10) == (
+        True, True, OpenBucket("j", 1, 1, False), False)
+    # Alone (after the open bucket is issued): at the cap, not bucketable, cap 0;
+    # no bucket joined, so none is full and the open one is empty.
     for it, cap in ((GradItem(10, True, True, "k"), 10), (GradItem(1, False, True, "k"), 10),
                     (item, 0)):
-        p = place_gradient(second.open, it, cap)
-        assert p.issue_open and not p.joins
+        assert place_gradient(second.open, it, cap) == (True, False, OpenBucket(), False)
     assert not place_gradient(empty, GradItem(10, True, True, "k"), 10).issue_open
     # One gradient in a bucket is reduced alone; sharded buckets wait for those in flight.
     assert issue_bucket(first.open) == (True, True)
     assert issue_bucket(OpenBucket("k", 8, 2, False)) == (False, False)
+
+
+def test_member_by_member_copy_out_rule() -> None:
+    # At once: twice the batch; member by member: the batch plus twice the
+    # largest member.  Less only where the largest is under half the batch.
+    assert S.by_member_pays([1, 1, 1]) and S.by_member_pays([3, 2, 2])
+    assert not S.by_member_pays([1, 1]) and not S.by_member_pays([2, 1])
+    assert not S.by_member_pays([2, 1, 1])  # exactly half: as much, not less
 
 
 @pytest.mark.parametrize("cap", [0, 1])

@@ -58,18 +58,28 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_quantized_collectives.py", "-k", "docs_say or no_effect or one_replica or refusals"],
     "fsdp_wrap/comm/quant/topology.py": [
         "tests/test_quantized_collectives.py", "-k", "docs_say or refusals"],
-    "fsdp_wrap/comm/bucket.py": ["tests/test_buckets.py"],
-    "fsdp_wrap/comm/gather_batch.py": ["tests/test_gather_batch.py"],
+    "fsdp_wrap/comm/bucket.py": ["tests/test_buckets.py", "-k", "not bit_identical"],
+    "fsdp_wrap/comm/gather_batch.py": ["tests/test_gather_batch.py", "-k", "not bit_identical"],
     "fsdp_wrap/comm/collectives.py": ["tests/test_gloo_collectives.py"],
+    "fsdp_wrap/comm/schedule.py": ["tests/test_schedule.py", "-k", "rule or unbatched"],
     "fsdp_wrap/checkpoint/_atomic.py": ["tests/test_ckpt_tool.py", "tests/test_corruption.py"],
     "fsdp_wrap/checkpoint/_safetensors.py": ["tests/test_ckpt_tool.py",
                                              "tests/test_corruption.py"],
-    "fsdp_wrap/checkpoint/full.py": ["tests/test_full_checkpoint.py"],
+    "fsdp_wrap/checkpoint/full.py": ["tests/test_full_checkpoint.py",
+                                     "-k", "not sigkill and not transformers"],
     "fsdp_wrap/state_dict/optim.py": ["tests/test_optim_state_dict.py"],
     "fsdp_wrap/state_dict/model.py": ["tests/test_state_dict.py"],
-    "fsdp_wrap/handle/grads.py": ["tests/test_buckets.py", "tests/test_accumulation.py"],
-    "fsdp_wrap/handle/flat_param.py": ["tests/test_flat_param.py"],
+    "fsdp_wrap/handle/grads.py": [
+        "tests/test_parity.py", "tests/test_summon_full_params.py", "tests/test_mixed_precision.py",
+        "tests/test_accumulation.py", "-k", "deep-2 or accumulation-2 or summon_options or "
+        "keep_low_precision or equals_emulation"],
+    "fsdp_wrap/handle/flat_param.py": [
+        "tests/test_flat_param.py", "tests/test_parity.py", "tests/test_mixed_precision.py", "-k",
+        "real_handles or validation or deep-2 or keep_low_precision"],
     "fsdp_wrap/runtime/guards.py": ["tests/test_silent_setups.py"],
+    "fsdp_wrap/runtime/hooks.py": [
+        "tests/test_parity.py", "tests/test_gather_batch.py", "-k",
+        "deep-2 or frozen_mixed-2 or accumulation-2 or forward_gathers_the_next or each_member"],
     "fsdp_wrap/runtime/accumulation.py": ["tests/test_accumulation.py"],
     "fsdp_wrap/runtime/agreement.py": ["tests/test_rank_settings.py"],
 }
@@ -282,7 +292,7 @@ def sweep(modules: list[str], per_module: int, seed: int, limit_factor: float) -
             for m in sample:
                 status, took, tail = box.run(m, timeout=max(60.0, limit_factor * base))
                 rows.append({**asdict(m), "id": m.id, "status": status, "seconds": round(took, 1),
-                             "tail": tail if status == "survived" else ""})
+                             "tail": tail if status == "survived" else tail[-300:]})
                 print(f"{status:9s} {took:6.1f}s {m.id}  | {m.text[:70]}", flush=True)
             killed = sum(r["status"] != "survived" for r in rows)
             results["modules"][module] = {  # type: ignore[index]
