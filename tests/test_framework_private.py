@@ -127,6 +127,54 @@ def _summoned_state_dict(model: nn.Module, layered: bool) -> dict[str, torch.Ten
     return out
 
 
+def _summoned_sharded(model: nn.Module) -> dict[str, tuple[list[int], torch.Tensor]]:
+    """SHARDED_STATE_DICT inside a summon (verl's engine sets SHARDED, then its
+    LoRA sync reads the adapters inside summon_full_params): each value's
+    offsets and this rank's chunk."""
+    from torch.distributed.fsdp import StateDictType  # (before install(): torch's)
+
+    FSDP = type(model)
+    out: dict[str, tuple[list[int], torch.Tensor]] = {}
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        with FSDP.summon_full_params(model, writeback=False):
+            for k, v in model.module.state_dict().items():
+                if hasattr(v, "local_shards"):
+                    shards = v.local_shards()
+                    out[k] = (list(shards[0].metadata.shard_offsets) if shards else [],
+                              shards[0].tensor.clone() if shards else torch.empty(0))
+                else:
+                    out[k] = ([], v.clone())
+    return out
+
+
+def _kept_past_summon(model: nn.Module) -> list[str]:
+    """What a weight sync keeps from inside a summon (``p.detach().cpu()``, on
+    CPU the parameter itself) is still the summoned value after the exit
+    (fsdp_wrap only: torch's FSDP1 frees that storage, a segfault on CPU)."""
+    FSDP = type(model)
+    with FSDP.summon_full_params(model, writeback=False):
+        kept = {n: p.detach().cpu() for n, p in model.named_parameters()}
+        values = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model(torch.ones(2, 8)).sum()  # (a gather into the unit's buffers)
+    return [n for n in values if not torch.equal(kept[n], values[n])]
+
+
+def _forward_with_stale_root_flag(model: nn.Module) -> str:
+    """verl's layered summon leaving a nested unit marked as root: the next
+    forward's error (torch: an AttributeError from its root pre-forward)."""
+    with torch.no_grad():
+        model(torch.ones(2, 8))  # (the tree set up: the nested unit is not a root)
+    nested = [m for n, m in model.named_modules() if n and isinstance(m, type(model))][0]
+    nested._is_root = True
+    try:
+        model(torch.ones(2, 8))
+        return "no error"
+    except AttributeError as e:
+        return str(e)
+    finally:
+        nested._is_root = False
+
+
 def _read(model: nn.Module) -> dict[str, Any]:
     from torch.distributed.fsdp._runtime_utils import _lazy_init
 
@@ -143,6 +191,8 @@ def _one(cfg: dict[str, Any]) -> list[str]:
 
     name = f"{cfg['strategy']} uop={cfg['uop']}"
     theirs, ours = _pair(cfg)
+    spare = _pair(cfg)  # (for the stale root flag: a failed forward leaves torch's mid-way)
+    sharded = cfg["strategy"] != "NO_SHARD"  # (NO_SHARD gives FULL, with a warning)
     fsdp_wrap.install(verbose=False)
     try:
         fails: list[str] = []
@@ -170,7 +220,21 @@ def _one(cfg: dict[str, Any]) -> list[str]:
             sds = [_summoned_state_dict(m, layered) for m in (theirs, ours)]
             same = sorted(sds[0]) == sorted(sds[1]) and all(torch.equal(v, sds[1][k]) for k, v in sds[0].items())
             fails += _bad(f"{name} layered={layered}: summoned {sorted(sds[0])} vs {sorted(sds[1])}", not same)
+        if sharded:
+            # (uninstalled: install() points torch's class's module-level names at fsdp_wrap's)
+            fsdp_wrap.uninstall()
+            sh = [_summoned_sharded(m) for m in (theirs, ours)]
+            fsdp_wrap.install(verbose=False)
+            same = sorted(sh[0]) == sorted(sh[1]) and all(
+                sh[0][k][0] == sh[1][k][0] and torch.equal(sh[0][k][1], sh[1][k][1]) for k in sh[0])
+            fails += _bad(f"{name}: SHARDED inside summon {sorted(sh[0])} vs {sorted(sh[1])}", not same)
         fails += _bad(f"{name}: train after summons", _train(theirs, range(4, 5)) != _train(ours, range(4, 5)))
+        fails += _bad(f"{name}: kept past summon {_kept_past_summon(ours)}", bool(_kept_past_summon(ours)))
+        stale = [_forward_with_stale_root_flag(m) for m in spare]
+        fails += _bad(f"{name}: stale root flag: {stale}",
+                      "'_all_handles'" not in stale[0] or not stale[1].startswith("'Block' object has no "
+                      "attribute '_all_handles' [rank") or "FSDP unit '0'" not in stale[1]
+                      or "_is_root=True" not in stale[1])
         fails += _refused(ours, name)
         return fails
     finally:
