@@ -121,6 +121,7 @@ def build_worker(cfg: Any, actor: Any) -> Any:
     from verl.workers.engine_workers import TrainingWorker
     from verl.workers.utils.losses import ppo_loss
 
+    torch.manual_seed(0)  # as a fresh trainer process: PEFT draws the LoRA A weights (on rank 0)
     worker = TrainingWorker(config=cfg)
     worker.reset()
     if not cfg.engine_config.forward_only:
@@ -217,7 +218,11 @@ TORCH_CPU_FIXES: tuple[tuple[str, str], ...] = (
      "export and its LoRA sync's fallback): to_cpu() 'moves' the unsharded flat parameter to CPU, on "
      "CPU the same storage, then frees that storage (RuntimeError: setStorage ... storage of size 0; "
      "with rank0_only the ranks then disagree and gloo aborts the process); the oracle moves it as "
-     "across devices, to a copy"),
+     "across devices, to a copy.  On the way back to_cpu() copies into the padded unsharded "
+     "buffer under the caller's grad mode: for parameters that require grad (LoRA) the buffer "
+     "joins the autograd graph, and the unit's next unshard on gloo (all_gather into split views "
+     "of it) fails ('Output 0 of Split is a view and is being modified inplace'); the oracle "
+     "copies back under no_grad"),
     ("Tensor.cpu",
      "the LoRA sync's base weights (collect_lora_params before the first sync) keep "
      "param.detach().cpu() of summoned parameters past summon_full_params: from a GPU a copy, on "
@@ -238,14 +243,18 @@ def _to_cpu_as_across_devices(orig: Callable[..., Any]) -> Callable[..., Any]:
 
     @contextlib.contextmanager
     def to_cpu(self: Any) -> Any:
-        with contextlib.ExitStack() as stack:
-            if self.flat_param.device.type == "cpu":  # a copy, as flat_param_to(cpu) gives from a GPU
-                self.flat_param_to = functools.partial(FlatParamHandle.flat_param_to, self, copy=True)
-            try:
-                stack.enter_context(orig(self))
-            finally:
-                self.__dict__.pop("flat_param_to", None)
+        if self.flat_param.device.type == "cpu":  # a copy, as flat_param_to(cpu) gives from a GPU
+            self.flat_param_to = functools.partial(FlatParamHandle.flat_param_to, self, copy=True)
+        try:
+            cm = orig(self)
+            cm.__enter__()
+        finally:
+            self.__dict__.pop("flat_param_to", None)
+        try:
             yield
+        finally:
+            with torch.no_grad():  # (the copy back: see TORCH_CPU_FIXES)
+                cm.__exit__(None, None, None)
 
     return to_cpu
 
@@ -391,6 +400,7 @@ def case_lora(model_path: str) -> dict[str, Any]:
     b1 = {**b, "old_log_probs": old["log_probs"], "ref_log_prob": old["log_probs"].roll(1, -1)}
     c.step("update1", lambda: update(w, b1))
     e = w.engine
+    c.step("adapters_reference", lambda: adapters_reference(e.module))
     # ActorRolloutRefWorker.update_weights: the adapters, then (first sync) the base weights
     c.step("sync_lora", lambda: sync(e, layered_summon=False, base_sync_done=True))
     c.step("sync_base", lambda: sync(e, layered_summon=False, base_sync_done=False))
@@ -403,6 +413,19 @@ def case_lora(model_path: str) -> dict[str, Any]:
     c.step("ref_in_actor", lambda: log_probs(w, b, no_lora_adapter=True))
     c.step("update2", lambda: update(w, b1))
     c.step("log_prob2", lambda: log_probs(w, b))
+    return out
+
+
+def adapters_reference(model: Any) -> dict[str, torch.Tensor]:
+    """The LoRA weights read the plain way (every unit summoned, the original
+    parameters named): what the adapter sync must hand the rollout, under
+    PEFT's names (no wrapper parts, no adapter name)."""
+    out: dict[str, torch.Tensor] = {}
+    with type(model).summon_full_params(model, writeback=False):
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                key = name.replace("_fsdp_wrapped_module.", "").replace(".default", "")
+                out[key] = p.detach().clone()
     return out
 
 
@@ -479,6 +502,15 @@ def compare(theirs: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
                 if not ok:
                     entry["why"] = why
             rep[name] = entry
+        # the adapter syncs against the adapters read the plain way from torch's model
+        ref = theirs.get(case, {}).get("adapters_reference")
+        for name in ("sync_lora", "sync_lora_layered"):
+            if name in steps and isinstance(ref, dict) and "error" not in ref:
+                for who, got in (("torch", theirs[case].get(name)), ("ours", steps[name])):
+                    if isinstance(got, dict) and "error" not in got:
+                        got = {k: v for k, v in got.items() if not k.startswith("__")}
+                        ok, why = same(ref, got)
+                        rep[f"{name}_{who}_is_the_adapters"] = ok if ok else why[:200]
         # resume exact: the resumed worker repeats what the first one did after the save
         for a, b in (("update2", "resume_update2"), ("log_prob2", "resume_log_prob2"),
                      ("weights2", "resume_weights2")):
