@@ -113,6 +113,10 @@ class FullyShardedDataParallel(TorchAttributes, OptimStateDictMethods, Accumulat
         optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     """
 
+    # The public path, as torch's class names its module (type(m).__module__ is
+    # what frameworks and pickle see).
+    __module__ = "fsdp_wrap.fully_sharded_data_parallel"
+
     def __init__(
         self,
         module: nn.Module,
