@@ -19,6 +19,8 @@ rollout server (the weight sync's tensors are taken from the engine's
   checkpoint manager's save with the HF export, a second update, the full
   weight sync, and a resume: a new worker loads the checkpoint and repeats
   the second update (exact: the same losses, gradient norms and weights);
+  fsdp_wrap's run also resumes torch's FSDP1 checkpoint and must repeat
+  torch's second update;
 * ``offload``: the same actor with parameter and optimizer offload
   (``param_offload``/``optimizer_offload``: verl's ``offload_fsdp_model_to_cpu``
   / ``load_fsdp_model_to_gpu`` around every call), save and resume;
@@ -354,7 +356,14 @@ def case_actor(model_path: str, tmp: str, impl: str, offload: bool) -> dict[str,
     c.step("resume_update2", lambda: update(w2, b1))
     c.step("resume_log_prob2", lambda: log_probs(w2, b))
     c.step("resume_weights2", lambda: local_weights(w2))
-    out["_ckpt"] = ckpt
+    if impl == "ours":  # torch's FSDP1 checkpoint (saved in the torch run), resumed by fsdp_wrap
+        torch_ckpt = ckpt.replace(os.sep + "ours_", os.sep + "torch_")
+        w3 = c.step("resume_torch_build", lambda: build_worker(cfg, actor))
+        if w3 is not None:
+            out["resume_torch_build"] = True
+            c.step("resume_torch_load", lambda: w3.load_checkpoint(torch_ckpt) or True)
+            c.step("resume_torch_update2", lambda: update(w3, b1))
+            c.step("resume_torch_weights2", lambda: local_weights(w3))
     return out
 
 
@@ -490,6 +499,9 @@ def compare(theirs: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
         for name, v in steps.items():
             if name.startswith("_"):
                 continue
+            if name.startswith("resume_torch"):  # (fsdp_wrap's run only: checked below)
+                rep[name] = {"ours": summary(v)}
+                continue
             t = theirs.get(case, {}).get(name, {"error": "not reached"})
             entry: dict[str, Any] = {"ours": summary(v)}
             if isinstance(t, dict) and "error" in t:
@@ -502,6 +514,11 @@ def compare(theirs: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
                 if not ok:
                     entry["why"] = why
             rep[name] = entry
+        # fsdp_wrap resuming torch's checkpoint repeats torch's update after the save
+        for a, b in (("update2", "resume_torch_update2"), ("weights2", "resume_torch_weights2")):
+            if b in steps and a in theirs.get(case, {}):
+                ok, why = same(theirs[case][a], steps[b])
+                rep[f"ours_resumed_torch_{a}_exact"] = ok if ok else why
         # the adapter syncs against the adapters read the plain way from torch's model
         ref = theirs.get(case, {}).get("adapters_reference")
         for name in ("sync_lora", "sync_lora_layered"):
