@@ -15,7 +15,12 @@ on fsdp_wrap, and compares every tensor.  Asserted here, on both ranks:
   and fsdp_wrap resuming torch's FSDP1 checkpoint repeats torch's;
 * the LoRA adapter syncs (full and layered summon) hand exactly the adapters
   read the plain way from torch's model; torch's FSDP1 with PEFT as shipped
-  hands none (recorded, asserted, so the check can fail).
+  hands none (recorded, asserted, so the check can fail);
+* verl's layered summon on a model wrapped one unit per decoder layer leaves
+  the units marked as roots (verl's bug): torch's FSDP1 then fails in the
+  summon's fallback and the next forward (``'_all_handles'``); fsdp_wrap
+  completes the summon (the adapters, exactly) and refuses the forward with
+  torch's error plus the cause and the fix.
 
 verl pins transformers below 5.11: it lives in an environment of its own
 (``pip install -e '.[verl]'``; ``.ci/run`` builds one), and this test skips
@@ -68,6 +73,15 @@ def test_verl_fsdp1_engine() -> None:
     for rank, report in enumerate(_run()):
         assert "sync_module_states=True" in report["_torch_as_is"]["build"]["error"], report["_torch_as_is"]
         assert report["_meta"]["verl"] == "0.9.1", report["_meta"]
+        layered = report["layered"]  # verl's helpers on a wrap its engine does not build
+        assert "'_all_handles'" in layered["collect_layered"]["torch"]["error"], layered["collect_layered"]
+        assert layered["collect_layered_ours_is_the_adapters"] is True, layered
+        assert layered["left_flagged"]["equal"] is True and len(layered["left_flagged"]["ours"]) == 2, layered
+        after = layered["forward_after"]
+        assert "'_all_handles'" in after["torch"]["error"], after
+        assert after["ours"]["error"].startswith("AttributeError: 'Qwen2DecoderLayer' object has no attribute "
+                                                 "'_all_handles' [rank"), after
+        assert "_is_root=True" in after["ours"]["error"], after
         for case in ("actor", "offload", "ref", "lora"):
             steps = report[case]
             assert steps["classes"][0].startswith("torch.distributed.fsdp"), steps["classes"]

@@ -1,7 +1,7 @@
 """A CPU platform for verl, registered through verl's own plugin API
 (``verl.plugin.platform.PlatformRegistry``) and chosen with
 ``VERL_PLATFORM=cpu``: verl runs on CPU without a change to verl.
-Test harness only (tests/frameworks/verl_helpers_run.py)."""
+Test harness only (tests/frameworks/verl_engine_run.py)."""
 
 from __future__ import annotations
 

@@ -30,7 +30,11 @@ rollout server (the weight sync's tensors are taken from the engine's
   own), an update, then the weight syncs: the adapters (full summon), the
   adapters with ``layered_summon``, the base weights (before the first
   sync), the merged LoRA (``lora.merge``), then the reference log-probs
-  with the adapter disabled (the ref-in-actor path) and a last update.
+  with the adapter disabled (the ref-in-actor path) and a last update;
+* ``layered``: verl's own ``collect_lora_params(layered_summon=True)`` on a
+  model wrapped one unit per decoder layer (which its engine does not
+  build), then a forward: verl leaves nested units marked as roots, and the
+  forward fails on both (recorded, with each's error).
 
 The same cases run first on torch's FSDP1, then, after
 ``fsdp_wrap.install()``, on fsdp_wrap; every tensor is compared (bit-exact)
@@ -68,7 +72,7 @@ import verl_cpu_platform  # noqa: E402,F401  (registers the platform before verl
 
 GLOBAL_BATCH = 8  # sequences, over both ranks
 PROMPT, RESPONSE = 8, 8
-CASES = ("actor", "offload", "ref", "lora")
+CASES = ("actor", "offload", "ref", "lora", "layered")
 
 
 # ------------------------------------------------------------------ set-up
@@ -438,6 +442,41 @@ def adapters_reference(model: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+def case_layered(model_path: str) -> dict[str, Any]:
+    """verl's own LoRA helpers on a model its engine does not build (one unit
+    per decoder layer, the adapters inside them): ``layered_summon_lora_params``
+    marks each unit ``_is_root = True`` for its own summon; when PEFT finds no
+    adapter under the unit's relative names it leaves the loop with the flag
+    still set, and the next forward runs a root's pre-forward on a nested unit."""
+    import functools
+
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+    from verl.utils import fsdp_utils as V
+
+    out: dict[str, Any] = {}
+    c = Case(out)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="eager")
+    peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                           init_lora_weights=False))
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Qwen2DecoderLayer})
+    model = FSDP(peft, auto_wrap_policy=policy, use_orig_params=True, device_id=torch.device("cpu"))
+    out["_class"] = type(model).__module__
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+    c.step("forward", lambda: model(input_ids=ids).logits.detach().clone())
+    c.step("adapters_reference", lambda: adapters_reference(model))
+    c.step("collect_layered", lambda: {k: v.clone() for k, v in V.collect_lora_params(
+        model, layered_summon=True, base_sync_done=True).items()})
+    out["left_flagged"] = [n for n, m in model.named_modules()
+                           if n and isinstance(m, FSDP) and m._is_root]
+    c.step("forward_after", lambda: model(input_ids=ids).logits.detach().clone())
+    return out
+
+
 def run_all(impl: str, model_path: str, tmp: str, cases: list[str]) -> dict[str, Any]:
     res: dict[str, Any] = {}
     for case in cases:
@@ -450,6 +489,8 @@ def run_all(impl: str, model_path: str, tmp: str, cases: list[str]) -> dict[str,
             res[case] = case_ref(model_path)
         elif case == "lora":
             res[case] = case_lora(model_path)
+        elif case == "layered":
+            res[case] = case_layered(model_path)
         res[case]["_case_seconds"] = round(time.perf_counter() - t0, 1)
         dist.barrier()
     return res
@@ -521,7 +562,7 @@ def compare(theirs: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
                 rep[f"ours_resumed_torch_{a}_exact"] = ok if ok else why
         # the adapter syncs against the adapters read the plain way from torch's model
         ref = theirs.get(case, {}).get("adapters_reference")
-        for name in ("sync_lora", "sync_lora_layered"):
+        for name in ("sync_lora", "sync_lora_layered", "collect_layered"):
             if name in steps and isinstance(ref, dict) and "error" not in ref:
                 for who, got in (("torch", theirs[case].get(name)), ("ours", steps[name])):
                     if isinstance(got, dict) and "error" not in got:
