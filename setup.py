@@ -147,6 +147,11 @@ setup(
         # FSDP1 fine-tuning goes through.  The 1.x API the tests use; tested
         # with 1.16.  Not needed by the library.
         "trl": ["trl>=1.0", "peft", "bitsandbytes>=0.50", "transformers"],
+        # verl's FSDP1 engine, run end to end on 2 CPU ranks by tests/test_verl.py
+        # (slow).  verl 0.9.1 pins transformers<5.11, so it cannot share an
+        # environment with "frameworks"/"trl" (.ci/run gives it one of its own);
+        # its engine workers import uvicorn and fastapi, which it does not declare.
+        "verl": ["verl==0.9.1", "uvicorn", "fastapi", "peft"],
         # peft: load_pretrained maps a LoRA model's names onto a base checkpoint
         # (tests/test_load_pretrained.py) and the LoRA tests (tests/test_peft.py)
         # run real peft models.

@@ -89,16 +89,15 @@ def _offload_and_load(model: nn.Module) -> list[str]:
 
 
 def _train(model: nn.Module, steps: range) -> list[tuple[float, float]]:
-    """Two micro-batches, clip_grad_norm_, Adam (verl's update-actor shape;
-    its no_sync is left out here: over five calls of this, fsdp_wrap's no_sync
-    accumulation drifts from torch's by one ulp, an existing difference that
-    tests/test_accumulation.py owns, not the private names under test)."""
+    """verl's update-actor shape: two micro-batches, the first under
+    ``no_sync``, ``clip_grad_norm_``, Adam."""
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses = []
     for step in steps:
         g = torch.Generator().manual_seed(100 * step + dist.get_rank())
         micro = [torch.randn(2, 8, generator=g) for _ in range(2)]
-        model(micro[0]).pow(2).mean().backward()
+        with model.no_sync():
+            model(micro[0]).pow(2).mean().backward()
         loss = model(micro[1]).pow(2).mean()
         loss.backward()
         norm = model.clip_grad_norm_(1.0)
@@ -106,6 +105,21 @@ def _train(model: nn.Module, steps: range) -> list[tuple[float, float]]:
         opt.zero_grad()
         losses.append((loss.item(), norm.item()))
     return losses
+
+
+def _train_pair(theirs: nn.Module, ours: nn.Module, steps: range) -> bool:
+    """Whether both train alike.  torch's trains uninstalled: install() points
+    the module-level name ``FullyShardedDataParallel`` that torch's own methods
+    look their units up by at fsdp_wrap's class, and torch's ``no_sync()``
+    then finds no unit and syncs every micro-batch (docs/testing.rst)."""
+    import fsdp_wrap
+
+    fsdp_wrap.uninstall()
+    try:
+        t = _train(theirs, steps)
+    finally:
+        fsdp_wrap.install(verbose=False)
+    return t == _train(ours, steps)
 
 
 def _summoned_state_dict(model: nn.Module, layered: bool) -> dict[str, torch.Tensor]:
@@ -127,6 +141,54 @@ def _summoned_state_dict(model: nn.Module, layered: bool) -> dict[str, torch.Ten
     return out
 
 
+def _summoned_sharded(model: nn.Module) -> dict[str, tuple[list[int], torch.Tensor]]:
+    """SHARDED_STATE_DICT inside a summon (verl's engine sets SHARDED, then its
+    LoRA sync reads the adapters inside summon_full_params): each value's
+    offsets and this rank's chunk."""
+    from torch.distributed.fsdp import StateDictType  # (before install(): torch's)
+
+    FSDP = type(model)
+    out: dict[str, tuple[list[int], torch.Tensor]] = {}
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        with FSDP.summon_full_params(model, writeback=False):
+            for k, v in model.module.state_dict().items():
+                if hasattr(v, "local_shards"):
+                    shards = v.local_shards()
+                    out[k] = (list(shards[0].metadata.shard_offsets) if shards else [],
+                              shards[0].tensor.clone() if shards else torch.empty(0))
+                else:
+                    out[k] = ([], v.clone())
+    return out
+
+
+def _kept_past_summon(model: nn.Module) -> list[str]:
+    """What a weight sync keeps from inside a summon (``p.detach().cpu()``, on
+    CPU the parameter itself) is still the summoned value after the exit
+    (fsdp_wrap only: torch's FSDP1 frees that storage, a segfault on CPU)."""
+    FSDP = type(model)
+    with FSDP.summon_full_params(model, writeback=False):
+        kept = {n: p.detach().cpu() for n, p in model.named_parameters()}
+        values = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model(torch.ones(2, 8)).sum()  # (a gather into the unit's buffers)
+    return [n for n in values if not torch.equal(kept[n], values[n])]
+
+
+def _forward_with_stale_root_flag(model: nn.Module) -> str:
+    """verl's layered summon leaving a nested unit marked as root: the next
+    forward's error (torch: an AttributeError from its root pre-forward)."""
+    with torch.no_grad():
+        model(torch.ones(2, 8))  # (the tree set up: the nested unit is not a root)
+    nested = [m for n, m in model.named_modules() if n and isinstance(m, type(model))][0]
+    nested._is_root = True
+    try:
+        model(torch.ones(2, 8))
+        return "no error"
+    except AttributeError as e:
+        return str(e)
+    finally:
+        nested._is_root = False
+
+
 def _read(model: nn.Module) -> dict[str, Any]:
     from torch.distributed.fsdp._runtime_utils import _lazy_init
 
@@ -143,6 +205,8 @@ def _one(cfg: dict[str, Any]) -> list[str]:
 
     name = f"{cfg['strategy']} uop={cfg['uop']}"
     theirs, ours = _pair(cfg)
+    spare = _pair(cfg)  # (for the stale root flag: a failed forward leaves torch's mid-way)
+    sharded = cfg["strategy"] != "NO_SHARD"  # (NO_SHARD gives FULL, with a warning)
     fsdp_wrap.install(verbose=False)
     try:
         fails: list[str] = []
@@ -158,19 +222,32 @@ def _one(cfg: dict[str, Any]) -> list[str]:
                       a["device handle"] != b["device handle"])
         moves = [_offload_and_load(m) for m in (theirs, ours)]
         fails += _bad(f"{name}: offload/load {moves}", moves[0] != moves[1])
-        fails += _bad(f"{name}: train after offload", _train(theirs, range(2)) != _train(ours, range(2)))
+        fails += _bad(f"{name}: train after offload", not _train_pair(theirs, ours, range(2)))
         for m in (theirs, ours):  # verl's eval-mode exit: the root's handle resharded
             with torch.no_grad():
                 m(torch.ones(2, 8))
             if cfg["strategy"] != "NO_SHARD":  # (verl: only when sharded; torch asserts so)
                 m._handle.reshard(True)
-        t2, o2 = _train(theirs, range(2, 4)), _train(ours, range(2, 4))
-        fails += _bad(f"{name}: train after reshard {t2} {o2}", t2 != o2)
+        fails += _bad(f"{name}: train after reshard", not _train_pair(theirs, ours, range(2, 4)))
         for layered in (False, True):
             sds = [_summoned_state_dict(m, layered) for m in (theirs, ours)]
             same = sorted(sds[0]) == sorted(sds[1]) and all(torch.equal(v, sds[1][k]) for k, v in sds[0].items())
             fails += _bad(f"{name} layered={layered}: summoned {sorted(sds[0])} vs {sorted(sds[1])}", not same)
-        fails += _bad(f"{name}: train after summons", _train(theirs, range(4, 5)) != _train(ours, range(4, 5)))
+        if sharded:
+            # (uninstalled: install() points torch's class's module-level names at fsdp_wrap's)
+            fsdp_wrap.uninstall()
+            sh = [_summoned_sharded(m) for m in (theirs, ours)]
+            fsdp_wrap.install(verbose=False)
+            same = sorted(sh[0]) == sorted(sh[1]) and all(
+                sh[0][k][0] == sh[1][k][0] and torch.equal(sh[0][k][1], sh[1][k][1]) for k in sh[0])
+            fails += _bad(f"{name}: SHARDED inside summon {sorted(sh[0])} vs {sorted(sh[1])}", not same)
+        fails += _bad(f"{name}: train after summons", not _train_pair(theirs, ours, range(4, 5)))
+        fails += _bad(f"{name}: kept past summon {_kept_past_summon(ours)}", bool(_kept_past_summon(ours)))
+        stale = [_forward_with_stale_root_flag(m) for m in spare]
+        fails += _bad(f"{name}: stale root flag: {stale}",
+                      "'_all_handles'" not in stale[0] or not stale[1].startswith("'Block' object has no "
+                      "attribute '_all_handles' [rank") or "FSDP unit '0'" not in stale[1]
+                      or "_is_root=True" not in stale[1])
         fails += _refused(ours, name)
         return fails
     finally:

@@ -17,7 +17,11 @@ fsdp_wrap.  Asserted here:
   model computes them: FSDP's mixed precision, the trainer's autocast);
 * ``load_adapter`` into the wrapped model restores every rank's shard;
 * GRPO's generation gathers no more, and no more bytes, per generated token
-  than torch's FSDP1.
+  than torch's FSDP1;
+* TRL's FSDP1 weight syncs to vLLM (GRPO's and online DPO's per-unit
+  ``summon_full_params(recurse=False, writeback=False)`` walks, vLLM stood in
+  for) hand vLLM what torch's FSDP1 hands it, to the bit, and the full weights
+  (GRPO's walk misses the root unit's, on torch's FSDP1 alike).
 """
 
 from __future__ import annotations
@@ -48,6 +52,28 @@ def _check_ours(r: dict[str, Any], run: str, rank: int, kind: str) -> None:
         if kind != "full":
             assert r[run + "/adapter_tensors"] == 8, run  # A and B of q_proj, v_proj x 2 layers
             assert r[run + "/adapter_vs_trained"] == 0.0, run
+
+
+def _check_weight_syncs(r: dict[str, Any], run: str, twin: str) -> None:
+    """TRL's FSDP1 weight syncs to vLLM (``trl_rl_run.weight_syncs``): what
+    vLLM receives equals torch's FSDP1's to the bit, and the full weights.
+    GRPO's walk starts from the model before Accelerate wrapped it, so it
+    never summons the root unit: the root's own weights (embedding, final
+    norm, head) never reach vLLM, on torch's FSDP1 alike (TRL 1.16)."""
+    full = dict(map(tuple, r[run + "/full_weights"]))
+    assert r[run + "/full_weights"] == r[twin + "/full_weights"], run
+    for sync in ("vllm_sync_grpo", "vllm_sync_online_dpo"):
+        got = r[run + "/" + sync]
+        assert isinstance(got, list), (run, sync, got)
+        assert got == r[twin + "/" + sync], (run, sync)
+        received = dict(map(tuple, got))
+        assert len(received) == len(got), (run, sync)  # (each name once)
+        assert all(full[n] == d for n, d in received.items()), (run, sync)
+        missing = set(full) - set(received)
+        assert missing == (ROOT_OWN if sync == "vllm_sync_grpo" else set()), (run, sync, missing)
+
+
+ROOT_OWN = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
 
 
 def _torch_twin(r: dict[str, Any], run: str) -> str:
@@ -90,6 +116,8 @@ def test_dpo_and_grpo_trainers(request: pytest.FixtureRequest) -> None:
                 twin = _torch_twin(r, run)  # (every kind has one: LoRA, QLoRA, full)
                 assert r[twin + "/class"].startswith("torch.distributed.fsdp"), (twin, r)
                 assert r[run + "/losses"] == r[twin + "/losses"], (run, r)
+                if algo == "grpo" and kind == "full":
+                    _check_weight_syncs(r, run, twin)
                 if algo == "grpo":
                     calls, nbytes = r[run + "/gathers_per_token"]
                     t_calls, t_bytes = r[twin + "/gathers_per_token"]

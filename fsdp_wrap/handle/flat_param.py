@@ -518,9 +518,10 @@ class FlatParamHandle(SettingsView):
 
     # ----------------------------------------------------------- storage
 
-    def free_unsharded_storage(self) -> None:
-        """Free the compute copy's memory now; ``reshard`` finishes the job later."""
-        slot = self._gathered[False]
+    def free_unsharded_storage(self, full_precision: bool = False) -> None:
+        """Free the compute copy's (or summon's full-precision copy's) memory
+        now; ``reshard`` finishes the job later."""
+        slot = self._slot(full_precision)
         slot.wait()
         slot.free()
 

@@ -228,6 +228,29 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor:
     return flat.view(ints).sum(dtype=torch.int64)
 
 
+def check_root_flag(state: UnitState) -> None:
+    """Refuse a forward through a unit marked as a root (``_is_root = True``)
+    that lazy initialisation set up inside another unit's tree.
+
+    Code outside FSDP sets the flag to summon one nested unit on its own and
+    must set it back (verl 0.9.1's ``layered_summon_lora_params`` does not
+    when a unit yields no adapter PEFT recognises).  torch's FSDP1 then runs
+    the root's pre-forward on the nested unit and fails reading the tree's
+    handles, which only the real root has; fsdp_wrap names the cause.  A unit
+    whose root is gone keeps ``_is_root = False`` and is not concerned.
+    """
+    if state._is_root and state._root is not state:
+        wrapped = type(getattr(state.module, "module", state.module)).__name__
+        fqn = state.fqn or "(its tree's root module)"
+        raise AttributeError(
+            f"'{wrapped}' object has no attribute '_all_handles' [rank {global_rank()}, FSDP unit "
+            f"'{fqn}']: the unit is marked as a root (_is_root=True) but was set up inside the "
+            f"tree of another root unit, which runs its forward; code outside FSDP set the flag "
+            f"(e.g. to summon the unit alone) and did not set it back. Set unit._is_root = False "
+            f"after such a summon"
+        )
+
+
 def check_replicas(root: UnitState) -> None:
     """At the first forward: every replica holds the same parameters.
 

@@ -89,6 +89,7 @@ def root_pre_forward(state: UnitState, args: tuple[Any, ...], kwargs: dict[str, 
     the inputs are on the compute device.
     """
     tree.lazy_init(state)
+    guards.check_root_flag(state)
     if not state._is_root or in_backward():
         # In a backward, this forward is activation checkpointing (wrapped
         # around this root unit) recomputing it: the backward in progress owns

@@ -1,7 +1,8 @@
 """``summon_full_params``: full original parameters, on demand, for a while.
 
 Each unit is gathered in full precision; its original parameters are
-registered with their full shapes (on CPU with ``offload_to_cpu``); on exit
+registered with their full shapes (on CPU with ``offload_to_cpu``; on a CPU
+compute device a copy of the gathered data, see :func:`_copies_out`); on exit
 changes are written back to the local shards (``writeback``) and every unit
 is freed.  With ``rank0_only`` the other ranks take part in the gathers but
 free at once and see their sharded state inside the context.
@@ -109,6 +110,22 @@ def summon(
             handle.enter(HandleTrainingState.IDLE)
 
 
+def _copies_out(handle: FlatParamHandle, with_grads: bool) -> bool:
+    """Whether a summon on a CPU compute device shows a copy of the gathered
+    data rather than the gathered data itself.
+
+    The gathered storage is freed (resized to nothing) at the context's exit.
+    On a GPU, code that keeps what it read inside the context moves it to the
+    CPU first (``p.detach().cpu()``, verl's and PEFT's weight syncs), which
+    copies; on a CPU that ``.cpu()`` is the parameter itself, and reading it
+    after the exit reads freed memory (torch's FSDP1: a segmentation fault).
+    Showing a copy, which the exit only lets go of, keeps such reads valid.
+    Not for NO_SHARD (the views are the shard: nothing is freed) nor
+    ``with_grads`` (the gradients are shown beside the gathered data).
+    """
+    return handle.device.type == "cpu" and handle.uses_sharded_strategy and not with_grads
+
+
 def _summon_handle(handle: FlatParamHandle, rank: int, rank0_only: bool, offload_to_cpu: bool,
                    with_grads: bool) -> tuple[torch.Tensor | None, bool, torch.Tensor | None]:
     """Gather one flat parameter and show its original parameters at full
@@ -120,9 +137,14 @@ def _summon_handle(handle: FlatParamHandle, rank: int, rank0_only: bool, offload
     shown = not (rank0_only and rank != 0)
     if not shown:
         handle.reshard(free=True)
-    elif offload_to_cpu:
+    elif offload_to_cpu or _copies_out(handle, with_grads):
         cpu_copy = handle.flat_param.detach().to("cpu", copy=True)
         handle.use_unsharded_views(as_params=True, source=cpu_copy)
+        if handle.device.type == "cpu":
+            # The copy stands in for the gathered data, freed now (as torch's
+            # offload frees the device's): one full copy held, not two.
+            handle.flat_param.data = cpu_copy
+            handle.free_unsharded_storage(full_precision=True)
     else:
         handle.use_unsharded_views(as_params=True)
     if with_grads and shown:

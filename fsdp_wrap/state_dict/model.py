@@ -282,7 +282,7 @@ def _post_state_dict_hook(
 ) -> None:
     sd_type = effective_type(state, warn=False)
     if state.training_state is TrainingState.SUMMON_FULL_PARAMS:
-        summoned_post_state_dict(state, state_dict, prefix)
+        summoned_post_state_dict(state, state_dict, prefix, sd_type)
         return
     try:
         if sd_type is StateDictType.FULL_STATE_DICT:

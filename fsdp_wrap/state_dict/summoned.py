@@ -2,10 +2,12 @@
 dict, verl's LoRA weight sync).
 
 torch's FSDP1 then takes the full parameters as they are (its unshard is a
-no-op for a summoned handle) and clones them into a FULL state dict.  SHARDED
-and LOCAL are refused: fsdp_wrap builds those from the shards, which a summon
-may have changed without writing back yet (torch chunks the summoned values;
-docs/frameworks/private_surface.rst says so).
+no-op for a summoned handle): FULL clones them, SHARDED cuts this rank's
+dim-0 chunk of each (a ShardedTensor, or a DTensor with a device mesh),
+values included that the summon changed and has not written back (verl's
+LoRA weight sync asks for SHARDED there: its engine sets that type).  LOCAL
+is refused: torch's would describe the summoned flat parameter as this rank's
+shard, at offsets past the parameter's end.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 import torch
 
+import fsdp_wrap.state_dict.chunks as CH
 from fsdp_wrap.api import StateDictType
 from fsdp_wrap.runtime.names import WRAPPED
 from fsdp_wrap.runtime.state import TrainingState, UnitState, expect_state
@@ -25,27 +28,34 @@ __all__ = ["in_summon", "summoned_post_state_dict"]
 
 def in_summon(state: UnitState, sd_type: StateDictType, prefix: str) -> bool:
     """Whether ``state_dict()`` runs inside this unit's ``summon_full_params``
-    (FULL only: the others are refused there)."""
+    (FULL and SHARDED; LOCAL is refused there)."""
     if state.training_state is not TrainingState.SUMMON_FULL_PARAMS:
         return False
-    if sd_type is not StateDictType.FULL_STATE_DICT:
+    if sd_type is StateDictType.LOCAL_STATE_DICT:
         expect_state(state, TrainingState.IDLE, error=RuntimeError,
                      action=f"state_dict() with {sd_type.name}",
                      fix="inside summon_full_params use FULL_STATE_DICT (the full parameters "
-                         "as they are), or call it after the context")
+                         "as they are) or SHARDED_STATE_DICT, or call it after the context")
     return True
 
 
-def summoned_post_state_dict(state: UnitState, state_dict: dict[str, Any], prefix: str) -> None:
-    """FULL inside ``summon_full_params``: the summoned parameters cloned (they
-    are freed at the context's exit), buffers as always, clean keys."""
+def summoned_post_state_dict(state: UnitState, state_dict: dict[str, Any], prefix: str,
+                             sd_type: StateDictType) -> None:
+    """Inside ``summon_full_params``: the summoned parameters cloned (FULL; they
+    are freed at the context's exit) or this rank's chunk of each (SHARDED, a
+    copy), buffers as always, clean keys."""
     cfg = state._state_dict_config
     params = set(param_rels(state)) | set(shared_rels(state))
+    sharded = sd_type is StateDictType.SHARDED_STATE_DICT
+    layout = CH.chunk_layout(state, CH.uses_dtensor(state)) if sharded else None
     for rel in unit_keys(state):
         key = prefix + WRAPPED + rel
         value = state_dict.get(key)
         if isinstance(value, torch.Tensor):
             value = value.detach()
+            if rel in params and layout is not None:
+                state_dict[key] = CH.chunk_tensor(value, layout, cfg.offload_to_cpu)
+                continue
             if rel in params:
                 value = value.clone()
             state_dict[key] = value.to("cpu") if cfg.offload_to_cpu else value

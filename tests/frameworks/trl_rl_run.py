@@ -7,7 +7,9 @@ policy itself (``generate`` under TRL's ``summon_full_params(recurse=False)``
 of the root, no vLLM).  torch's FSDP1 first, then fsdp_wrap after
 ``install()``; each run as in ``trl_sft_run.py`` (3 steps, a checkpoint at
 step 2, resumed, ``save_model`` reloaded; torch's FSDP1 only trains), plus,
-for GRPO, the all-gathers and the bytes they bring per generated token.
+for GRPO, the all-gathers and the bytes they bring per generated token, and
+TRL's FSDP1 weight syncs to a colocated vLLM (GRPO's ``VLLMGeneration`` and
+online DPO's walk, vLLM stood in for: ``weight_syncs``).
 """
 
 from __future__ import annotations
@@ -86,6 +88,8 @@ def run(algo: str, impl: str, kind: str, sdt: str, uop: bool) -> None:
     if impl == "torch":  # (its resume restores no adapter: trl_sft_run.py shows it)
         if algo == "grpo":
             generation_cost(key, tr)
+            if kind == "full":
+                weight_syncs(key, tr)
         return
     again = make(base, out, kind, sdt, uop, None, False)
     again.train(resume_from_checkpoint=os.path.join(out, f"checkpoint-{SAVE_EVERY}"))
@@ -101,6 +105,8 @@ def run(algo: str, impl: str, kind: str, sdt: str, uop: bool) -> None:
     check_saved(key, kind, base, final, tr.model_wrapped, tr.args.bf16)
     if algo == "grpo":
         generation_cost(key, tr)
+        if kind == "full":
+            weight_syncs(key, tr)
     dist.barrier()
     record(key + "/seconds", [t1 - t0, t2 - t1, time.perf_counter() - t2])
 
@@ -123,6 +129,79 @@ def generation_cost(key: str, tr: object) -> None:
                                  do_sample=False).shape[1] - ids.shape[1]
     calls, nbytes = counter.gathers()
     record(key + "/gathers_per_token", [calls / new, nbytes / new])
+
+
+def _digest(t: torch.Tensor) -> str:
+    import hashlib
+
+    # (a copy: numpy pins the storage it views, which FSDP must be able to free)
+    data = t.detach().to("cpu", copy=True).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return f"{t.dtype}{tuple(t.shape)}:{hashlib.sha256(data).hexdigest()[:16]}"
+
+
+class _VllmStandIn:
+    """What TRL's colocated weight sync calls on vLLM (its model's
+    ``load_weights``, the prefix-cache reset): records what it receives."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.received: list[list[str]] = []
+        runner = SimpleNamespace(model=SimpleNamespace(load_weights=self._load))
+        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(
+            driver_worker=SimpleNamespace(model_runner=runner)))
+
+    def _load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        self.received += [[name, _digest(t)] for name, t in weights]
+
+    def reset_prefix_cache(self) -> None:
+        pass
+
+
+def weight_syncs(key: str, tr: object) -> None:
+    """TRL's FSDP1 weight syncs to a colocated vLLM, run by TRL's own code on the
+    trained (full fine-tune) model, with vLLM stood in for (not installable
+    here): GRPO's ``VLLMGeneration.sync_weights`` (a per-unit
+    ``summon_full_params(recurse=False, writeback=False)`` walk,
+    ``_iter_fsdp1_params``) and online DPO's ``_sync_fsdp1_params_to_vllm`` (the
+    same walk from the root).  Recorded: the full weights read the plain way
+    (one summon of the root), then what vLLM received (names and value
+    digests), or the error.  (With PEFT, TRL merges the adapters into the
+    FSDP1-sharded base weights first, which TRL itself marks "TODO: does this
+    work with FSDP?": not run here.)"""
+    import functools
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from trl.distributed import DistributedBackend
+    from trl.experimental.online_dpo.online_dpo_trainer import OnlineDPOTrainer
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    root = tr.model_wrapped  # type: ignore[attr-defined]
+    with FSDP.summon_full_params(root, writeback=False):
+        record(key + "/full_weights", [[n.replace("_fsdp_wrapped_module.", ""), _digest(p)]
+                                       for n, p in root.named_parameters()])
+    gen = object.__new__(VLLMGeneration)  # (its __init__ starts vLLM)
+    llm = _VllmStandIn()
+    # GRPOTrainer hands VLLMGeneration its model before Accelerate wraps it
+    gen.__dict__.update(model=root.module, accelerator=tr.accelerator, mode="colocate",  # type: ignore[attr-defined]
+                        enable_sleep_mode=False, llm=llm,
+                        _dist=DistributedBackend(tr.accelerator))  # type: ignore[attr-defined]
+    try:
+        gen.sync_weights()
+        record(key + "/vllm_sync_grpo", llm.received)
+    except Exception as e:
+        record(key + "/vllm_sync_grpo", f"{type(e).__name__}: {e}"[:300])
+    llm = _VllmStandIn()
+    stub = SimpleNamespace(vllm_mode="colocate", llm=llm, accelerator=tr.accelerator,  # type: ignore[attr-defined]
+                           _fix_param_name_to_vllm=functools.partial(
+                               OnlineDPOTrainer._fix_param_name_to_vllm, None))
+    stub._sync_fsdp1_params_to_vllm = functools.partial(OnlineDPOTrainer._sync_fsdp1_params_to_vllm, stub)
+    try:
+        stub._sync_fsdp1_params_to_vllm(root)
+        record(key + "/vllm_sync_online_dpo", llm.received)
+    except Exception as e:
+        record(key + "/vllm_sync_online_dpo", f"{type(e).__name__}: {e}"[:300])
 
 
 def torch_part() -> None:

@@ -1,7 +1,7 @@
 """A CPU platform for verl, registered through verl's own plugin API
 (``verl.plugin.platform.PlatformRegistry``) and chosen with
 ``VERL_PLATFORM=cpu``: verl runs on CPU without a change to verl.
-Test harness only (tests/frameworks/verl_helpers_run.py)."""
+Test harness only (tests/frameworks/verl_engine_run.py)."""
 
 from __future__ import annotations
 
@@ -25,11 +25,37 @@ def _cpu_device_module() -> ModuleType:
         setattr(mod, name, lambda *a, **k: 0)
     mod.mem_get_info = lambda *a, **k: (0, 0)
     mod.is_available = lambda: True
-    mod.current_device = lambda: 0
+    mod.get_device_name = lambda *a, **k: "CPU"  # (verl's FLOPs table: unknown, infinite)
+    # verl's checkpoint manager saves the RNG state under the device's name ("cpu")
+    # and restores it through the device module
+    mod.get_rng_state = torch.get_rng_state
+    mod.set_rng_state = torch.set_rng_state
+    mod.current_device = lambda: CPU_DEVICE_ID
     return mod
 
 
 _DEVICE = _cpu_device_module()
+
+
+class CpuDeviceId(str):
+    """The device id verl's ``get_device_id()`` hands out on this platform.
+
+    verl uses the id two ways: ``tensor.to(get_device_id())`` (and
+    ``device_id=`` / ``torch.device(...)``), where an int would name an
+    accelerator torch does not have on a CPU machine, and
+    ``f"{get_device_name()}:{get_device_id()}"``, where it must be an index.
+    A string ``"cpu"`` that formats as ``0`` serves both ("cpu" and
+    "cpu:0" are the same device to torch).
+    """
+
+    def __new__(cls) -> CpuDeviceId:
+        return super().__new__(cls, "cpu")
+
+    def __format__(self, spec: str) -> str:
+        return format(0, spec)
+
+
+CPU_DEVICE_ID = CpuDeviceId()
 
 
 @PlatformRegistry.register(platform="cpu")
@@ -49,8 +75,8 @@ class PlatformCPU(PlatformBase):
     def is_available(self) -> bool:
         return True
 
-    def current_device(self) -> int:
-        return 0
+    def current_device(self) -> Any:
+        return CPU_DEVICE_ID
 
     def device_count(self) -> int:
         return 1
