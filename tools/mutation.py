@@ -244,7 +244,8 @@ class Sandbox:
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
 
-    def run(self, m: Mutant | None, timeout: float) -> tuple[str, float, str]:
+    def run(self, m: Mutant | None, timeout: float, pool_timeout: float = 30.0,
+            ) -> tuple[str, float, str]:
         """``("killed" | "survived" | "timeout", seconds, output tail)``;
         ``m=None`` runs the selection of nothing mutated (the baseline)."""
         path = os.path.join(self.root, m.path) if m is not None else None
@@ -256,7 +257,7 @@ class Sandbox:
                 f.write(mutated_source(original, m))
         target = m.path if m is not None else ""
         env = dict(os.environ, PYTHONPATH=self.root, PYTHONDONTWRITEBYTECODE="1",
-                   FSDP_WRAP_TEST_TIMEOUT="30", PYTHONWARNINGS="ignore")
+                   FSDP_WRAP_TEST_TIMEOUT=str(pool_timeout), PYTHONWARNINGS="ignore")
         env.pop("FSDP_WRAP_REQUIRE", None)
         cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
                *TARGETS[target or _baseline_target]]  # (pyproject's addopts: not slow)
@@ -282,8 +283,9 @@ class Sandbox:
 
 
 _baseline_target = ""
-# what a test pool prints when its ranks made no progress (tests/_dist.py)
-_POOL_HANG = ("WorkerTimeoutError", "no progress for timeout=")
+# what a test pool says when its ranks made no progress, or it could not start
+# in time (tests/_dist.py); not when ranks stopped waiting after another failed
+_POOL_HANG = ("(no progress for timeout=", "start-up timed out after")
 
 
 def sweep(modules: list[str], per_module: int, seed: int, limit_factor: float) -> dict[str, object]:
@@ -307,11 +309,12 @@ def sweep(modules: list[str], per_module: int, seed: int, limit_factor: float) -
                 limit = max(60.0, limit_factor * base)
                 status, took, tail = box.run(m, timeout=limit)
                 first = status
-                if status == "timeout":  # once more, with twice the time: a loaded
-                    # machine times out too, and a timeout is not a failed assertion
+                if status == "timeout":  # once more, with twice the time (and three
+                    # times the pools' 30 s): a loaded machine times out too, and a
+                    # timeout is not a failed assertion
                     print(f"timeout   {took:6.1f}s {m.id}  (again, limit {2 * limit:.0f} s)",
                           flush=True)
-                    status, took, tail = box.run(m, timeout=2 * limit)
+                    status, took, tail = box.run(m, timeout=2 * limit, pool_timeout=90.0)
                 rows.append({**asdict(m), "id": m.id, "status": status, "first": first,
                              "seconds": round(took, 1),
                              "tail": tail if status != "killed" else tail[-300:]})
