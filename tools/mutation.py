@@ -46,6 +46,7 @@ import ast
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -269,7 +270,7 @@ class Sandbox:
             tail = (proc.stdout + proc.stderr)[-600:]
             if proc.returncode not in (0, 1):  # collection error, usage error, internal
                 status = "killed" if m is not None else "error"
-            elif status == "killed" and any(s in proc.stdout + proc.stderr for s in _POOL_HANG):
+            elif status == "killed" and _POOL_HANG.search(proc.stdout + proc.stderr):
                 # a pool's ranks made no progress: a hang the mutant caused, or a
                 # loaded machine; either way not a failed assertion
                 status = "timeout"
@@ -285,7 +286,9 @@ class Sandbox:
 _baseline_target = ""
 # what a test pool says when its ranks made no progress, or it could not start
 # in time (tests/_dist.py); not when ranks stopped waiting after another failed
-_POOL_HANG = ("(no progress for timeout=", "start-up timed out after")
+# (and not the source lines of a traceback that prints how it says it)
+_POOL_HANG = re.compile(r"within [0-9.]+s \(no progress for timeout=[0-9.]+s\)"
+                        r"|start-up timed out after [0-9]+s")
 
 
 def sweep(modules: list[str], per_module: int, seed: int, limit_factor: float) -> dict[str, object]:
