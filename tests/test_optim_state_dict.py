@@ -64,7 +64,9 @@ def _trained(kind: str, uop: bool, ours: bool, steps: int = 2, **kw: Any) -> tup
 
 
 def _formats_configs() -> list[dict[str, Any]]:
-    return [dict(kind=kind, uop=uop) for kind in ("seq", "tied") for uop in (False, True)]
+    # ("tiny": one unit whose shard is one element, as many as Adam's 0-dim "step")
+    return [dict(kind=kind, uop=uop) for kind in ("seq", "tied") for uop in (False, True)] + [
+        dict(kind="tiny", uop=False)]
 
 
 def _formats_match_torch(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:

@@ -66,8 +66,11 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_quantized_collectives.py", "-k", "docs_say or no_effect or one_replica or refusals"],
     "fsdp_wrap/comm/quant/topology.py": [
         "tests/test_quantized_collectives.py", "-k", "docs_say or refusals"],
-    "fsdp_wrap/comm/bucket.py": ["tests/test_buckets.py", "-k", "not bit_identical"],
-    "fsdp_wrap/comm/gather_batch.py": ["tests/test_gather_batch.py", "-k", "not bit_identical"],
+    # (the profiler's test: the labelled branches, taken only while a profiler records)
+    "fsdp_wrap/comm/bucket.py": ["tests/test_buckets.py", "tests/test_profiler_labels.py",
+                                 "-k", "not bit_identical"],
+    "fsdp_wrap/comm/gather_batch.py": ["tests/test_gather_batch.py",
+                                       "tests/test_profiler_labels.py", "-k", "not bit_identical"],
     "fsdp_wrap/comm/collectives.py": ["tests/test_gloo_collectives.py"],
     "fsdp_wrap/comm/schedule.py": ["tests/test_schedule.py", "-k", "rule or unbatched"],
     "fsdp_wrap/checkpoint/_atomic.py": ["tests/test_ckpt_tool.py", "tests/test_corruption.py"],
