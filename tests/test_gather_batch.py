@@ -185,6 +185,36 @@ def test_gather_counts(pool2: Any) -> None:
     assert pool2.run(_count_forward_gathers, 3 * UNIT_MB)[0] == [7 + 3, 4 + 3]
 
 
+def _count_full_precision_eval_gathers() -> list[int]:
+    """bfloat16 compute, in eval mode under ``FSDP_USE_FULL_PREC_IN_EVAL=1``
+    (with grad): every unit computes in full precision, which a batch (of
+    compute copies) does not hold, so none batches."""
+    import os
+
+    from fsdp_wrap import MixedPrecision
+
+    torch.manual_seed(0)
+    os.environ["FSDP_USE_FULL_PREC_IN_EVAL"] = "1"
+    try:
+        model = _wrap(Net(), 3 * UNIT_MB, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+    finally:
+        del os.environ["FSDP_USE_FULL_PREC_IN_EVAL"]
+    model.eval()
+    counts = []
+    for _ in range(2):
+        with GatherSpy(model) as spy:
+            out = model(_batch(0))
+            assert out.dtype == torch.float32, out.dtype
+            out.sum().backward()
+        counts.append(spy.calls)
+    return counts
+
+
+def test_units_computing_in_full_precision_do_not_batch(pool2: Any) -> None:
+    """As many gathers as with batching off (test_gather_counts: 13 a step)."""
+    assert pool2.run(_count_full_precision_eval_gathers)[0] == [13, 13]
+
+
 def _in_flight_during_forward(batch_mb: float) -> list[list[int]]:
     """Per block, the blocks whose batched gather is still in flight (issued, not
     yet waited for) while it computes, in the second iteration."""
