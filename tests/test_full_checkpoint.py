@@ -341,6 +341,16 @@ def _hybrid_round_trip(path: str) -> list[str]:
     return [k for k in want if not torch.equal(want[k], got[k])]
 
 
+def test_the_documented_file_size_bound_is_the_default() -> None:
+    """The docstring's "default 5 GiB" is the signature's default.  (Found by
+    mutation testing: no test saves 5 GiB, so a changed default survived.)"""
+    import inspect
+
+    assert "``max_shard_size`` (bytes,\n    default 5 GiB)" in (save_full_checkpoint.__doc__ or "")
+    default = inspect.signature(save_full_checkpoint).parameters["max_shard_size"].default
+    assert default == 5 * 2**30, default
+
+
 def test_hybrid_sharding_saves_from_one_replica(pool4: Any, tmp_path: Any) -> None:
     assert pool4.run(_hybrid_round_trip, str(tmp_path / "hybrid")) == [[], [], [], []]
 

@@ -88,8 +88,9 @@ TARGETS: dict[str, list[str]] = {
         "keep_low_precision or equals_emulation"],
     "fsdp_wrap/handle/flat_param.py": [
         "tests/test_flat_param.py", "tests/test_parity.py", "tests/test_mixed_precision.py",
-        "tests/test_memory_schedule.py", "-k",
-        "real_handles or validation or deep-2 or keep_low_precision or streams_one_unit"],
+        "tests/test_memory_schedule.py", "tests/test_profiler_labels.py", "-k",
+        "real_handles or validation or deep-2 or keep_low_precision or streams_one_unit or "
+        "a_trace_names"],
     "fsdp_wrap/runtime/guards.py": ["tests/test_silent_setups.py"],
     "fsdp_wrap/runtime/hooks.py": [
         "tests/test_parity.py", "tests/test_gather_batch.py", "-k",
