@@ -185,6 +185,44 @@ def test_gather_counts(pool2: Any) -> None:
     assert pool2.run(_count_forward_gathers, 3 * UNIT_MB)[0] == [7 + 3, 4 + 3]
 
 
+def _gathers_in_place(batch_mb: float) -> tuple[int, int]:
+    """(all-gathers, those whose shard was already in its row of the output)
+    in two steps' forward and backward over two gloo ranks, where
+    ``all_gather_into`` fills the output row by row (``gathers_in_rows``)."""
+    torch.manual_seed(0)
+    model = _wrap(Net(), batch_mb)
+    real = C.all_gather_into
+    calls = in_place = 0
+
+    def spy(output: torch.Tensor, shard: torch.Tensor, group: Any, *a: Any, **k: Any) -> Any:
+        nonlocal calls, in_place
+        assert C.gathers_in_rows(output, group)
+        row = output.view(dist.get_world_size(group), -1)[dist.get_rank(group)]
+        calls += 1
+        in_place += shard.data_ptr() == row.data_ptr()
+        return real(output, shard, group, *a, **k)
+
+    C.all_gather_into = spy  # type: ignore[assignment]
+    try:
+        for _ in range(2):
+            model(_batch(0)).sum().backward()
+    finally:
+        C.all_gather_into = real  # type: ignore[assignment]
+    return calls, in_place
+
+
+def test_batches_gather_into_their_own_row_without_a_send_buffer(pool2: Any) -> None:
+    """gloo over two ranks fills the output row by row: a batch writes its
+    shards straight into this rank's row of its receive buffer (the module
+    docstring's "broadcast form"; ``collectives.gathers_in_rows``), no send
+    buffer and no copy."""
+    calls, in_place = pool2.run(_gathers_in_place, 3 * UNIT_MB)[0]
+    # (test_gather_counts' batches: the first step's forward 7 alone (its order
+    # not known yet), backward 5+4, 3, 2+1+0; the second's forward root+0+1, 2,
+    # 3, 4+5: 17 gathers, 6 of them batches; units alone may or may not copy)
+    assert calls == 17 and in_place >= 6, (calls, in_place)
+
+
 def _count_full_precision_eval_gathers() -> list[int]:
     """bfloat16 compute, in eval mode under ``FSDP_USE_FULL_PREC_IN_EVAL=1``
     (with grad): every unit computes in full precision, which a batch (of
