@@ -400,12 +400,14 @@ def check(seed: int, count: int, budget: float) -> int:
     return 1 if survived else 0
 
 
-def run_ids(ids: list[str], tests: list[str] | None) -> int:
+def run_ids(ids: list[str], tests: list[str] | None, out: str | None = None) -> int:
     """Run the mutants ``ids`` (against ``tests``, else their module's
-    selection); 1 if one survives."""
+    selection); 1 if one survives.  ``out``: the results as ``sweep`` writes
+    them (``record`` takes only those run against their module's selection)."""
     global _baseline_target
     box = Sandbox()
     survived = 0
+    rows: list[dict[str, object]] = []
     try:
         for mid in ids:
             path = mid.split(":")[0]
@@ -420,8 +422,13 @@ def run_ids(ids: list[str], tests: list[str] | None) -> int:
             status, took, tail = box.run(m, timeout=1800)
             print(f"{status:9s} {took:6.1f}s {m.id}  | {m.text[:70]}", flush=True)
             survived += status == "survived"
+            rows.append({**asdict(m), "id": m.id, "status": status, "seconds": round(took, 1),
+                         "tests": tests, "tail": tail[-300:]})
     finally:
         box.close()
+    if out:
+        with open(out, "w", encoding="utf-8") as f:
+            json.dump({"modules": {"run": {"rows": rows}}}, f, indent=1)
     return 1 if survived else 0
 
 
@@ -440,7 +447,8 @@ def record(paths: list[str], max_seconds: float) -> int:
             res = json.load(f)
         for module in res["modules"].values():
             for r in module["rows"]:
-                if r["status"] == "killed" and r["seconds"] <= max_seconds and r["id"] not in have:
+                if r["status"] == "killed" and r["seconds"] <= max_seconds and \
+                        r["id"] not in have and not r.get("tests"):
                     keep = ("path", "line", "col", "op", "text", "index", "id", "seconds")
                     data["killed"].append({k: r[k] for k in keep})
                     have.add(r["id"])
@@ -474,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     one = sub.add_parser("run", help="run the given mutants (ids as `list` prints them)")
     one.add_argument("ids", nargs="+")
     one.add_argument("--tests", nargs="*", help="another test selection (pytest arguments)")
+    one.add_argument("--json", help="write the results here (as sweep does)")
     r = sub.add_parser("record", help="add the killed mutants of sweep results to the record")
     r.add_argument("results", nargs="+")
     r.add_argument("--max-seconds", type=float, default=40.0)
@@ -481,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "record":
         return record(args.results, args.max_seconds)
     if args.cmd == "run":
-        return run_ids(args.ids, args.tests)
+        return run_ids(args.ids, args.tests, args.json)
     if args.cmd == "baseline":
         return baseline(args.modules)
     if args.cmd == "list":
