@@ -223,6 +223,28 @@ def test_batches_gather_into_their_own_row_without_a_send_buffer(pool2: Any) -> 
     assert calls == 17 and in_place >= 6, (calls, in_place)
 
 
+def _held_after_a_step_with_an_unused_follower() -> list[int]:
+    """The blocks still holding a gathered copy after a step whose forward left
+    block 1 out, though its batch (root+0+1, the order known from the first
+    step) gathered it."""
+    torch.manual_seed(0)
+    net = Net()
+    model = _wrap(net, 3 * UNIT_MB)
+    blocks = list(model.blocks)  # type: ignore[union-attr, arg-type]
+    for step in range(2):
+        net.skip = {1} if step else set()
+        model(_batch(step)).sum().backward()
+    return [j for j, b in enumerate(blocks)
+            if b._handles[0]._gathered[False].valid
+            or b._handles[0]._gathered[False].pending is not None]
+
+
+def test_a_follower_that_did_not_run_is_freed_at_the_end_of_backward(pool2: Any) -> None:
+    """The module docstring: "A follower that then does not run (control flow)
+    is freed with every other unit at the end of backward"."""
+    assert pool2.run(_held_after_a_step_with_an_unused_follower) == [[], []]
+
+
 def _count_full_precision_eval_gathers() -> list[int]:
     """bfloat16 compute, in eval mode under ``FSDP_USE_FULL_PREC_IN_EVAL=1``
     (with grad): every unit computes in full precision, which a batch (of
