@@ -12,6 +12,7 @@ checkpoint still loads and the partial one is rejected by name.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -364,7 +365,24 @@ def _with_optimizer(root: str) -> list[str]:
         path = os.path.join(root, f"optim-{uop}")
         model, opt = build(uop=uop)
         train(model, opt, range(2))
-        save_full_checkpoint(model, path, opt, max_shard_size=700, window_bytes=24)
+        synced: set[str] = set()  # the files flushed to disk (os.fsync) during the save
+        real_fsync = os.fsync
+
+        def fsync(fd: int, synced: set[str] = synced, real: Any = real_fsync) -> None:
+            with contextlib.suppress(OSError):
+                synced.add(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+            real(fd)
+
+        os.fsync = fsync
+        try:
+            save_full_checkpoint(model, path, opt, max_shard_size=700, window_bytes=24)
+        finally:
+            os.fsync = real_fsync
+        if dist.get_rank() == 0:  # (the docstring: the files are flushed before path appears)
+            unsynced = [f for f in sorted(os.listdir(path))
+                        if f.endswith(".safetensors") and f not in synced]
+            if unsynced:
+                problems.append(f"{uop}: not flushed to disk: {unsynced}")
         with F.state_dict_type(model, fsdp_wrap.StateDictType.FULL_STATE_DICT,
                                fsdp_wrap.FullStateDictConfig(rank0_only=True),
                                fsdp_wrap.FullOptimStateDictConfig(rank0_only=True)):
