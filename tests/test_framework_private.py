@@ -6,6 +6,12 @@ exit, its layered LoRA summon; PEFT's ``get_peft_model_state_dict`` inside
 ``summon_full_params``), once on torch's FSDP1 and once on fsdp_wrap, and the
 results compared: values read, and the training that follows (losses
 bit-exact: the same operations in the same order).
+
+The mesh configurations compare torch's private unit state as torch's own
+2-D tests read it (``_get_module_fsdp_state(model)._fsdp_extension``): the
+state lookups and each unit's extension, for units given a mesh sliced from a
+larger one (FSDP with tensor parallelism, or HSDP of a 3-D mesh), a root
+mesh, or process groups only.
 """
 
 from __future__ import annotations
@@ -39,8 +45,14 @@ def _model() -> nn.Module:
     return nn.Sequential(Block(), Block(), nn.Linear(8, 2))
 
 
+#: mesh configurations (see _unit_states): how each unit gets its groups.
+MESHES = ("dp of dp x tp", "dp of dp x tp, TP model", "1-D mesh", "HSDP, 2-D root mesh",
+          "HSDP, 2-D of a 3-D mesh", "default group", "HSDP, group pair")
+
+
 def _configs() -> list[dict[str, Any]]:
-    return [dict(strategy=s, uop=u) for s, u in itertools.product(("FULL_SHARD", "NO_SHARD"), (False, True))]
+    return [dict(strategy=s, uop=u) for s, u in itertools.product(("FULL_SHARD", "NO_SHARD"), (False, True))] \
+        + [dict(mesh=m) for m in MESHES]
 
 
 def _bad(what: str, failed: bool) -> list[str]:
@@ -203,6 +215,8 @@ def _read(model: nn.Module) -> dict[str, Any]:
 def _one(cfg: dict[str, Any]) -> list[str]:
     import fsdp_wrap
 
+    if "mesh" in cfg:
+        return _unit_states(cfg["mesh"])
     name = f"{cfg['strategy']} uop={cfg['uop']}"
     theirs, ours = _pair(cfg)
     spare = _pair(cfg)  # (for the stale root flag: a failed forward leaves torch's mid-way)
@@ -255,15 +269,110 @@ def _one(cfg: dict[str, Any]) -> list[str]:
 
 
 def _refused(ours: nn.Module, name: str) -> list[str]:
-    from torch.distributed.fsdp import _runtime_utils
+    from torch.distributed.fsdp import _runtime_utils, _unshard_param_utils
 
     try:
         _runtime_utils._reshard(ours, ours._handle, True)
         msg = "no error"
     except NotImplementedError as e:
         msg = str(e)
-    return _bad(f"{name}: refusal {msg}",
-                not ("_runtime_utils._reshard()" in msg and "_refused" in msg and "reshard(True)" in msg))
+    fails = _bad(f"{name}: refusal {msg}",
+                 not ("_runtime_utils._reshard()" in msg and "_refused" in msg and "reshard(True)" in msg))
+    try:  # (verl's recipe/vla: keyword arguments, the state from _get_module_fsdp_state)
+        _unshard_param_utils._unshard_params_for_summon(
+            module=ours, state=ours, writeback=False, rank0_only=False, offload_to_cpu=False,
+            with_grads=False)
+        msg = "no error"
+    except NotImplementedError as e:
+        msg = str(e)
+    return fails + _bad(f"{name}: refusal {msg}", not ("_unshard_params_for_summon()" in msg
+                                                        and "summon_full_params(module)" in msg))
+
+
+def _mesh_kwargs(kind: str) -> dict[str, Any]:
+    """The constructor arguments (groups, strategy) of mesh configuration ``kind``
+    on 2 ranks; every rank builds the same meshes (their groups are collective)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if kind.startswith("dp of dp x tp"):
+        mesh = init_device_mesh("cpu", (2, 1) if "TP" not in kind else (1, 2), mesh_dim_names=("dp", "tp"))
+        return dict(device_mesh=mesh["dp"], tp_mesh=mesh["tp"] if "TP" in kind else None)
+    if kind == "1-D mesh":
+        return dict(device_mesh=init_device_mesh("cpu", (2,)))
+    hybrid = dict(sharding_strategy="HYBRID_SHARD")
+    if kind == "HSDP, 2-D root mesh":
+        return dict(hybrid, device_mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("rep", "shard")))
+    if kind == "HSDP, 2-D of a 3-D mesh":
+        mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("rep", "shard", "tp"))
+        return dict(hybrid, device_mesh=mesh["rep", "shard"])
+    if kind == "HSDP, group pair":
+        mesh = init_device_mesh("cpu", (1, 2))
+        return dict(hybrid, process_group=(mesh.get_group(1), mesh.get_group(0)))
+    return {}
+
+
+def _tp(model: nn.Module, tp_mesh: Any) -> nn.Module:
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan = {f"{i}.{n}": (ColwiseParallel() if n == "a" else RowwiseParallel()) for i in (0, 1) for n in "ab"}
+    return parallelize_module(model, tp_mesh, plan)
+
+
+def _state_reads(model: nn.Module, lookup: Any, composable: Any) -> list[Any]:
+    """What torch's 2-D tests and DCP read of each unit's private state, in
+    module order (types and identities: extension objects are per process)."""
+    out: list[Any] = []
+    for name, m in model.named_modules():
+        if not isinstance(m, type(model)):
+            out.append((name, "not a unit", lookup(m), composable(m)))
+            continue
+        state = lookup(m)
+        ext = getattr(state, "_fsdp_extension", "missing")
+        handle = getattr(ext, "device_handle", None)
+        out.append((name, state is m, composable(m) is m, type(ext).__name__, ext is state._fsdp_extension,
+                    type(handle).__name__, handle is not None and handle.is_available(),
+                    getattr(ext, "compute_stream", None)))
+    return out
+
+
+def _unit_states(kind: str) -> list[str]:
+    """``_get_module_fsdp_state`` / ``_get_module_state`` and ``_fsdp_extension``
+    of torch's units and of fsdp_wrap's (built alike, read under install()),
+    then nothing of it left once uninstalled."""
+    import torch.distributed._composable_state as composable
+    import torch.distributed.fsdp as tfsdp
+    import torch.distributed.fsdp._common_utils as common
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
+
+    import fsdp_wrap
+    from fsdp_wrap.wrap import ModuleWrapPolicy
+
+    kwargs = _mesh_kwargs(kind)
+    tp_mesh = kwargs.pop("tp_mesh", None)
+    strategy = kwargs.pop("sharding_strategy", "FULL_SHARD")
+    models = [_model() if tp_mesh is None else _tp(_model(), tp_mesh) for _ in range(2)]
+    theirs = tfsdp.FullyShardedDataParallel(
+        models[0], auto_wrap_policy=TorchPolicy({Block}), device_id=CPU,
+        sharding_strategy=tfsdp.ShardingStrategy[strategy], **kwargs)
+    ours = fsdp_wrap.FullyShardedDataParallel(
+        models[1], auto_wrap_policy=ModuleWrapPolicy({Block}),
+        sharding_strategy=fsdp_wrap.ShardingStrategy[strategy], **kwargs)
+    torch_lookups = (common._get_module_fsdp_state, composable._get_module_state)
+    fsdp_wrap.install(verbose=False)
+    try:
+        from torch.distributed.fsdp._common_utils import _get_module_fsdp_state
+
+        reads = [_state_reads(m, _get_module_fsdp_state, composable._get_module_state) for m in (theirs, ours)]
+    finally:
+        fsdp_wrap.uninstall()
+    fails = _bad(f"{kind}: unit states\n  torch's   {reads[0]}\n  fsdp_wrap {reads[1]}", reads[0] != reads[1])
+    left = [(common._get_module_fsdp_state, composable._get_module_state) != torch_lookups,
+            common._get_module_fsdp_state(ours) is not None, hasattr(ours, "_fsdp_extension")]
+    return fails + _bad(f"{kind}: left after uninstall() {left}", any(left))
 
 
 def _sweep(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:

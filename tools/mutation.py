@@ -372,33 +372,44 @@ def check(seed: int, count: int, budget: float) -> int:
     ``budget`` seconds; 1 if one survives now."""
     global _baseline_target
     with open(KILLED_FILE, encoding="utf-8") as f:
-        recorded = [Mutant(**{k: r[k] for k in ("path", "line", "col", "op", "text", "index")})
-                    for r in json.load(f)["killed"]]
+            rows = json.load(f)["killed"]
+    recorded = [(Mutant(**{k: r[k] for k in ("path", "line", "col", "op", "text", "index")}),
+                 float(r.get("seconds", 60.0))) for r in rows]
     rng = random.Random(seed)
     order = rng.sample(recorded, len(recorded))
     box = Sandbox()
     deadline = time.monotonic() + budget
     survived: list[tuple[Mutant, str]] = []
     stale: list[str] = []
+    inconclusive: list[str] = []
     ran = 0
     try:
-        for m in order:
+        for m, seconds in order:
             if ran >= count or time.monotonic() > deadline:
                 break
+            if seconds > deadline - time.monotonic():
+                continue  # (its selection took longer than the box has left: another one)
             now = relocate(m)
             if now is None:
                 stale.append(m.id)
                 continue
             _baseline_target = now.path
-            status, took, tail = box.run(now, timeout=max(60.0, deadline - time.monotonic()))
-            ran += 1
+            # Its own limit, not what is left of the box: a run cut short by the
+            # box's end would count as neither killed nor survived.
+            status, took, tail = box.run(now, timeout=max(60.0, 4 * seconds))
             print(f"{status:9s} {took:6.1f}s {now.id}  | {now.text[:70]}", flush=True)
+            if status == "timeout":
+                inconclusive.append(now.id)  # (not counted: a slow machine, or a hang)
+                continue
+            ran += 1
             if status == "survived":
                 survived.append((now, tail))
     finally:
         box.close()
     for gone in stale:
         print(f"stale (the code it mutated is gone; re-record): {gone}")
+    for mid in inconclusive:
+        print(f"timed out, not counted: {mid}")
     print(f"{ran} recorded-killed mutants re-run, {len(survived)} survived")
     for m, tail in survived:
         print(f"SURVIVED {m.id}: {m.text}\n{tail}", file=sys.stderr)

@@ -20,7 +20,16 @@ away again):
   when torch's ``_lazy_init`` is called on it (the way verl reaches them)
   and after each ``flat_param_to``, which makes the moved data the shard
   the handle gathers from (verl then sets ``_local_shard`` to it, as it
-  does with torch's).
+  does with torch's);
+* ``torch.distributed.fsdp._common_utils._get_module_fsdp_state(module)`` and
+  ``torch.distributed._composable_state._get_module_state(module)``: for an
+  fsdp_wrap unit, the unit itself (a torch FSDP1 module is its own state, and
+  the façade answers torch's state names); anything else still goes to
+  torch's, so torch's units get torch's states;
+* a unit's ``_fsdp_extension``: what torch's FSDP1 sets at construction,
+  torch's ``DTensorExtensions`` over the unit's device handle when the unit
+  was given a ``device_mesh`` sliced from a larger one (FSDP with tensor
+  parallelism, :doc:`/two_d`), else ``None``; one object per unit.
 
 torch functions that take a unit's private state and that fsdp_wrap cannot
 honour are refused (:data:`REFUSED`) with an error naming the framework's
@@ -32,6 +41,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -42,11 +52,14 @@ from fsdp_wrap.fully_sharded_data_parallel import FullyShardedDataParallel
 from fsdp_wrap.handle.flat_param import FlatParamHandle
 from fsdp_wrap.handle.flat_tensor import HandleState
 from fsdp_wrap.runtime.state import is_unit
+from fsdp_wrap.state_dict.two_d import is_two_d
 
 __all__ = ["REFUSED", "patches"]
 
 _RUNTIME = "torch.distributed.fsdp._runtime_utils"
 _COMMON = "torch.distributed.fsdp._common_utils"
+_COMPOSABLE = "torch.distributed._composable_state"
+_TP_FSDP = "torch.distributed.tensor.parallel.fsdp"
 
 #: torch function -> the public fsdp_wrap way, for the functions refused on
 #: fsdp_wrap's units.
@@ -57,6 +70,8 @@ REFUSED: dict[tuple[str, str], str] = {
     (_RUNTIME, "_pre_forward"): "calling the unit (unit(inputs))",
     (_RUNTIME, "_post_backward_final_callback"): "a backward through the root unit",
     ("torch.distributed.fsdp._unshard_param_utils", "_unshard_params"):
+        "FullyShardedDataParallel.summon_full_params(module)",
+    ("torch.distributed.fsdp._unshard_param_utils", "_unshard_params_for_summon"):
         "FullyShardedDataParallel.summon_full_params(module)",
 }
 
@@ -141,6 +156,58 @@ def _adopt_moved_shard(handle: FlatParamHandle) -> None:
     handle.flat_param._local_shard = handle.local_shard  # type: ignore[attr-defined]
 
 
+# ------------------------------------------------------------ unit states
+
+def _state_lookup(torch_lookup: Callable[..., Any]) -> Callable[..., Any]:
+    """torch's ``_get_module_fsdp_state`` / ``_get_module_state``, answering
+    the unit itself for an fsdp_wrap unit (torch's FSDP1 module is its state)."""
+
+    def lookup(module: nn.Module) -> Any:
+        if isinstance(module, FullyShardedDataParallel):
+            return module
+        return torch_lookup(module)
+
+    lookup.__name__ = getattr(torch_lookup, "__name__", "lookup")
+    lookup.__doc__ = "torch's private state lookup; an fsdp_wrap unit is its own state."
+    return lookup
+
+
+#: unit -> its ``_fsdp_extension`` (made at the first read: one object per unit).
+_EXTENSIONS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def _extension_property(extension_cls: type) -> property:
+    """A unit's ``_fsdp_extension``: torch's ``extension_cls(device handle)``
+    when the unit's ``device_mesh`` is a slice of a larger mesh, as torch's
+    ``_init_extension`` decides at construction, else ``None``."""
+
+    def get(unit: FullyShardedDataParallel) -> Any:
+        if unit not in _EXTENSIONS:
+            two_d = is_two_d(unit._fsdp_state)
+            _EXTENSIONS[unit] = extension_cls(_device_handle(unit)) if two_d else None
+        return _EXTENSIONS[unit]
+
+    def set_(unit: FullyShardedDataParallel, value: Any) -> None:
+        _EXTENSIONS[unit] = value
+
+    return property(get, set_, doc="torch's FSDP1 tensor-parallel extension of the unit.")
+
+
+def _state_patches(patches: list[Any], originals: dict[int, Any]) -> None:
+    for module_name, name in ((_COMMON, "_get_module_fsdp_state"),
+                              (_COMPOSABLE, "_get_module_state")):
+        mod = _import(module_name)
+        fn = getattr(mod, name, None)
+        if mod is not None and callable(fn):
+            ours = _state_lookup(fn)
+            originals[id(fn)] = ours
+            patches.append(Patch(mod, name, ours))
+    extension_cls = getattr(_import(_TP_FSDP), "DTensorExtensions", None)
+    if extension_cls is not None and _import(_COMMON) is not None:
+        patches.append(Patch(FullyShardedDataParallel, "_fsdp_extension",
+                             _extension_property(extension_cls)))
+
+
 # ------------------------------------------------------------------ install
 
 def _import(name: str) -> types.ModuleType | None:
@@ -170,3 +237,4 @@ def patches(patches: list[Any], originals: dict[int, Any]) -> None:
         patches.append(Patch(FullyShardedDataParallel, "_device_handle", property(_device_handle)))
     patches.append(Patch(FlatParamHandle, "_offload_params", property(_offload_params)))
     patches.append(Patch(FlatParamHandle, "flat_param_to", _flat_param_to))
+    _state_patches(patches, originals)
