@@ -331,6 +331,14 @@ def _named_in_refusals() -> dict[str, str]:
     gc.collect()
     out["collected"] = str(gone() is None)
     out["model gone"] = step()
+    # an optimizer that stepped once before the model was wrapped: its check
+    # looks again once the model is wrapped
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    opt.step()  # (no gradient yet: nothing changes, nothing to refuse)
+    model = fsdp_wrap.FullyShardedDataParallel(m)
+    out["stepped before wrapping"] = step()
     torch.manual_seed(0)
     model = fsdp_wrap.FullyShardedDataParallel(
         nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 3)),
@@ -355,5 +363,6 @@ def test_refusals_name_what_they_found(pool2: Any) -> None:
         assert got["collected"] == "True", got  # (else the next case says nothing)
         assert "holds 6 parameter(s) that FSDP replaced by its flat parameters ()" in \
             got["model gone"], got
+        assert "holds 4 parameter(s) that FSDP replaced" in got["stepped before wrapping"], got
         stale = got["stale root"]
         assert f"[rank {rank}, FSDP unit '0']" in stale and "_is_root=True" in stale, stale

@@ -91,9 +91,10 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_flat_param.py", "tests/test_parity.py", "tests/test_mixed_precision.py",
         "tests/test_memory_schedule.py", "tests/test_profiler_labels.py",
         "tests/test_summon_full_params.py", "tests/test_gather_batch.py",
-        "tests/test_quantized_collectives.py", "-k",
+        "tests/test_quantized_collectives.py", "tests/test_env_options.py", "-k",
         "real_handles or validation or deep-2 or keep_low_precision or streams_one_unit or "
-        "a_trace_names or summon_options or did_not_run or emulation_2_ranks"],
+        "a_trace_names or summon_options or did_not_run or emulation_2_ranks or "
+        "full_precision_in_eval"],
     "fsdp_wrap/runtime/guards.py": ["tests/test_silent_setups.py"],
     "fsdp_wrap/runtime/hooks.py": [
         "tests/test_parity.py", "tests/test_gather_batch.py", "tests/test_silent_setups.py",
