@@ -421,6 +421,8 @@ def test_requires_all_reduce_misuse_warns_on_every_rank(pool4: Any) -> None:
                                   "still in effect"), at_step
         assert "Call set_requires_all_reduce(True) before the last micro-batch's backward" \
             in at_step, at_step
+        # the units by name (the root as '<root>'): the root and the two blocks
+        assert "(units ['<root>', 'blocks.0', 'blocks.1'])" in at_step, at_step
         assert no_replicas.startswith(f"[rank {rank}] set_requires_all_reduce(False) has no "
                                       "effect here: no FSDP unit it applies to has replicas"), \
             no_replicas
