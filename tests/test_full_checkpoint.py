@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp_wrap
-from fsdp_wrap.checkpoint import load_full_checkpoint, save_full_checkpoint
+from fsdp_wrap.checkpoint import load_full_checkpoint, save_full_checkpoint, verify_full_checkpoint
 from fsdp_wrap.wrap import ModuleWrapPolicy
 from tests import _ckpt_common as C
 from tests._proc import run_bounded
@@ -173,6 +173,11 @@ def _refusals(path: str) -> dict[str, str]:
         if any(not torch.equal(before[k], after[k]) for k in before):
             out[name] += " / MODEL CHANGED"
     model, _ = build(seed=3, n=2)
+    try:  # (verify_full_checkpoint is strict by default too)
+        verify_full_checkpoint(model, path)
+        out["verify extra"] = "verified"
+    except (KeyError, ValueError) as e:
+        out["verify extra"] = f"{type(e).__name__}: {e}"
     load_full_checkpoint(model, path, strict=False)  # the extra block is ignored
     return out
 
@@ -232,6 +237,7 @@ def test_mismatched_model_is_refused_before_it_is_touched(pool2: Any, tmp_path: 
         assert got["missing"].startswith("KeyError") and "has no tensor 'blocks.3.fc1.weight'" in got["missing"]
         assert got["extra"].startswith("KeyError") and "first 'blocks.2.fc1.weight'" in got["extra"]
         assert "strict=False" in got["extra"]
+        assert got["verify extra"].startswith("KeyError") and "strict=False" in got["verify extra"]
         assert got["dtype"].startswith("ValueError") and "torch.float32 but the model expects torch.bfloat16" in got["dtype"]
         assert all("MODEL CHANGED" not in v and "_fsdp_wrapped_module" not in v for v in got.values())
 
