@@ -228,6 +228,36 @@ def test_files_hold_the_full_state_dict_and_load_at_other_world_sizes(
     assert pool2.run(_load_all, root) == [[], []]
 
 
+def _save_with_an_ignored_block(path: str) -> list[str]:
+    """A model with an ignored block (FSDP leaves its parameters whole on every
+    rank): the files hold what the FULL state dict holds, the ignored block's
+    parameters included."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    net = Net(2, 8)
+    model = fsdp_wrap.FullyShardedDataParallel(
+        net, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=CPU,
+        ignored_modules=[net.blocks[1]])
+    save_full_checkpoint(model, path)
+    want = _full_sd(model)
+    if dist.get_rank() != 0:
+        return []
+    index = json.load(open(os.path.join(path, "model.safetensors.index.json")))
+    got: dict[str, torch.Tensor] = {}
+    for f in sorted(set(index["weight_map"].values())):
+        got.update(load_file(os.path.join(path, f)))
+    problems = [f"keys: {sorted(set(got) ^ set(want))}"] if set(got) != set(want) else []
+    problems += [k for k in want if k in got and not torch.equal(got[k], want[k])]
+    if not any(k.startswith("blocks.1.") for k in got):
+        problems.append(f"no ignored parameter saved: {sorted(got)}")
+    return problems
+
+
+def test_ignored_modules_parameters_are_saved(pool2: Any, tmp_path: Any) -> None:
+    assert pool2.run(_save_with_an_ignored_block, str(tmp_path / "ck")) == [[], []]
+
+
 def test_mismatched_model_is_refused_before_it_is_touched(pool2: Any, tmp_path: Any) -> None:
     path = str(tmp_path / "ck")
     pool2.run(_save_one, path)
