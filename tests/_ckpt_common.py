@@ -58,6 +58,8 @@ def make_model(kind: str, seed: int = 0) -> nn.Module:
         from tests.models import LoraNet
 
         return LoraNet()
+    if kind == "tiny":  # one unit of 2 elements: a shard of 1 on 2 ranks, like a 0-dim state
+        return nn.Linear(1, 1)
     raise ValueError(kind)
 
 
@@ -68,6 +70,8 @@ def policy(kind: str) -> Any:
         from tests.models import LoraBlock
 
         return ModuleWrapPolicy({LoraBlock})
+    if kind == "tiny":
+        return None
     return ModuleWrapPolicy({nn.Sequential})
 
 
@@ -93,6 +97,8 @@ def batch(kind: str, step: int) -> torch.Tensor:
         return torch.randn(5, 4, generator=g)
     if kind == "lora":
         return torch.randn(3, 4, 5, generator=g)
+    if kind == "tiny":
+        return torch.randn(3, 1, generator=g)
     return torch.randint(0, 10, (3, 2), generator=g)
 
 

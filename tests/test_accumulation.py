@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import fsdp_wrap
 import fsdp_wrap.comm.collectives as C
 from tests._dist import progress
 from tests._options_common import cmp, loss_of, rank_tag, run_configs
@@ -156,7 +157,10 @@ def _train(cfg: dict[str, Any]) -> list[str]:
     gen = torch.Generator().manual_seed(300 + dist.get_rank())
     fails: list[str | None] = []
     trainable = [h for h in ours._all_handles if h.flat_param.requires_grad]
-    in_flight_seen = False
+    in_flight_seen: set[int] = set()  # the steps in which a reduction was left in flight
+    # set_is_last_backward is for the whole tree: called on the root in the first
+    # step, on a nested unit in the second
+    nested = [m for m in ours.modules() if m is not ours and isinstance(m, type(ours))][0]
     for step in range(STEPS):
         xs = [model_input(cfg["model"], gen) for _ in range(MICRO)]
         losses = []
@@ -170,7 +174,14 @@ def _train(cfg: dict[str, Any]) -> list[str]:
                 before(i, ours.module)
                 ours.set_requires_all_reduce(last)
                 if cfg.get("not_last"):
-                    ours.set_is_last_backward(last)
+                    (ours if step == 0 else nested).set_is_last_backward(last)
+                if i > cfg.get("no_sync", 0):  # (the last micro-batch reduced)
+                    # the setters finish what set_is_last_backward(False) left in
+                    # flight: issued under the flags they change
+                    if not ours._grad_buckets.idle:
+                        fails.append(f"micro-batch {i}: reductions in flight after the setters")
+                        ours._grad_buckets.finish()
+                    fails += _memory_problems(ours)
                 if i < cfg.get("no_sync", 0):
                     with ours.no_sync():
                         loss = loss_of(ours(x))
@@ -180,9 +191,8 @@ def _train(cfg: dict[str, Any]) -> list[str]:
                     loss.backward()
                 losses.append(loss.detach())
                 if not last and i >= cfg.get("no_sync", 0):
-                    in_flight_seen |= not ours._grad_buckets.idle
-                    ours._grad_buckets.finish()  # (what the next forward does first)
-                    fails += _memory_problems(ours)
+                    if not ours._grad_buckets.idle:
+                        in_flight_seen.add(step)
         if cfg.get("plain") and step == 0:
             fails += _plain_accumulation_bound(cfg, ours, emu, xs)
         opt.step()
@@ -204,8 +214,9 @@ def _train(cfg: dict[str, Any]) -> list[str]:
             if traffic.nbytes != expected:
                 fails.append(f"step {step}: {traffic.nbytes} bytes to the replicas, not {expected}")
         progress()
-    if cfg.get("not_last") and cfg.get("cap") != 0 and not in_flight_seen:
-        fails.append("set_is_last_backward(False) left no reduction in flight")
+    if cfg.get("not_last") and cfg.get("cap") != 0 and in_flight_seen != set(range(STEPS)):
+        fails.append(f"set_is_last_backward(False) left reductions in flight in steps "
+                     f"{sorted(in_flight_seen)} only")
     found = [f for f in fails if f]
     return [f"{tag}: " + "; ".join(found[:4])] if found else []
 
@@ -391,19 +402,30 @@ def _misuse_warnings() -> list[str]:
     out.append(_recorded(opt.step))
     out.append(_recorded(lambda: full.set_requires_all_reduce(False)))
     out.append(_recorded(lambda: full.set_requires_all_reduce(True)))
+    with nodes_of(4):  # one node: HYBRID_SHARD's replicate groups are of one rank
+        from tests.models import TinyTransformer, transformer_policy
+
+        one_node = fsdp_wrap.FullyShardedDataParallel(
+            TinyTransformer(), sharding_strategy=fsdp_wrap.ShardingStrategy.HYBRID_SHARD,
+            auto_wrap_policy=transformer_policy("ours"))
+    out.append(_recorded(lambda: one_node.set_requires_all_reduce(False)))
     return out
 
 
 def test_requires_all_reduce_misuse_warns_on_every_rank(pool4: Any) -> None:
     for rank, res in enumerate(pool4.run(_misuse_warnings)):
-        set_hybrid, at_step, unchanged, survived, documented, no_replicas, back = res
+        set_hybrid, at_step, unchanged, survived, documented, no_replicas, back, one_node = res
         assert set_hybrid == "" and documented == "" and back == "", res
         assert unchanged == "True" and survived == "True", res
         assert at_step.startswith(f"SGD.step() [rank {rank}] with set_requires_all_reduce(False) "
                                   "still in effect"), at_step
         assert "Call set_requires_all_reduce(True) before the last micro-batch's backward" \
             in at_step, at_step
+        # the units by name (the root as '<root>'): the root and the two blocks
+        assert "(units ['<root>', 'blocks.0', 'blocks.1'])" in at_step, at_step
         assert no_replicas.startswith(f"[rank {rank}] set_requires_all_reduce(False) has no "
                                       "effect here: no FSDP unit it applies to has replicas"), \
             no_replicas
         assert "use no_sync() or set_requires_gradient_sync(False)" in no_replicas, no_replicas
+        assert f"[rank {rank}] set_requires_all_reduce(False) has no effect here" in one_node, \
+            one_node

@@ -374,3 +374,36 @@ def test_an_unfinished_save_names_the_last_complete_checkpoint_beside_it(
     msg = str(err.value)
     assert f"is incomplete: rank 2 never finished; rank 1 failed (RuntimeError: boom {'x' * 481})" \
         f"; the last complete one is {good}" in msg, msg
+
+
+def test_a_save_over_an_old_copy_that_cannot_be_removed_still_completes(
+        tmp_path: Any, monkeypatch: Any) -> None:
+    """Replacing a checkpoint moves the old copy aside, renames the new one into
+    place, then removes the old copy; that removal failing (a file of it still
+    open over NFS, a busy mount) must not fail a save that is already complete.
+    (Found by mutation testing: ``ignore_errors=False`` there survived every
+    checkpoint test, since ``rmtree`` cannot fail for root on a local disk.)"""
+    import errno
+
+    from fsdp_wrap.checkpoint import _atomic
+
+    real_rmdir = os.rmdir
+
+    def busy(p: Any, *args: Any, **kwargs: Any) -> None:
+        if ".replaced-" in os.fspath(p):
+            raise OSError(errno.EBUSY, "Device or resource busy", os.fspath(p))
+        real_rmdir(p, *args, **kwargs)
+
+    path = str(tmp_path / "step-1")
+    for payload in (b"old", b"new"):
+        tmp = _atomic.begin(path, 1, "full-safetensors", {})
+        (tmp_path / "step-1.incomplete" / "data.bin").write_bytes(payload)
+        if payload == b"new":
+            monkeypatch.setattr(os, "rmdir", busy)
+        _atomic.commit(tmp, path, {})  # no error: the new checkpoint is in place
+    monkeypatch.undo()
+    assert (tmp_path / "step-1" / "data.bin").read_bytes() == b"new"
+    assert _atomic.check_complete(path)["complete"] is True
+    assert not os.path.exists(path + ".incomplete")
+    left = [n for n in os.listdir(tmp_path) if ".replaced-" in n]
+    assert len(left) == 1, os.listdir(tmp_path)  # the old copy, left where it was

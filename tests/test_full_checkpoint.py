@@ -12,6 +12,7 @@ checkpoint still loads and the partial one is rejected by name.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp_wrap
-from fsdp_wrap.checkpoint import load_full_checkpoint, save_full_checkpoint
+from fsdp_wrap.checkpoint import load_full_checkpoint, save_full_checkpoint, verify_full_checkpoint
 from fsdp_wrap.wrap import ModuleWrapPolicy
 from tests import _ckpt_common as C
 from tests._proc import run_bounded
@@ -172,6 +173,11 @@ def _refusals(path: str) -> dict[str, str]:
         if any(not torch.equal(before[k], after[k]) for k in before):
             out[name] += " / MODEL CHANGED"
     model, _ = build(seed=3, n=2)
+    try:  # (verify_full_checkpoint is strict by default too)
+        verify_full_checkpoint(model, path)
+        out["verify extra"] = "verified"
+    except (KeyError, ValueError) as e:
+        out["verify extra"] = f"{type(e).__name__}: {e}"
     load_full_checkpoint(model, path, strict=False)  # the extra block is ignored
     return out
 
@@ -222,6 +228,36 @@ def test_files_hold_the_full_state_dict_and_load_at_other_world_sizes(
     assert pool2.run(_load_all, root) == [[], []]
 
 
+def _save_with_an_ignored_block(path: str) -> list[str]:
+    """A model with an ignored block (FSDP leaves its parameters whole on every
+    rank): the files hold what the FULL state dict holds, the ignored block's
+    parameters included."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    net = Net(2, 8)
+    model = fsdp_wrap.FullyShardedDataParallel(
+        net, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=CPU,
+        ignored_modules=[net.blocks[1]])
+    save_full_checkpoint(model, path)
+    want = _full_sd(model)
+    if dist.get_rank() != 0:
+        return []
+    index = json.load(open(os.path.join(path, "model.safetensors.index.json")))
+    got: dict[str, torch.Tensor] = {}
+    for f in sorted(set(index["weight_map"].values())):
+        got.update(load_file(os.path.join(path, f)))
+    problems = [f"keys: {sorted(set(got) ^ set(want))}"] if set(got) != set(want) else []
+    problems += [k for k in want if k in got and not torch.equal(got[k], want[k])]
+    if not any(k.startswith("blocks.1.") for k in got):
+        problems.append(f"no ignored parameter saved: {sorted(got)}")
+    return problems
+
+
+def test_ignored_modules_parameters_are_saved(pool2: Any, tmp_path: Any) -> None:
+    assert pool2.run(_save_with_an_ignored_block, str(tmp_path / "ck")) == [[], []]
+
+
 def test_mismatched_model_is_refused_before_it_is_touched(pool2: Any, tmp_path: Any) -> None:
     path = str(tmp_path / "ck")
     pool2.run(_save_one, path)
@@ -231,6 +267,7 @@ def test_mismatched_model_is_refused_before_it_is_touched(pool2: Any, tmp_path: 
         assert got["missing"].startswith("KeyError") and "has no tensor 'blocks.3.fc1.weight'" in got["missing"]
         assert got["extra"].startswith("KeyError") and "first 'blocks.2.fc1.weight'" in got["extra"]
         assert "strict=False" in got["extra"]
+        assert got["verify extra"].startswith("KeyError") and "strict=False" in got["verify extra"]
         assert got["dtype"].startswith("ValueError") and "torch.float32 but the model expects torch.bfloat16" in got["dtype"]
         assert all("MODEL CHANGED" not in v and "_fsdp_wrapped_module" not in v for v in got.values())
 
@@ -341,6 +378,16 @@ def _hybrid_round_trip(path: str) -> list[str]:
     return [k for k in want if not torch.equal(want[k], got[k])]
 
 
+def test_the_documented_file_size_bound_is_the_default() -> None:
+    """The docstring's "default 5 GiB" is the signature's default.  (Found by
+    mutation testing: no test saves 5 GiB, so a changed default survived.)"""
+    import inspect
+
+    assert "``max_shard_size`` (bytes,\n    default 5 GiB)" in (save_full_checkpoint.__doc__ or "")
+    default = inspect.signature(save_full_checkpoint).parameters["max_shard_size"].default
+    assert default == 5 * 2**30, default
+
+
 def test_hybrid_sharding_saves_from_one_replica(pool4: Any, tmp_path: Any) -> None:
     assert pool4.run(_hybrid_round_trip, str(tmp_path / "hybrid")) == [[], [], [], []]
 
@@ -354,7 +401,24 @@ def _with_optimizer(root: str) -> list[str]:
         path = os.path.join(root, f"optim-{uop}")
         model, opt = build(uop=uop)
         train(model, opt, range(2))
-        save_full_checkpoint(model, path, opt, max_shard_size=700, window_bytes=24)
+        synced: set[str] = set()  # the files flushed to disk (os.fsync) during the save
+        real_fsync = os.fsync
+
+        def fsync(fd: int, synced: set[str] = synced, real: Any = real_fsync) -> None:
+            with contextlib.suppress(OSError):
+                synced.add(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+            real(fd)
+
+        os.fsync = fsync
+        try:
+            save_full_checkpoint(model, path, opt, max_shard_size=700, window_bytes=24)
+        finally:
+            os.fsync = real_fsync
+        if dist.get_rank() == 0:  # (the docstring: the files are flushed before path appears)
+            unsynced = [f for f in sorted(os.listdir(path))
+                        if f.endswith(".safetensors") and f not in synced]
+            if unsynced:
+                problems.append(f"{uop}: not flushed to disk: {unsynced}")
         with F.state_dict_type(model, fsdp_wrap.StateDictType.FULL_STATE_DICT,
                                fsdp_wrap.FullStateDictConfig(rank0_only=True),
                                fsdp_wrap.FullOptimStateDictConfig(rank0_only=True)):

@@ -185,6 +185,96 @@ def test_gather_counts(pool2: Any) -> None:
     assert pool2.run(_count_forward_gathers, 3 * UNIT_MB)[0] == [7 + 3, 4 + 3]
 
 
+def _gathers_in_place(batch_mb: float) -> tuple[int, int]:
+    """(all-gathers, those whose shard was already in its row of the output)
+    in two steps' forward and backward over two gloo ranks, where
+    ``all_gather_into`` fills the output row by row (``gathers_in_rows``)."""
+    torch.manual_seed(0)
+    model = _wrap(Net(), batch_mb)
+    real = C.all_gather_into
+    calls = in_place = 0
+
+    def spy(output: torch.Tensor, shard: torch.Tensor, group: Any, *a: Any, **k: Any) -> Any:
+        nonlocal calls, in_place
+        assert C.gathers_in_rows(output, group)
+        row = output.view(dist.get_world_size(group), -1)[dist.get_rank(group)]
+        calls += 1
+        in_place += shard.data_ptr() == row.data_ptr()
+        return real(output, shard, group, *a, **k)
+
+    C.all_gather_into = spy  # type: ignore[assignment]
+    try:
+        for _ in range(2):
+            model(_batch(0)).sum().backward()
+    finally:
+        C.all_gather_into = real  # type: ignore[assignment]
+    return calls, in_place
+
+
+def test_batches_gather_into_their_own_row_without_a_send_buffer(pool2: Any) -> None:
+    """gloo over two ranks fills the output row by row: a batch writes its
+    shards straight into this rank's row of its receive buffer (the module
+    docstring's "broadcast form"; ``collectives.gathers_in_rows``), no send
+    buffer and no copy."""
+    calls, in_place = pool2.run(_gathers_in_place, 3 * UNIT_MB)[0]
+    # (test_gather_counts' batches: the first step's forward 7 alone (its order
+    # not known yet), backward 5+4, 3, 2+1+0; the second's forward root+0+1, 2,
+    # 3, 4+5: 17 gathers, 6 of them batches; units alone may or may not copy)
+    assert calls == 17 and in_place >= 6, (calls, in_place)
+
+
+def _held_after_a_step_with_an_unused_follower() -> list[int]:
+    """The blocks still holding a gathered copy after a step whose forward left
+    block 1 out, though its batch (root+0+1, the order known from the first
+    step) gathered it."""
+    torch.manual_seed(0)
+    net = Net()
+    model = _wrap(net, 3 * UNIT_MB)
+    blocks = list(model.blocks)  # type: ignore[union-attr, arg-type]
+    for step in range(2):
+        net.skip = {1} if step else set()
+        model(_batch(step)).sum().backward()
+    return [j for j, b in enumerate(blocks)
+            if b._handles[0]._gathered[False].valid
+            or b._handles[0]._gathered[False].pending is not None]
+
+
+def test_a_follower_that_did_not_run_is_freed_at_the_end_of_backward(pool2: Any) -> None:
+    """The module docstring: "A follower that then does not run (control flow)
+    is freed with every other unit at the end of backward"."""
+    assert pool2.run(_held_after_a_step_with_an_unused_follower) == [[], []]
+
+
+def _count_full_precision_eval_gathers() -> list[int]:
+    """bfloat16 compute, in eval mode under ``FSDP_USE_FULL_PREC_IN_EVAL=1``
+    (with grad): every unit computes in full precision, which a batch (of
+    compute copies) does not hold, so none batches."""
+    import os
+
+    from fsdp_wrap import MixedPrecision
+
+    torch.manual_seed(0)
+    os.environ["FSDP_USE_FULL_PREC_IN_EVAL"] = "1"
+    try:
+        model = _wrap(Net(), 3 * UNIT_MB, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+    finally:
+        del os.environ["FSDP_USE_FULL_PREC_IN_EVAL"]
+    model.eval()
+    counts = []
+    for _ in range(2):
+        with GatherSpy(model) as spy:
+            out = model(_batch(0))
+            assert out.dtype == torch.float32, out.dtype
+            out.sum().backward()
+        counts.append(spy.calls)
+    return counts
+
+
+def test_units_computing_in_full_precision_do_not_batch(pool2: Any) -> None:
+    """As many gathers as with batching off (test_gather_counts: 13 a step)."""
+    assert pool2.run(_count_full_precision_eval_gathers)[0] == [13, 13]
+
+
 def _in_flight_during_forward(batch_mb: float) -> list[list[int]]:
     """Per block, the blocks whose batched gather is still in flight (issued, not
     yet waited for) while it computes, in the second iteration."""

@@ -64,7 +64,9 @@ def _trained(kind: str, uop: bool, ours: bool, steps: int = 2, **kw: Any) -> tup
 
 
 def _formats_configs() -> list[dict[str, Any]]:
-    return [dict(kind=kind, uop=uop) for kind in ("seq", "tied") for uop in (False, True)]
+    # ("tiny": one unit whose shard is one element, as many as Adam's 0-dim "step")
+    return [dict(kind=kind, uop=uop) for kind in ("seq", "tied") for uop in (False, True)] + [
+        dict(kind="tiny", uop=False)]
 
 
 def _formats_match_torch(configs: list[dict[str, Any]], inject: Injection | None = None) -> list[str]:
@@ -270,3 +272,26 @@ def _load_errors() -> list[str]:
 
 def test_load_errors_list_every_mismatch(pool2: Any) -> None:
     assert pool2.run(_load_errors) == [[], []]
+
+
+def _state_order_is_rank0s() -> list[str]:
+    """Without use_orig_params rank 0's optimizer decides the order of "state"
+    (as torch's FSDP1): with rank 1's optimizer listing the parameters the other
+    way round, every rank's order is the one every rank gets when all list them
+    alike."""
+    orders = []
+    for reverse_on_rank1 in (False, True):
+        model = C.wrap_ours("seq", False)
+        params = list(model.parameters())
+        if reverse_on_rank1 and dist.get_rank() == 1:
+            params = params[::-1]
+        opt = torch.optim.Adam(params, lr=0.01)
+        C.train(model, opt, "seq", range(1))
+        orders.append(list(_osd(model, opt, "FULL_STATE_DICT", offload_to_cpu=False)["state"]))
+    if len(orders[0]) < 2 or orders[1] != orders[0]:
+        return [f"rank {dist.get_rank()}: {orders[1]}, not rank 0's order {orders[0]}"]
+    return []
+
+
+def test_state_order_is_rank0s_optimizer_order(pool2: Any) -> None:
+    assert pool2.run(_state_order_is_rank0s) == [[], []]

@@ -427,3 +427,36 @@ def test_no_shard_keeps_its_views_across_steps_with_use_orig_params(pool2: Any) 
     for rows in pool2.run(_views_kept_across_steps):
         assert rows == [("FULL_SHARD", False, False), ("FULL_SHARD", True, False),
                         ("NO_SHARD", False, False), ("NO_SHARD", True, True)], rows
+
+
+def _grads_set_before_the_first_backward() -> list[str]:
+    """Zero gradients assigned to the (flat) parameters before any backward, as
+    some loops do to allocate them up front, then two backwards (the first under
+    ``no_sync``): the same gradients as without them, on every strategy."""
+    import torch.distributed as dist
+
+    import fsdp_wrap
+
+    fails = []
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+        got = []
+        for preset in (False, True):
+            torch.manual_seed(0)
+            model = fsdp_wrap.FullyShardedDataParallel(
+                nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)),
+                sharding_strategy=fsdp_wrap.ShardingStrategy[strategy])
+            if preset:
+                for p in model.parameters():
+                    p.grad = torch.zeros_like(p)
+            gen = torch.Generator().manual_seed(dist.get_rank())
+            with model.no_sync():
+                model(torch.randn(5, 4, generator=gen)).sum().backward()
+            model(torch.randn(5, 4, generator=gen)).sum().backward()
+            got.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
+        if not all(torch.equal(a, b) for a, b in zip(*got)):
+            fails.append(f"{rank_tag()} {strategy}: the gradients differ")
+    return fails
+
+
+def test_gradients_assigned_before_the_first_backward(pool2: Any) -> None:
+    assert pool2.run(_grads_set_before_the_first_backward) == [[], []]

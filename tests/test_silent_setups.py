@@ -164,7 +164,8 @@ CASES: dict[str, tuple[Callable[[str], str], str, tuple[str, tuple[str, ...]] | 
     "replicas_differ_no_shard": (
         lambda i: _replicas_differ(i, "NO_SHARD"), "ranks differ",
         ("raises", ("the replicas of FSDP unit '<root>'", "hold different parameters at the "
-                    "first forward", "With NO_SHARD", "sync_module_states=True"))),
+                    "first forward", "rank(s) [1] differ from rank 0", "With NO_SHARD",
+                    "sync_module_states=True"))),
     "replicas_differ_hybrid": (
         lambda i: _replicas_differ(i, "HYBRID_SHARD"), "ranks differ",
         ("raises", ("the replicas of FSDP unit '<root>'", "Across the replicas of a hybrid strategy"))),
@@ -298,3 +299,70 @@ def _no_sync_full_shard() -> tuple[str | None, str | None]:
         rec = _record(lambda i: _step_in_no_sync(i, "FULL_SHARD"), impl)
         out.append(rec["error"][1] if rec["error"] else None)
     return out[0], out[1]
+
+
+def _named_in_refusals() -> dict[str, str]:
+    """The details two refusals name: the optimizer built before wrapping (six
+    replaced parameters: five named, then "..."; again once the model is gone,
+    which leaves nothing to name), and a forward through a nested unit left
+    marked as a root (the unit's FQN)."""
+    import gc
+    import weakref
+
+    import fsdp_wrap
+    from fsdp_wrap.wrap import ModuleWrapPolicy
+
+    out: dict[str, str] = {}
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 3))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    model: Any = fsdp_wrap.FullyShardedDataParallel(m)
+    gone = weakref.ref(model)
+
+    def step() -> str:
+        try:
+            opt.step()
+            return "no error"
+        except RuntimeError as e:
+            return str(e)
+
+    out["wrapped"] = step()
+    del model, m
+    gc.collect()
+    out["collected"] = str(gone() is None)
+    out["model gone"] = step()
+    # an optimizer that stepped once before the model was wrapped: its check
+    # looks again once the model is wrapped
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    opt.step()  # (no gradient yet: nothing changes, nothing to refuse)
+    model = fsdp_wrap.FullyShardedDataParallel(m)
+    out["stepped before wrapping"] = step()
+    torch.manual_seed(0)
+    model = fsdp_wrap.FullyShardedDataParallel(
+        nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 3)),
+        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    with torch.no_grad():
+        model(torch.ones(2, 4))  # (the tree set up: unit '0' is not a root)
+    model.module[0]._is_root = True
+    try:
+        model(torch.ones(2, 4))
+        out["stale root"] = "no error"
+    except AttributeError as e:
+        out["stale root"] = str(e)
+    return out
+
+
+def test_refusals_name_what_they_found(pool2: Any) -> None:
+    for rank, got in enumerate(pool2.run(_named_in_refusals)):
+        wrapped = got["wrapped"]
+        assert "holds 6 parameter(s) that FSDP replaced" in wrapped, wrapped
+        # (five named, in the model's order, then "...")
+        assert "('0.weight', '0.bias', '1.weight', '1.bias', '2.weight', ...)" in wrapped, wrapped
+        assert got["collected"] == "True", got  # (else the next case says nothing)
+        assert "holds 6 parameter(s) that FSDP replaced by its flat parameters ()" in \
+            got["model gone"], got
+        assert "holds 4 parameter(s) that FSDP replaced" in got["stepped before wrapping"], got
+        stale = got["stale root"]
+        assert f"[rank {rank}, FSDP unit '0']" in stale and "_is_root=True" in stale, stale

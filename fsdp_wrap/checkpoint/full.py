@@ -146,8 +146,8 @@ def save_full_checkpoint(
     ranks holding a window's elements send exactly those (point to point),
     rank 0 writes the window at its place in the file and reuses the buffer.
     So rank 0 holds its shard plus one window, whatever the size of the units,
-    and every other rank sends its own shard once.  ``max_shard_size`` (bytes)
-    bounds each ``.safetensors`` file.  ``extra_files`` (name -> content) are
+    and every other rank sends its own shard once.  ``max_shard_size`` (bytes,
+    default 5 GiB) bounds each ``.safetensors`` file.  ``extra_files`` (name -> content) are
     written alongside, e.g. ``{"config.json": model.config.to_json_string()}``
     so that ``transformers``' ``from_pretrained(path)`` loads the checkpoint.
     ``on_unit(unit_fqn, done, total)`` is called on every rank after each unit
