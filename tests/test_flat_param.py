@@ -236,6 +236,23 @@ def test_world_size_padding_and_empty_ranks() -> None:
         )
 
 
+def test_load_shard_takes_the_padded_shard_or_its_valid_part() -> None:
+    """``load_shard``: the whole padded shard (a LOCAL_STATE_DICT value) is
+    copied as it is; only the valid elements (what a SHARDED load assembles)
+    fill the shard's front and leave its end padding as it was.  19 elements over 2
+    ranks: rank 1 holds 9 and one padding element."""
+    for rank, valid in ((0, 10), (1, 9)):
+        h = ours_handle(copy.deepcopy(units()["odd_1d"]), rank, 2, "FULL_SHARD", False)
+        assert (h.shard_numel, h.shard_valid_numel) == (10, valid)
+        whole = torch.arange(10, dtype=h.local_shard.dtype) + 100
+        h.load_shard(whole)
+        torch.testing.assert_close(h.local_shard, whole, rtol=0, atol=0)
+        part = torch.arange(valid, dtype=h.local_shard.dtype) - 50
+        h.load_shard(part)
+        torch.testing.assert_close(h.local_shard[:valid], part, rtol=0, atol=0)
+        assert torch.equal(h.local_shard[valid:], whole[valid:]), rank
+
+
 def test_tied_parameter_flattened_once() -> None:
     m = TinyTransformer()
     h = ours_handle(m, 0, 2, "FULL_SHARD", False)
