@@ -96,7 +96,21 @@ def _formats_one(c: dict[str, Any]) -> list[str]:
                               len(set(ptrs)) != len(ptrs) or bool(set(ptrs) & live))
     r0 = _osd(ours, oopt, "FULL_STATE_DICT", rank0_only=True)
     problems += C.problem(f"rank0_only gave {list(r0)}", (r0 == {}) != (dist.get_rank() != 0))
+    a, b = _listed_in_reverse(ours, oopt), _listed_in_reverse(ref, ropt)
+    problems += C.problem(f"{kind} uop={uop} a group listed in reverse: {a} vs {b}", a != b)
     return problems
+
+
+def _listed_in_reverse(model: nn.Module, opt: Any) -> list[list[str]]:
+    """The FQNs of each group of ``optim_state_dict(model, opt, given)`` where
+    ``given`` lists its groups' parameters in reverse: torch names them in the
+    order the given state dict lists them, not the optimizer's."""
+    given = opt.state_dict()
+    given["param_groups"] = [dict(g, params=g["params"][::-1]) for g in given["param_groups"]]
+    mod = _mod(model)
+    with mod.FullyShardedDataParallel.state_dict_type(model, mod.StateDictType.FULL_STATE_DICT):
+        osd = mod.FullyShardedDataParallel.optim_state_dict(model, opt, given)
+    return [list(g["params"]) for g in osd["param_groups"]]
 
 
 def test_formats_match_torch(pool2: Any) -> None:
