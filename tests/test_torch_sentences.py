@@ -108,8 +108,10 @@ SENTENCES: dict[str, list[str]] = {
         'reshard_after_forward should be a bool, got',
     ],
     "runtime/grad_norm.py": [
-        'Called FSDP.clip_grad_norm_() on rank',
         '`clip_grad_norm_()` should only be called on the root FSDP instance',
+    ],
+    "runtime/grad_norm_two_d.py": [  # (scale_to_norm, which both norms end in)
+        'Called FSDP.clip_grad_norm_() on rank',
         'with no gradients -- returning the total norm in the default dtype',
     ],
     "runtime/hooks.py": [

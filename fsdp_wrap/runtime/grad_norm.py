@@ -10,7 +10,6 @@ as torch counts them.
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -18,7 +17,7 @@ import torch.nn as nn
 
 import fsdp_wrap.comm.collectives as C
 from fsdp_wrap.runtime.accumulation import warn_if_partial
-from fsdp_wrap.runtime.grad_norm_two_d import clip_two_d, tp_group_of
+from fsdp_wrap.runtime.grad_norm_two_d import clip_two_d, scale_to_norm, tp_group_of
 from fsdp_wrap.runtime.state import TrainingState, UnitState, expect_state
 from fsdp_wrap.runtime.tree import lazy_init
 
@@ -69,20 +68,8 @@ def clip_grad_norm(state: UnitState, max_norm: float | int,
         if local_non is not None:
             total += local_non**norm_type
         total = total ** (1.0 / norm_type)
-    clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in all_grads:
-        g.mul_(clip_coef.to(g.device, g.dtype))
-    if not all_grads:
-        warnings.warn(
-            f"Called FSDP.clip_grad_norm_() on rank {state.rank} with no gradients -- "
-            "returning the total norm in the default dtype torch.float32",
-            stacklevel=4,  # (the façade's method, torch's no_grad wrapper, the caller)
-        )
-        return total
-    dtype = all_grads[0].dtype
-    for g in all_grads[1:]:
-        dtype = torch.promote_types(dtype, g.dtype)
-    return total.to(dtype)
+    # (5: scale_to_norm, this, the façade, torch's no_grad wrapper, the caller)
+    return scale_to_norm(state.rank, all_grads, max_norm, total, stacklevel=5)
 
 
 def _grad_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:

@@ -72,7 +72,9 @@ def clip_two_d(root: UnitState, max_norm: float, norm_type: float, tp_group: Any
         dp_part = tp_parts[0] + norms[(True, False)] ** norm_type
         C.all_reduce(dp_part, root.process_group)
         total = (dp_part + tp_parts[1] + norms[(False, False)] ** norm_type) ** (1.0 / norm_type)
-    return _scale(root, [g for grads in parts.values() for g in grads], max_norm, total)
+    # (6: scale_to_norm, this, clip_grad_norm, the façade, torch's no_grad wrapper, the caller)
+    return scale_to_norm(root.rank, [g for grads in parts.values() for g in grads], max_norm,
+                         total, stacklevel=6)
 
 
 def grads_by_tp(handle: FlatParamHandle) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -105,16 +107,20 @@ def grads_by_tp(handle: FlatParamHandle) -> tuple[list[torch.Tensor], list[torch
     return sharded, rest
 
 
-def _scale(root: UnitState, all_grads: list[torch.Tensor], max_norm: float,
-           total: torch.Tensor) -> torch.Tensor:
+def scale_to_norm(rank: int, all_grads: list[torch.Tensor], max_norm: float,
+                  total: torch.Tensor, stacklevel: int) -> torch.Tensor:
+    """Scale ``all_grads`` by ``max_norm / total`` (at most 1); the total norm
+    in the gradients' promoted dtype, as torch returns it (with torch's warning
+    where this rank has no gradient).  ``stacklevel`` points the warning at the
+    caller of ``FullyShardedDataParallel.clip_grad_norm_``."""
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in all_grads:
         g.mul_(clip_coef.to(g.device, g.dtype))
     if not all_grads:
         warnings.warn(
-            f"Called FSDP.clip_grad_norm_() on rank {root.rank} with no gradients -- "
+            f"Called FSDP.clip_grad_norm_() on rank {rank} with no gradients -- "
             "returning the total norm in the default dtype torch.float32",
-            stacklevel=6,  # (the caller of FullyShardedDataParallel.clip_grad_norm_)
+            stacklevel=stacklevel,
         )
         return total
     dtype = all_grads[0].dtype

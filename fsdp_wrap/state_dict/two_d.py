@@ -23,7 +23,7 @@ formats here are that one's, value for value:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -163,11 +163,11 @@ def applies(state: UnitState) -> bool:
     return is_two_d(state) or has_dtensor_params(state)
 
 
-def incoming_model_values(state: UnitState, state_dict: dict[str, Any], wrapped: str) -> None:
-    """A model state dict being loaded (FULL, or SHARDED in 2-D), in place:
-    the unit's parameter values as their gathered local tensors, which the
-    FULL load then cuts into the shards.  Parameters in order (a collective
-    where a DTensor must move)."""
+def _present_keys(state: UnitState, state_dict: dict[str, Any], wrapped: str
+                  ) -> Iterator[tuple[Any, str]]:
+    """``(info, key)`` for each of the unit's parameters in order and each name
+    it goes by (shared names after the parameter they name), where
+    ``state_dict`` holds that key."""
     from fsdp_wrap.runtime.names import clean_fqn
 
     for h in state._handles:
@@ -176,7 +176,16 @@ def incoming_model_values(state: UnitState, state_dict: dict[str, Any], wrapped:
             keys += [wrapped + clean_fqn(s.fqn) for s in h.shared if h.infos[s.index] is info]
             for key in keys:
                 if key in state_dict:
-                    state_dict[key] = to_full_local(state_dict[key], info.spec, state)
+                    yield info, key
+
+
+def incoming_model_values(state: UnitState, state_dict: dict[str, Any], wrapped: str) -> None:
+    """A model state dict being loaded (FULL, or SHARDED in 2-D), in place:
+    the unit's parameter values as their gathered local tensors, which the
+    FULL load then cuts into the shards.  Parameters in order (a collective
+    where a DTensor must move)."""
+    for info, key in _present_keys(state, state_dict, wrapped):
+        state_dict[key] = to_full_local(state_dict[key], info.spec, state)
 
 
 def outgoing_sharded_values(state: UnitState, state_dict: dict[str, Any], wrapped: str,
@@ -184,14 +193,7 @@ def outgoing_sharded_values(state: UnitState, state_dict: dict[str, Any], wrappe
     """SHARDED save in 2-D, in place: the unit's registered (gathered) values
     become torch's root-mesh DTensors.  Parameters in order, shared names
     after the parameter they name."""
-    from fsdp_wrap.runtime.names import clean_fqn
-
-    for h in state._handles:
-        for info in h.infos:
-            keys = [wrapped + clean_fqn(info.fqn)]
-            keys += [wrapped + clean_fqn(s.fqn) for s in h.shared if h.infos[s.index] is info]
-            for key in keys:
-                if key in state_dict:
-                    value = state_dict[key]
-                    local = value.to_local() if is_dtensor(value) else value
-                    state_dict[key] = to_sharded(local, info.spec, state, offload_to_cpu)
+    for info, key in _present_keys(state, state_dict, wrapped):
+        value = state_dict[key]
+        local = value.to_local() if is_dtensor(value) else value
+        state_dict[key] = to_sharded(local, info.spec, state, offload_to_cpu)
